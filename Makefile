@@ -1,0 +1,35 @@
+# `make serve` and `make test` each build .venv from nothing when it is missing
+# or out of date; everything they need is installed here.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+COMPAT_VENV ?= .venv-compat
+PORT ?= 8000
+HOST ?= 127.0.0.1
+SCRATCH ?= $(or $(TMPDIR),/tmp)/qarray-serve
+
+.PHONY: setup test lint serve bench test-compat clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml tesseract_requirements.txt scripts/install.sh
+	@test -x $(PY) || { python=$$(scripts/find_python.sh) && "$$python" -m venv $(VENV); }
+	scripts/install.sh $(PY) dev
+	@touch $@
+
+test: setup
+	$(PY) -m pytest
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check qarray
+
+# the qarray tests on jax 0.11.2 (what the lent GPU machines carry); not in CI
+test-compat:
+	@test -x $(COMPAT_VENV)/bin/python || { python=$$(scripts/find_python.sh) && "$$python" -m venv $(COMPAT_VENV); }
+	$(COMPAT_VENV)/bin/python -m pip install -q --disable-pip-version-check "jax==0.11.2" "equinox==0.13.8" "numpy==2.5.4" "pytest==9.2.0"
+	$(COMPAT_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+	$(COMPAT_VENV)/bin/python -m pytest tests/qarray
+
+clean:
+	rm -rf $(VENV) $(COMPAT_VENV)

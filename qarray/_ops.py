@@ -1,0 +1,305 @@
+"""The QArray primitives: quantize, dequantize and matmul_q.
+
+Each primitive computes its output type (shape, sharding, varying manual axes)
+in ``__init__``, which is where operand errors surface: at trace time. The
+implementation lives in ``expand``; every other rule is traced code and reaches
+QArray contents only through primitives.
+
+Gradients are straight-through: quantize and dequantize are the identity for
+tangents and cotangents, and matmul_q differentiates like ``x @ dequantize(qw)``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.hijax import (
+    HiPrim,
+    ShapedArray,
+    Zero,
+    instantiate_zeros,
+    linearize_from_jvp,
+)
+from jax.sharding import AxisType
+
+from . import _kernels
+from ._qarray import FLOAT32, QArray, QArraySpec, QArrayTy, full_spec, with_spec
+
+ACTIVATIONS = ("float32", "int8")
+
+
+def type_str(aval) -> str:
+    """Short type string for error messages: ``f32[2,3]``, ``q8[4,5]``."""
+    if isinstance(aval, QArrayTy):
+        return aval.str_short()
+    if hasattr(aval, "str_short"):
+        return aval.str_short(short_dtypes=True)
+    return repr(aval)
+
+
+def _require_float32(name: str, what: str, aval, min_rank: int) -> None:
+    if not isinstance(aval, ShapedArray) or aval.dtype != FLOAT32:
+        raise TypeError(
+            f"{name} requires {what} to be a float32 array, got {type_str(aval)}."
+        )
+    if aval.ndim < min_rank:
+        raise TypeError(
+            f"{name} requires {what} of rank >= {min_rank}, got {type_str(aval)}."
+        )
+
+
+def _require_qarray(name: str, what: str, aval) -> None:
+    if not isinstance(aval, QArrayTy):
+        raise TypeError(
+            f"{name} requires {what} to be a QArray (q8), got {type_str(aval)}."
+        )
+
+
+def _union_mat(a, b):
+    """Manual-axis type varying over the axes of both ``a`` and ``b``."""
+    if b.varying <= a.varying:
+        return a
+    return a.update(varying=a.varying | b.varying)
+
+
+def _explicit_spec(aval):
+    """``aval``'s partition spec if its mesh has explicit axes, else None.
+
+    Passed as ``out_sharding`` to contractions whose result sharding explicit
+    mode cannot infer; in manual (shard_map) or unsharded code it is not needed.
+    """
+    mesh = aval.sharding.mesh
+    if any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+        return jax.P(*full_spec(aval.sharding, aval.ndim))
+    return None
+
+
+def _sum_to_type(ct, aval):
+    """Sum ``ct`` over the manual axes it varies over but ``aval`` does not.
+
+    In the forward pass JAX broadcast the invariant operand across those axes
+    (an implicit ``pvary``); the transpose of that broadcast is a ``psum``.
+    """
+    extra = jax.typeof(ct).manual_axis_type.varying - aval.manual_axis_type.varying
+    if not extra:
+        return ct
+    mesh_names = aval.sharding.mesh.axis_names
+    ordered = tuple(n for n in mesh_names if n in extra) + tuple(
+        sorted(n for n in extra if n not in mesh_names)
+    )
+    return lax.psum(ct, ordered)
+
+
+def _same_tangent(tangent, out_aval):
+    """A straight-through tangent, re-typed as ``out_aval``'s tangent."""
+    if isinstance(tangent, Zero):
+        return Zero(out_aval.to_tangent_aval())
+    return tangent
+
+
+class Quantize(HiPrim):
+    """f32[..., n] -> q8[..., n]: symmetric per-row absmax int8 quantization."""
+
+    def __init__(self, x_aval):
+        _require_float32("quantize", "x", x_aval, min_rank=1)
+        self.in_avals = (x_aval,)
+        self.out_aval = QArrayTy.like(x_aval)
+        self.params = {}
+        super().__init__()
+
+    def expand(self, x):
+        return QArray(*_kernels.quantize_rows(x))
+
+    # straight-through estimator: the identity for tangents and cotangents
+    def jvp(self, primals, tangents):
+        (x,), (tx,) = primals, tangents
+        return self(x), _same_tangent(tx, self.out_aval)
+
+    lin, linearized = linearize_from_jvp
+
+    def vjp_fwd(self, nzs_in, x):
+        return self(x), None
+
+    def vjp_bwd_retval(self, _res, g):
+        return (instantiate_zeros(g),)
+
+    def batch(self, axis_data, args, dims):
+        (x,), (d,) = args, dims
+        if d is None:
+            return quantize(x), None
+        # per-row quantization acts on the last axis of each element, which
+        # stays last once the batch axis is moved to the front
+        return quantize(jnp.moveaxis(x, d, 0)), QArraySpec()
+
+
+class Dequantize(HiPrim):
+    """q8[..., n] -> f32[..., n]: ``qvalue * scale[..., None]``."""
+
+    def __init__(self, q_aval):
+        _require_qarray("dequantize", "q", q_aval)
+        self.in_avals = (q_aval,)
+        self.out_aval = q_aval.to_tangent_aval()
+        self.params = {}
+        super().__init__()
+
+    def expand(self, q):
+        return _kernels.dequantize_rows(q.qvalue, q.scale)
+
+    # straight-through estimator: the identity for tangents and cotangents
+    def jvp(self, primals, tangents):
+        (q,), (tq,) = primals, tangents
+        return self(q), _same_tangent(tq, self.out_aval)
+
+    lin, linearized = linearize_from_jvp
+
+    def vjp_fwd(self, nzs_in, q):
+        return self(q), None
+
+    def vjp_bwd_retval(self, _res, g):
+        return (instantiate_zeros(g),)
+
+    def batch(self, axis_data, args, dims):
+        (q,), (d,) = args, dims
+        if d is None:
+            return dequantize(q), None
+        return dequantize(q), 0
+
+
+class MatmulQ(HiPrim):
+    """f32[..., k] @ q8[k, n] -> f32[..., n].
+
+    ``activations="float32"`` (weight-only): the per-row weight scales fold into
+    ``x`` and the product runs against the int8 payload. ``activations="int8"``:
+    ``x * scale`` is also quantized per row and the product is int8 x int8 with
+    int32 accumulation. Either way the derivatives are those of the dense
+    product ``x @ dequantize(qw)`` (straight-through).
+    """
+
+    def __init__(self, x_aval, qw_aval, activations="float32"):
+        if activations not in ACTIVATIONS:
+            raise ValueError(
+                f"matmul_q requires activations in {ACTIVATIONS}, got {activations!r}."
+            )
+        _require_float32("matmul_q", "x", x_aval, min_rank=1)
+        _require_qarray("matmul_q", "qw", qw_aval)
+        operands = f"{type_str(x_aval)} @ {type_str(qw_aval)}"
+        if qw_aval.ndim != 2:
+            raise TypeError(f"matmul_q requires qw of rank 2, got {operands}.")
+        if x_aval.shape[-1] != qw_aval.shape[0]:
+            raise TypeError(
+                f"matmul_q requires x.shape[-1] == qw.shape[0], got {operands}."
+            )
+        x_spec = full_spec(x_aval.sharding, x_aval.ndim)
+        if x_spec[-1] is not None or qw_aval.spec[0] is not None:
+            raise TypeError(
+                "matmul_q requires an unsharded contraction axis (x's last, qw's "
+                f"first), got {operands}."
+            )
+        out_spec = (*x_spec[:-1], qw_aval.spec[1])
+        named = [n for p in out_spec if p is not None
+                 for n in (p if isinstance(p, tuple) else (p,))]
+        if len(named) != len(set(named)):
+            raise TypeError(
+                "matmul_q cannot shard x's rows and qw's columns over the same "
+                f"mesh axis, got {operands}."
+            )
+        sharding = x_aval.sharding if x_aval.sharding.mesh.axis_names else (
+            qw_aval.sharding)
+        self.in_avals = (x_aval, qw_aval)
+        self.out_aval = ShapedArray(
+            (*x_aval.shape[:-1], qw_aval.shape[1]),
+            FLOAT32,
+            sharding=with_spec(sharding, out_spec),
+            manual_axis_type=_union_mat(x_aval.manual_axis_type, qw_aval.mat),
+        )
+        self.params = {"activations": activations}
+        super().__init__()
+
+    def expand(self, x, qw):
+        if self.activations == "int8":
+            return _kernels.matmul_int8_activations(x, qw.qvalue, qw.scale)
+        return _kernels.matmul_weight_only(x, qw.qvalue, qw.scale)
+
+    # d(x @ W) = dx @ W + x @ dW, with W = dequantize(qw)
+    def jvp(self, primals, tangents):
+        (x, qw), (tx, tw) = primals, tangents
+        y = self(x, qw)
+        terms = []
+        if not isinstance(tx, Zero):
+            terms.append(jnp.matmul(tx, dequantize(qw)))
+        if not isinstance(tw, Zero):
+            terms.append(jnp.matmul(x, tw))
+        if not terms:
+            return y, Zero(self.out_aval.to_tangent_aval())
+        return y, sum(terms[1:], terms[0])
+
+    lin, linearized = linearize_from_jvp
+
+    def vjp_fwd(self, nzs_in, x, qw):
+        needs_x, needs_qw = nzs_in
+        # keep only what the wanted cotangents read: x's needs W, qw's needs x
+        return self(x, qw), (x if needs_qw else None, qw if needs_x else None)
+
+    def vjp_bwd_retval(self, res, g):
+        x, qw = res
+        g = instantiate_zeros(g)
+        x_aval, qw_aval = self.in_avals
+        ct_x = ct_qw = None
+        if qw is not None:
+            # g[..., n] . W[k, n] over n -> [..., k]
+            ct_x = lax.dot_general(
+                g, dequantize(qw), (((g.ndim - 1,), (1,)), ((), ())),
+                out_sharding=_explicit_spec(x_aval))
+            ct_x = _sum_to_type(ct_x, x_aval)
+        if x is not None:
+            # x[..., k] . g[..., n] over the leading axes -> [k, n]; an outer
+            # product when x is a vector. Cotangents live where primals live.
+            lead = tuple(range(x.ndim - 1))
+            ct_qw = lax.dot_general(
+                x, g, ((lead, lead), ((), ())),
+                out_sharding=_explicit_spec(qw_aval.to_tangent_aval()))
+            ct_qw = _sum_to_type(ct_qw, qw_aval.to_tangent_aval())
+        return ct_x, ct_qw
+
+    def batch(self, axis_data, args, dims):
+        (x, qw), (dx, dq) = args, dims
+        if dq is None:
+            if dx is None:
+                return self(x, qw), None
+            # matmul_q takes any number of leading axes on x
+            return matmul_q(jnp.moveaxis(x, dx, 0), qw, self.activations), 0
+        # one weight matrix per example: loop over the stacked QArray, which
+        # keeps each example's exact numerics (and every rule) intact
+        if dx is None:
+            body = lambda _, q: (None, matmul_q(x, q, self.activations))  # noqa: E731
+            xs = qw
+        else:
+            body = lambda _, xq: (None, matmul_q(*xq, self.activations))  # noqa: E731
+            xs = (jnp.moveaxis(x, dx, 0), qw)
+        _, ys = lax.scan(body, None, xs, length=axis_data.size)
+        return ys, 0
+
+
+def quantize(x):
+    """Quantize f32[..., n] to a q8[..., n] QArray, one scale per row.
+
+    ``scale = max|row| / 127``, ``qvalue = round_half_even(x / scale)`` clipped
+    to [-127, 127]; an all-zero row gives scale 0 and qvalue 0.
+    """
+    return Quantize(jax.typeof(x))(x)
+
+
+def dequantize(q):
+    """q8[..., n] -> f32[..., n]: ``qvalue * scale[..., None]``."""
+    return Dequantize(jax.typeof(q))(q)
+
+
+def matmul_q(x, qw, activations="float32"):
+    """f32[..., k] @ q8[k, n] -> f32[..., n]; ``x`` may be a vector.
+
+    ``activations``: ``"float32"`` (weight-only, default) or ``"int8"`` (``x``
+    is quantized per row too, for an int8 x int8 product). Derivatives are
+    those of ``x @ dequantize(qw)`` in both cases.
+    """
+    return MatmulQ(jax.typeof(x), jax.typeof(qw), activations)(x, qw)

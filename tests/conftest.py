@@ -1,0 +1,25 @@
+"""Test set-up shared by every test: 8 CPU devices, strict numerics."""
+
+import os
+
+# must precede the first jax import: the sharding tests need an 8-device mesh
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_enable_x64", False)
+
+
+@pytest.fixture
+def rng():
+    """A fresh, seeded NumPy generator per test."""
+    return np.random.default_rng(0)
+
+
+def pytest_configure(config):
+    assert len(jax.devices()) == 8, "tests/conftest.py must run before jax starts"

@@ -1,0 +1,169 @@
+"""Values of quantize / dequantize / matmul_q against the NumPy reference, and
+the trace-time errors each primitive raises."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qarray as qa
+from tests import reference as ref
+
+
+def normal(rng, shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+@pytest.mark.parametrize("shape", [(7,), (2, 3), (4, 5, 33), (3, 1)])
+@pytest.mark.parametrize("jit", [False, True])
+def test_quantize_matches_reference(rng, shape, jit):
+    x = normal(rng, shape, scale=3.0)
+    quantize = jax.jit(qa.quantize) if jit else qa.quantize
+    q = quantize(jnp.asarray(x))
+    assert q.qvalue.dtype == np.int8 and q.scale.dtype == np.float32
+    assert q.scale.shape == shape[:-1]
+    assert_quantized_like_reference(x, q)
+
+
+def assert_quantized_like_reference(x, q):
+    """qvalue and scale as the reference gives them, up to XLA:CPU's division.
+
+    XLA:CPU divides float32 to within 1 ulp (not always correctly rounded), so
+    the scale may be 1 ulp off and a qvalue may differ by 1 where x / scale is
+    within a few ulp of a rounding tie; everywhere else they are equal.
+    """
+    want_q, want_s = ref.quantize(x)
+    np.testing.assert_allclose(np.asarray(q.scale), want_s, rtol=1.2e-7, atol=0)
+    ratio = x / np.where(want_s > 0, want_s, 1)[..., None]
+    near_tie = np.abs(np.abs(ratio - np.floor(ratio)) - 0.5) < 1e-5 * np.abs(ratio)
+    diff = np.asarray(q.qvalue).astype(np.int32) - want_q
+    assert np.all(np.abs(diff) <= 1)
+    assert np.all(diff[~near_tie] == 0)
+
+
+def test_round_half_to_even_and_clip():
+    # max |row| = 127 gives scale exactly 1, so x / scale is exact
+    row = np.array([[0.5, 1.5, 2.5, -0.5, -2.5, 126.5, -127.0, 127.0]], np.float32)
+    q = qa.quantize(jnp.asarray(row))
+    np.testing.assert_array_equal(np.asarray(q.scale), [1.0])
+    np.testing.assert_array_equal(
+        np.asarray(q.qvalue), [[0, 2, 2, 0, -2, 126, -127, 127]]
+    )
+
+
+def test_all_zero_rows_give_zero_and_no_nan():
+    x = np.zeros((3, 4), np.float32)
+    x[1] = [1.0, -2.0, 0.0, 4.0]
+    q = jax.jit(qa.quantize)(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(q.qvalue)[[0, 2]], 0)
+    np.testing.assert_array_equal(np.asarray(q.scale)[[0, 2]], 0.0)
+    back = np.asarray(qa.dequantize(q))
+    assert np.isfinite(back).all()
+    np.testing.assert_array_equal(back[[0, 2]], 0.0)
+    np.testing.assert_allclose(back[1], ref.roundtrip(x)[1])
+
+
+def test_qvalues_stay_in_symmetric_range(rng):
+    x = normal(rng, (64, 128), scale=1e3)
+    q = np.asarray(qa.quantize(jnp.asarray(x)).qvalue)
+    assert q.min() >= -127 and q.max() <= 127
+    # the absmax of every row maps to +-127 exactly
+    np.testing.assert_array_equal(np.abs(q).max(axis=-1), 127)
+
+
+@pytest.mark.parametrize("shape", [(5,), (2, 3), (2, 3, 4)])
+def test_dequantize_matches_reference(rng, shape):
+    x = normal(rng, shape)
+    q = qa.quantize(jnp.asarray(x))
+    got = jax.jit(qa.dequantize)(q)
+    np.testing.assert_array_equal(
+        np.asarray(got), ref.dequantize(np.asarray(q.qvalue), np.asarray(q.scale))
+    )
+    np.testing.assert_allclose(np.asarray(got), ref.roundtrip(x), rtol=1e-6)
+
+
+def test_roundtrip_error_is_half_a_step(rng):
+    x = normal(rng, (16, 256))
+    back = np.asarray(qa.dequantize(qa.quantize(jnp.asarray(x))))
+    step = np.abs(x).max(axis=-1, keepdims=True) / 127
+    assert np.all(np.abs(back - x) <= 0.5 * step * (1 + 1e-5))
+
+
+@pytest.mark.parametrize("x_shape", [(6,), (3, 6), (2, 3, 6)])
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_matmul_q_matches_reference(rng, x_shape, activations, jit):
+    x, w = normal(rng, x_shape), normal(rng, (6, 5))
+    qw = qa.quantize(jnp.asarray(w))
+    matmul = jax.jit(qa.matmul_q, static_argnums=2) if jit else qa.matmul_q
+    y = matmul(jnp.asarray(x), qw, activations)
+    assert y.shape == (*x_shape[:-1], 5) and y.dtype == np.float32
+    want = ref.matmul_q(x, *ref.quantize(w), activations=activations)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=2e-5, atol=2e-5)
+
+
+def test_int8_activations_are_close_to_dense(rng):
+    x, w = normal(rng, (32, 256)), normal(rng, (256, 64))
+    qw = qa.quantize(jnp.asarray(w))
+    y8 = np.asarray(qa.matmul_q(jnp.asarray(x), qw, "int8"))
+    dense = x.astype(np.float64) @ w
+    rel = np.linalg.norm(y8 - dense) / np.linalg.norm(dense)
+    assert rel < 1.25e-2
+
+
+def test_quantized_array_is_one_value_in_jaxprs():
+    x = jnp.ones((2, 3), jnp.float32)
+    jaxpr = str(jax.make_jaxpr(lambda x: qa.dequantize(qa.quantize(x)))(x))
+    assert "q8[2,3] = Quantize" in jaxpr and "Dequantize" in jaxpr
+    jaxpr = str(jax.make_jaxpr(qa.matmul_q)(x, qa.quantize(jnp.ones((3, 4)))))
+    assert "b:q8[3,4]" in jaxpr and "f32[2,4] = MatmulQ[activations=float32] a b" in (
+        jaxpr
+    )
+
+
+def test_typeof_prints_q8():
+    assert str(jax.typeof(qa.quantize(jnp.ones((2, 3), "float32")))) == "q8[2,3]"
+
+
+def test_qarray_in_and_out_of_jit(rng):
+    x = normal(rng, (2, 3))
+    q = jax.jit(qa.quantize)(jnp.asarray(x))
+    assert isinstance(q, qa.QArray) and str(jax.typeof(q)) == "q8[2,3]"
+    assert_quantized_like_reference(x, q)
+    np.testing.assert_allclose(
+        np.asarray(jax.jit(qa.dequantize)(q)), ref.roundtrip(x), rtol=1e-6
+    )
+
+
+# --- errors, raised while tracing by the primitives' typing rules
+
+ERRORS = [
+    (lambda: qa.quantize(jnp.ones((2, 3), jnp.int32)), TypeError,
+     "quantize requires x to be a float32 array, got i32[2,3]."),
+    (lambda: qa.quantize(jnp.ones((2, 3), jnp.bfloat16)), TypeError,
+     "quantize requires x to be a float32 array, got bf16[2,3]."),
+    (lambda: qa.quantize(jnp.float32(1.0)), TypeError,
+     "quantize requires x of rank >= 1, got f32[]."),
+    (lambda: qa.dequantize(jnp.ones((2, 3))), TypeError,
+     "dequantize requires q to be a QArray (q8), got f32[2,3]."),
+    (lambda: qa.matmul_q(jnp.ones((2, 3)), qa.quantize(jnp.ones((4, 5)))), TypeError,
+     "matmul_q requires x.shape[-1] == qw.shape[0], got f32[2,3] @ q8[4,5]."),
+    (lambda: qa.matmul_q(jnp.ones((2, 3)), jnp.ones((3, 5))), TypeError,
+     "matmul_q requires qw to be a QArray (q8), got f32[3,5]."),
+    (lambda: qa.matmul_q(jnp.ones((2, 3), jnp.int8), qa.quantize(jnp.ones((3, 5)))),
+     TypeError, "matmul_q requires x to be a float32 array, got i8[2,3]."),
+    (lambda: qa.matmul_q(jnp.ones((2, 3)), qa.quantize(jnp.ones((2, 3, 5)))),
+     TypeError, "matmul_q requires qw of rank 2, got f32[2,3] @ q8[2,3,5]."),
+    (lambda: qa.matmul_q(jnp.ones((2, 3)), qa.quantize(jnp.ones((3, 5))), "int4"),
+     ValueError, "matmul_q requires activations in ('float32', 'int8'), got 'int4'."),
+]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize(("call", "error", "message"), ERRORS)
+def test_errors_at_trace_time(call, error, message, jit):
+    run = (lambda: jax.jit(call).trace()) if jit else call
+    with pytest.raises(error, match=re.escape(message)):
+        run()
