@@ -22,7 +22,7 @@ test: setup
 
 lint: setup
 	$(PY) -m ruff check .
-	$(PY) -m ruff format --check qarray
+	$(PY) -m ruff format --check .
 
 # the qarray tests on jax 0.11.2 (what the lent GPU machines carry); not in CI
 test-compat:

@@ -39,8 +39,9 @@ def dequantize_rows(qvalue, scale):
 def _contract_last_first(lhs, rhs, preferred_element_type=None):
     """lhs[..., k] . rhs[k, n] -> [..., n]."""
     dims = (((lhs.ndim - 1,), (0,)), ((), ()))
-    return lax.dot_general(lhs, rhs, dims,
-                           preferred_element_type=preferred_element_type)
+    return lax.dot_general(
+        lhs, rhs, dims, preferred_element_type=preferred_element_type
+    )
 
 
 def matmul_weight_only(x, qvalue, scale):

@@ -197,15 +197,20 @@ class MatmulQ(HiPrim):
                 f"first), got {operands}."
             )
         out_spec = (*x_spec[:-1], qw_aval.spec[1])
-        named = [n for p in out_spec if p is not None
-                 for n in (p if isinstance(p, tuple) else (p,))]
+        named = [
+            n
+            for p in out_spec
+            if p is not None
+            for n in (p if isinstance(p, tuple) else (p,))
+        ]
         if len(named) != len(set(named)):
             raise TypeError(
                 "matmul_q cannot shard x's rows and qw's columns over the same "
                 f"mesh axis, got {operands}."
             )
-        sharding = x_aval.sharding if x_aval.sharding.mesh.axis_names else (
-            qw_aval.sharding)
+        sharding = (
+            x_aval.sharding if x_aval.sharding.mesh.axis_names else (qw_aval.sharding)
+        )
         self.in_avals = (x_aval, qw_aval)
         self.out_aval = ShapedArray(
             (*x_aval.shape[:-1], qw_aval.shape[1]),
@@ -249,16 +254,22 @@ class MatmulQ(HiPrim):
         if qw is not None:
             # g[..., n] . W[k, n] over n -> [..., k]
             ct_x = lax.dot_general(
-                g, dequantize(qw), (((g.ndim - 1,), (1,)), ((), ())),
-                out_sharding=_explicit_spec(x_aval))
+                g,
+                dequantize(qw),
+                (((g.ndim - 1,), (1,)), ((), ())),
+                out_sharding=_explicit_spec(x_aval),
+            )
             ct_x = _sum_to_type(ct_x, x_aval)
         if x is not None:
             # x[..., k] . g[..., n] over the leading axes -> [k, n]; an outer
             # product when x is a vector. Cotangents live where primals live.
             lead = tuple(range(x.ndim - 1))
             ct_qw = lax.dot_general(
-                x, g, ((lead, lead), ((), ())),
-                out_sharding=_explicit_spec(qw_aval.to_tangent_aval()))
+                x,
+                g,
+                ((lead, lead), ((), ())),
+                out_sharding=_explicit_spec(qw_aval.to_tangent_aval()),
+            )
             ct_qw = _sum_to_type(ct_qw, qw_aval.to_tangent_aval())
         return ct_x, ct_qw
 

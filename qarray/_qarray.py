@@ -95,7 +95,7 @@ class QArrayP(HiPspec):
     ``qvalue`` is never split.
     """
 
-    spec: jax.P = jax.P()
+    spec: jax.P
 
     def to_lo(self):
         return (self.spec, self.spec)
@@ -184,13 +184,15 @@ class QArrayTy(HiType):
                 f"cannot map over a leading axis of size {size} of {self}: a "
                 "mapped QArray needs rank >= 2 and a leading axis of that size."
             )
-        return QArrayTy(self.shape[1:], with_spec(self.sharding, self.spec[1:]),
-                        self.mat)
+        return QArrayTy(
+            self.shape[1:], with_spec(self.sharding, self.spec[1:]), self.mat
+        )
 
     def inc_rank(self, size, spec):
         _check_mapping_spec(spec)
-        return QArrayTy((size, *self.shape),
-                        with_spec(self.sharding, (None, *self.spec)), self.mat)
+        return QArrayTy(
+            (size, *self.shape), with_spec(self.sharding, (None, *self.spec)), self.mat
+        )
 
     def leading_axis_spec(self):
         return QArraySpec()

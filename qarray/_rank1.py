@@ -55,8 +55,10 @@ class Rank1Ty(HiType):
 
     def str_short(self, short_dtypes=False, mesh_axis_types=False):
         del short_dtypes, mesh_axis_types
-        dims = [str(d) if p is None else f"{d}@{p}"
-                for d, p in zip(self.shape, full_spec(self.sharding, 2), strict=True)]
+        dims = [
+            str(d) if p is None else f"{d}@{p}"
+            for d, p in zip(self.shape, full_spec(self.sharding, 2), strict=True)
+        ]
         return f"r1[{','.join(dims)}]"
 
     __repr__ = str_short
@@ -91,8 +93,9 @@ class Outer(HiPrim):
         _require_vector("outer", "col", col_aval)
         _require_vector("outer", "row", row_aval)
         self.in_avals = (col_aval, row_aval)
-        self.out_aval = Rank1Ty((col_aval.shape[0], row_aval.shape[0]),
-                                _dense_sharding(col_aval, row_aval))
+        self.out_aval = Rank1Ty(
+            (col_aval.shape[0], row_aval.shape[0]), _dense_sharding(col_aval, row_aval)
+        )
         self.params = {}
         super().__init__()
 
@@ -130,8 +133,12 @@ class MatmulR1(HiPrim):
             raise TypeError(
                 f"matmul_r1 requires r1 to be a Rank1 (r1), got {type_str(r1_aval)}."
             )
-        if not (isinstance(x_aval, ShapedArray) and x_aval.dtype == FLOAT32
-                and x_aval.ndim == 2 and x_aval.shape[1] == r1_aval.shape[0]):
+        if not (
+            isinstance(x_aval, ShapedArray)
+            and x_aval.dtype == FLOAT32
+            and x_aval.ndim == 2
+            and x_aval.shape[1] == r1_aval.shape[0]
+        ):
             raise TypeError(
                 "matmul_r1 requires a float32 matrix x with x.shape[1] == "
                 f"r1.shape[0], got {type_str(x_aval)} @ {type_str(r1_aval)}."
@@ -139,8 +146,10 @@ class MatmulR1(HiPrim):
         x_spec, r1_spec = full_spec(x_aval.sharding, 2), full_spec(r1_aval.sharding, 2)
         self.in_avals = (x_aval, r1_aval)
         self.out_aval = ShapedArray(
-            (x_aval.shape[0], r1_aval.shape[1]), FLOAT32,
-            sharding=with_spec(x_aval.sharding, (x_spec[0], r1_spec[1])))
+            (x_aval.shape[0], r1_aval.shape[1]),
+            FLOAT32,
+            sharding=with_spec(x_aval.sharding, (x_spec[0], r1_spec[1])),
+        )
         self.params = {}
         super().__init__()
 

@@ -38,14 +38,17 @@ class TupTy(HiType):
         return [lo for ty in self.tys for lo in ty.lo_ty()]
 
     def lower_val(self, tup):
-        return [lo for ty, elt in zip(self.tys, tup.elts, strict=True)
-                for lo in ty.lower_val(elt)]
+        return [
+            lo
+            for ty, elt in zip(self.tys, tup.elts, strict=True)
+            for lo in ty.lower_val(elt)
+        ]
 
     def raise_val(self, *los):
         elts, start = [], 0
         for ty in self.tys:
             width = len(ty.lo_ty())
-            elts.append(ty.raise_val(*los[start:start + width]))
+            elts.append(ty.raise_val(*los[start : start + width]))
             start += width
         return HiTup(tuple(elts))
 
@@ -53,16 +56,27 @@ class TupTy(HiType):
         return TupTy(tuple(ty.to_tangent_aval() for ty in self.tys))
 
     def dec_rank(self, size, spec):
-        return TupTy(tuple(ty if s is None else ty.dec_rank(size, s)
-                           for ty, s in zip(self.tys, _spec_val(spec, self), strict=True)))
+        return TupTy(
+            tuple(
+                ty if s is None else ty.dec_rank(size, s)
+                for ty, s in zip(self.tys, _spec_val(spec, self), strict=True)
+            )
+        )
 
     def inc_rank(self, size, spec):
-        return TupTy(tuple(ty if s is None else ty.inc_rank(size, s)
-                           for ty, s in zip(self.tys, _spec_val(spec, self), strict=True)))
+        return TupTy(
+            tuple(
+                ty if s is None else ty.inc_rank(size, s)
+                for ty, s in zip(self.tys, _spec_val(spec, self), strict=True)
+            )
+        )
 
     def str_short(self, short_dtypes=False, mesh_axis_types=False):
-        return "Tup{" + ",".join(t.str_short(short_dtypes, mesh_axis_types)
-                                 for t in self.tys) + "}"
+        return (
+            "Tup{"
+            + ",".join(t.str_short(short_dtypes, mesh_axis_types) for t in self.tys)
+            + "}"
+        )
 
     __repr__ = str_short
 

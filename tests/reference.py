@@ -48,3 +48,23 @@ def dense_jvp(x, w, tx, tw):
     """Tangent of y = x @ w: tx @ w + x @ tw."""
     x, w, tx, tw = (np.asarray(a, np.float64) for a in (x, w, tx, tw))
     return tx @ w + x @ tw
+
+
+def equations(closed_jaxpr):
+    """[(primitive name, input types, output types)] of a jaxpr's equations.
+
+    Hi primitives are named by their class (jaxpr printing differs by jax
+    version, so tests read the structure rather than the text).
+    """
+    out = []
+    for eqn in closed_jaxpr.jaxpr.eqns:
+        prim = eqn.params.get("_prim")
+        name = type(prim).__name__ if prim is not None else eqn.primitive.name
+        out.append(
+            (
+                name,
+                [str(v.aval) for v in eqn.invars],
+                [str(v.aval) for v in eqn.outvars],
+            )
+        )
+    return out

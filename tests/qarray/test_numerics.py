@@ -115,12 +115,15 @@ def test_int8_activations_are_close_to_dense(rng):
 
 def test_quantized_array_is_one_value_in_jaxprs():
     x = jnp.ones((2, 3), jnp.float32)
-    jaxpr = str(jax.make_jaxpr(lambda x: qa.dequantize(qa.quantize(x)))(x))
-    assert "q8[2,3] = Quantize" in jaxpr and "Dequantize" in jaxpr
-    jaxpr = str(jax.make_jaxpr(qa.matmul_q)(x, qa.quantize(jnp.ones((3, 4)))))
-    assert "b:q8[3,4]" in jaxpr and "f32[2,4] = MatmulQ[activations=float32] a b" in (
-        jaxpr
-    )
+    jaxpr = jax.make_jaxpr(lambda x: qa.dequantize(qa.quantize(x)))(x)
+    assert ref.equations(jaxpr) == [
+        ("Quantize", ["float32[2,3]"], ["q8[2,3]"]),
+        ("Dequantize", ["q8[2,3]"], ["float32[2,3]"]),
+    ]
+    jaxpr = jax.make_jaxpr(qa.matmul_q)(x, qa.quantize(jnp.ones((3, 4))))
+    assert ref.equations(jaxpr) == [
+        ("MatmulQ", ["float32[2,3]", "q8[3,4]"], ["float32[2,4]"])
+    ]
 
 
 def test_typeof_prints_q8():
@@ -140,24 +143,51 @@ def test_qarray_in_and_out_of_jit(rng):
 # --- errors, raised while tracing by the primitives' typing rules
 
 ERRORS = [
-    (lambda: qa.quantize(jnp.ones((2, 3), jnp.int32)), TypeError,
-     "quantize requires x to be a float32 array, got i32[2,3]."),
-    (lambda: qa.quantize(jnp.ones((2, 3), jnp.bfloat16)), TypeError,
-     "quantize requires x to be a float32 array, got bf16[2,3]."),
-    (lambda: qa.quantize(jnp.float32(1.0)), TypeError,
-     "quantize requires x of rank >= 1, got f32[]."),
-    (lambda: qa.dequantize(jnp.ones((2, 3))), TypeError,
-     "dequantize requires q to be a QArray (q8), got f32[2,3]."),
-    (lambda: qa.matmul_q(jnp.ones((2, 3)), qa.quantize(jnp.ones((4, 5)))), TypeError,
-     "matmul_q requires x.shape[-1] == qw.shape[0], got f32[2,3] @ q8[4,5]."),
-    (lambda: qa.matmul_q(jnp.ones((2, 3)), jnp.ones((3, 5))), TypeError,
-     "matmul_q requires qw to be a QArray (q8), got f32[3,5]."),
-    (lambda: qa.matmul_q(jnp.ones((2, 3), jnp.int8), qa.quantize(jnp.ones((3, 5)))),
-     TypeError, "matmul_q requires x to be a float32 array, got i8[2,3]."),
-    (lambda: qa.matmul_q(jnp.ones((2, 3)), qa.quantize(jnp.ones((2, 3, 5)))),
-     TypeError, "matmul_q requires qw of rank 2, got f32[2,3] @ q8[2,3,5]."),
-    (lambda: qa.matmul_q(jnp.ones((2, 3)), qa.quantize(jnp.ones((3, 5))), "int4"),
-     ValueError, "matmul_q requires activations in ('float32', 'int8'), got 'int4'."),
+    (
+        lambda: qa.quantize(jnp.ones((2, 3), jnp.int32)),
+        TypeError,
+        "quantize requires x to be a float32 array, got i32[2,3].",
+    ),
+    (
+        lambda: qa.quantize(jnp.ones((2, 3), jnp.bfloat16)),
+        TypeError,
+        "quantize requires x to be a float32 array, got bf16[2,3].",
+    ),
+    (
+        lambda: qa.quantize(jnp.float32(1.0)),
+        TypeError,
+        "quantize requires x of rank >= 1, got f32[].",
+    ),
+    (
+        lambda: qa.dequantize(jnp.ones((2, 3))),
+        TypeError,
+        "dequantize requires q to be a QArray (q8), got f32[2,3].",
+    ),
+    (
+        lambda: qa.matmul_q(jnp.ones((2, 3)), qa.quantize(jnp.ones((4, 5)))),
+        TypeError,
+        "matmul_q requires x.shape[-1] == qw.shape[0], got f32[2,3] @ q8[4,5].",
+    ),
+    (
+        lambda: qa.matmul_q(jnp.ones((2, 3)), jnp.ones((3, 5))),
+        TypeError,
+        "matmul_q requires qw to be a QArray (q8), got f32[3,5].",
+    ),
+    (
+        lambda: qa.matmul_q(jnp.ones((2, 3), jnp.int8), qa.quantize(jnp.ones((3, 5)))),
+        TypeError,
+        "matmul_q requires x to be a float32 array, got i8[2,3].",
+    ),
+    (
+        lambda: qa.matmul_q(jnp.ones((2, 3)), qa.quantize(jnp.ones((2, 3, 5)))),
+        TypeError,
+        "matmul_q requires qw of rank 2, got f32[2,3] @ q8[2,3,5].",
+    ),
+    (
+        lambda: qa.matmul_q(jnp.ones((2, 3)), qa.quantize(jnp.ones((3, 5))), "int4"),
+        ValueError,
+        "matmul_q requires activations in ('float32', 'int8'), got 'int4'.",
+    ),
 ]
 
 

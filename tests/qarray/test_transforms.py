@@ -1,0 +1,400 @@
+"""Every JAX transformation on every primitive, against NumPy references.
+
+Each case is a vector-valued function F of float32 inputs that goes through
+qarray primitives, with an independent reference for F and for its
+vector-Jacobian product (straight-through: quantization is the identity for
+derivatives). The Jacobian reference is assembled from the reference VJP, and
+every transformation is checked against it.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qarray as qa
+from tests import reference as ref
+
+RTOL = ATOL = 2e-4
+
+
+def normal(rng, shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    F: Callable  # jax: (*args) -> f32 array
+    ref_F: Callable  # numpy: (*args) -> array
+    ref_vjp: Callable  # numpy: (args, g) -> tuple of cotangents, one per arg
+    ref_hessian: Callable  # numpy: args -> Hessian of sum(F) w.r.t. args[0]
+    shapes: tuple
+
+    def args(self, rng):
+        return tuple(normal(rng, s) for s in self.shapes)
+
+    def ref_jacobian(self, args, argnum):
+        """d F / d args[argnum] as an array of shape out.shape + arg.shape."""
+        out_shape = np.shape(self.ref_F(*args))
+        rows = []
+        for i in range(int(np.prod(out_shape))):
+            g = np.zeros(int(np.prod(out_shape)))
+            g[i] = 1
+            rows.append(self.ref_vjp(args, g.reshape(out_shape))[argnum])
+        return np.stack(rows).reshape(out_shape + args[argnum].shape)
+
+    def ref_jvp(self, args, tangents):
+        out = 0
+        for argnum, t in enumerate(tangents):
+            jac = self.ref_jacobian(args, argnum)
+            out = out + np.tensordot(jac, t, axes=t.ndim)
+        return out
+
+
+# --- quantize (and dequantize): F(x) = sin(2 * dequantize(quantize(x)))
+
+
+def _q_ref_vjp(args, g):
+    (x,) = args
+    return (g * 2 * np.cos(2 * ref.roundtrip(x)),)
+
+
+QUANTIZE = Case(
+    "quantize",
+    lambda x: jnp.sin(2 * qa.dequantize(qa.quantize(x))),
+    lambda x: np.sin(2 * ref.roundtrip(x)),
+    _q_ref_vjp,
+    lambda args: np.diag(-4 * np.sin(2 * ref.roundtrip(args[0])).ravel()).reshape(
+        args[0].shape * 2
+    ),
+    ((3, 4),),
+)
+
+
+# --- matmul_q: F(x, w) = sin(matmul_q(x, quantize(w)))
+
+
+def _mm_case(name, x_shape, activations):
+    def F(x, w):
+        return jnp.sin(qa.matmul_q(x, qa.quantize(w), activations))
+
+    def y(x, w):
+        return ref.matmul_q(x, *ref.quantize(w), activations=activations)
+
+    def ref_vjp(args, g):
+        x, w = args
+        return ref.dense_vjp(x, ref.roundtrip(w), g * np.cos(y(x, w)))
+
+    def ref_hessian(args):
+        # d2/dx2 sum(sin(x @ W)): -sum_n sin(y_in) W_an W_bn, block-diagonal in rows
+        x, w = args
+        wq = ref.roundtrip(w).astype(np.float64)
+        s = np.sin(y(x, w)).reshape(-1, wq.shape[1])
+        m, k = s.shape[0], wq.shape[0]
+        hess = np.zeros((m, k, m, k))
+        for i in range(m):
+            hess[i, :, i, :] = -(wq * s[i]) @ wq.T
+        return hess.reshape(x.shape * 2)
+
+    return Case(
+        name,
+        F,
+        lambda x, w: np.sin(y(x, w)),
+        ref_vjp,
+        ref_hessian,
+        (x_shape, (x_shape[-1], 5)),
+    )
+
+
+CASES = [
+    QUANTIZE,
+    _mm_case("matmul_q", (3, 4), "float32"),
+    _mm_case("matmul_q-vector-x", (4,), "float32"),
+    _mm_case("matmul_q-rank3-x", (2, 2, 4), "float32"),
+    _mm_case("matmul_q-int8", (3, 4), "int8"),
+]
+
+
+@pytest.fixture(params=CASES, ids=lambda c: c.name)
+def case(request):
+    return request.param
+
+
+def argnums(case):
+    return tuple(range(len(case.shapes)))
+
+
+def test_eager_and_jit(case, rng):
+    args = case.args(rng)
+    for F in (case.F, jax.jit(case.F)):
+        np.testing.assert_allclose(F(*args), case.ref_F(*args), rtol=RTOL, atol=ATOL)
+
+
+def test_grad(case, rng):
+    args = case.args(rng)
+    grads = jax.grad(lambda *a: jnp.sum(case.F(*a)), argnums(case))(*args)
+    want = case.ref_vjp(args, np.ones(np.shape(case.ref_F(*args))))
+    for got, expected in zip(grads, want, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
+
+
+def test_jit_of_grad(case, rng):
+    args = case.args(rng)
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(case.F(*a)), argnums(case)))(*args)
+    want = case.ref_vjp(args, np.ones(np.shape(case.ref_F(*args))))
+    for got, expected in zip(grads, want, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
+
+
+def test_vjp(case, rng):
+    args = case.args(rng)
+    out, pullback = jax.vjp(case.F, *args)
+    g = normal(rng, out.shape)
+    for got, expected in zip(pullback(g), case.ref_vjp(args, g), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
+
+
+def test_jvp(case, rng):
+    args = case.args(rng)
+    tangents = case.args(rng)
+    out, tangent_out = jax.jvp(case.F, args, tangents)
+    np.testing.assert_allclose(out, case.ref_F(*args), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(
+        tangent_out, case.ref_jvp(args, tangents), rtol=RTOL, atol=ATOL
+    )
+
+
+def test_linearize(case, rng):
+    args = case.args(rng)
+    out, f_lin = jax.linearize(case.F, *args)
+    np.testing.assert_allclose(out, case.ref_F(*args), rtol=RTOL, atol=ATOL)
+    for _ in range(2):  # the linear map is reusable
+        tangents = case.args(rng)
+        np.testing.assert_allclose(
+            f_lin(*tangents), case.ref_jvp(args, tangents), rtol=RTOL, atol=ATOL
+        )
+
+
+@pytest.mark.parametrize("jacobian", [jax.jacfwd, jax.jacrev])
+def test_jacobians(case, rng, jacobian):
+    args = case.args(rng)
+    jacs = jax.jit(jacobian(case.F, argnums(case)))(*args)
+    for argnum, got in enumerate(jacs):
+        np.testing.assert_allclose(
+            got, case.ref_jacobian(args, argnum), rtol=RTOL, atol=ATOL
+        )
+
+
+def test_hessian(case, rng):
+    args = case.args(rng)
+    hess = jax.hessian(lambda x, *rest: jnp.sum(case.F(x, *rest)))(*args)
+    np.testing.assert_allclose(hess, case.ref_hessian(args), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.nothing_saveable])
+def test_checkpoint_under_grad(case, rng, policy):
+    args = case.args(rng)
+    f = jax.checkpoint(lambda *a: jnp.sum(case.F(*a)), policy=policy)
+    want = case.ref_vjp(args, np.ones(np.shape(case.ref_F(*args))))
+    for grad_fn in (jax.grad(f, argnums(case)), jax.jit(jax.grad(f, argnums(case)))):
+        for got, expected in zip(grad_fn(*args), want, strict=True):
+            np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
+
+
+# --- differentiating with respect to a QArray argument: tangents are float32
+
+
+def test_grad_vjp_jvp_wrt_qarray_argument(rng):
+    x, w = normal(rng, (3, 4)), normal(rng, (4, 5))
+    qw = qa.quantize(jnp.asarray(w))
+    wq = ref.dequantize(np.asarray(qw.qvalue), np.asarray(qw.scale))
+    y = x.astype(np.float64) @ wq
+
+    def loss(x, qw):
+        return jnp.sum(jnp.sin(qa.matmul_q(x, qw)))
+
+    gx, gqw = jax.jit(jax.grad(loss, (0, 1)))(x, qw)
+    assert jax.typeof(gqw) == jax.typeof(jnp.zeros((4, 5), jnp.float32))
+    want_gx, want_gw = ref.dense_vjp(x, wq, np.cos(y))
+    np.testing.assert_allclose(gx, want_gx, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(gqw, want_gw, rtol=RTOL, atol=ATOL)
+
+    # dequantize alone: the tangent of a q8[4,5] is an f32[4,5]
+    def sum_sin(q):
+        return jnp.sum(jnp.sin(qa.dequantize(q)))
+
+    np.testing.assert_allclose(jax.grad(sum_sin)(qw), np.cos(wq), rtol=RTOL)
+    t = normal(rng, (4, 5))
+    _, tangent = jax.jvp(sum_sin, (qw,), (jnp.asarray(t),))
+    np.testing.assert_allclose(tangent, np.sum(np.cos(wq) * t), rtol=RTOL)
+    _, f_lin = jax.linearize(sum_sin, qw)
+    np.testing.assert_allclose(f_lin(jnp.asarray(t)), np.sum(np.cos(wq) * t), rtol=RTOL)
+    _, pullback = jax.vjp(qa.dequantize, qw)
+    g = normal(rng, (4, 5))
+    np.testing.assert_allclose(pullback(g)[0], g)  # straight-through
+    # jacobian with respect to a QArray: jax.jacrev reads input dtypes, which
+    # a hi type lacks, so map the pullback over the basis instead
+    basis = jnp.eye(20, dtype=jnp.float32).reshape(20, 4, 5)
+    jac = jax.vmap(lambda e: jax.vjp(qa.dequantize, qw)[1](e)[0])(basis)
+    np.testing.assert_allclose(jac.reshape(20, 20), np.eye(20))
+
+
+# --- vmap
+
+
+def test_vmap_quantize_out_and_dequantize_in(rng):
+    xs = normal(rng, (4, 2, 3))
+    qxs = jax.vmap(qa.quantize, out_axes=qa.QArraySpec())(jnp.asarray(xs))
+    assert str(jax.typeof(qxs)) == "q8[4,2,3]"
+    assert qxs.qvalue.shape == (4, 2, 3) and qxs.scale.shape == (4, 2)
+    want = np.stack([ref.roundtrip(x) for x in xs])
+    for dequantize in (qa.dequantize, jax.jit(qa.dequantize)):
+        back = jax.vmap(dequantize, in_axes=qa.QArraySpec(), axis_size=4)(qxs)
+        np.testing.assert_allclose(back, want, rtol=1e-6)
+
+
+def test_vmap_quantize_over_a_non_leading_axis(rng):
+    x = normal(rng, (3, 5, 4))
+    qxs = jax.vmap(qa.quantize, in_axes=2, out_axes=qa.QArraySpec())(jnp.asarray(x))
+    assert str(jax.typeof(qxs)) == "q8[4,3,5]"
+    back = jax.vmap(qa.dequantize, in_axes=qa.QArraySpec(), out_axes=2, axis_size=4)(
+        qxs
+    )
+    want = np.stack([ref.roundtrip(x[..., i]) for i in range(4)], axis=2)
+    np.testing.assert_allclose(back, want, rtol=1e-6)
+
+
+def test_vmap_of_grad(rng):
+    xs = normal(rng, (4, 2, 3))
+
+    def f(x):
+        return jnp.sum(jnp.sin(qa.dequantize(qa.quantize(x))))
+
+    got = jax.vmap(jax.grad(f))(xs)
+    np.testing.assert_allclose(
+        got, np.cos(np.stack([ref.roundtrip(x) for x in xs])), rtol=RTOL, atol=ATOL
+    )
+
+
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+@pytest.mark.parametrize("in_axis", [0, 1])
+def test_vmap_of_matmul_q_over_a_batch_of_x(rng, activations, in_axis):
+    xs, w = normal(rng, (6, 3, 4)), normal(rng, (4, 5))
+    qw = qa.quantize(jnp.asarray(w))
+    f = jax.jit(jax.vmap(lambda x: qa.matmul_q(x, qw, activations), in_axes=in_axis))
+    got = f(np.moveaxis(xs, 0, in_axis))
+    want = ref.matmul_q(xs, *ref.quantize(w), activations=activations)
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
+def test_vmap_of_grad_of_matmul_q(rng):
+    xs, w = normal(rng, (6, 3, 4)), normal(rng, (4, 5))
+
+    def loss(x, w):
+        return jnp.sum(jnp.sin(qa.matmul_q(x, qa.quantize(w))))
+
+    gxs, gws = jax.vmap(jax.grad(loss, (0, 1)), in_axes=(0, None))(xs, w)
+    wq = ref.roundtrip(w)
+    for x, gx, gw in zip(xs, gxs, gws, strict=True):
+        want_gx, want_gw = ref.dense_vjp(x, wq, np.cos(x.astype(np.float64) @ wq))
+        np.testing.assert_allclose(gx, want_gx, rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(gw, want_gw, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("x_batched", [True, False])
+def test_vmap_over_stacked_quantized_weights(rng, x_batched):
+    xs, ws = normal(rng, (4, 3, 6)), normal(rng, (4, 6, 5))
+    qws = jax.vmap(qa.quantize, out_axes=qa.QArraySpec())(jnp.asarray(ws))
+    if x_batched:
+        got = jax.vmap(qa.matmul_q, in_axes=(0, qa.QArraySpec()))(xs, qws)
+        want = np.stack(
+            [ref.matmul_q(x, *ref.quantize(w)) for x, w in zip(xs, ws, strict=True)]
+        )
+    else:
+        got = jax.vmap(qa.matmul_q, in_axes=(None, qa.QArraySpec()), axis_size=4)(
+            xs[0], qws
+        )
+        want = np.stack([ref.matmul_q(xs[0], *ref.quantize(w)) for w in ws])
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
+def test_vmap_requires_a_qarray_spec():
+    q = qa.quantize(jnp.ones((4, 2, 3), jnp.float32))
+    with pytest.raises(ValueError, match="mapping spec"):  # JAX's own check
+        jax.vmap(qa.dequantize, in_axes=0, axis_size=4)(q)
+    with pytest.raises(TypeError, match=r"mapped with qarray\.QArraySpec\(\)"):
+        jax.vmap(qa.dequantize, in_axes=qa.TupSpec((0,)), axis_size=4)(q)
+    with pytest.raises(TypeError, match="leading axis of that size"):
+        jax.vmap(qa.dequantize, in_axes=qa.QArraySpec(), axis_size=3)(q)
+
+
+# --- scan
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_scan_over_stacked_qarray(rng, jit):
+    xs = normal(rng, (4, 2, 3))
+    qxs = qa.quantize(jnp.asarray(xs))  # per-row scales: one q8[4,2,3] stack
+
+    def run(qxs):
+        def body(total, qx):
+            assert str(jax.typeof(qx)) == "q8[2,3]"
+            return total + jnp.sum(qa.dequantize(qx)), jnp.max(qa.dequantize(qx))
+
+        return jax.lax.scan(body, jnp.float32(0), qxs, length=4)
+
+    total, maxes = (jax.jit(run) if jit else run)(qxs)
+    rt = np.stack([ref.roundtrip(x) for x in xs])
+    np.testing.assert_allclose(total, rt.sum(), rtol=1e-5)
+    np.testing.assert_allclose(maxes, rt.reshape(4, -1).max(axis=1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_scan_with_qarray_carry_and_stacked_outputs(rng, jit):
+    xs = normal(rng, (4, 2, 3))
+
+    def step(qtotal, x):
+        return qa.quantize(qa.dequantize(qtotal) + x), qa.quantize(2 * x)
+
+    def run(xs):
+        qzero = qa.quantize(jnp.zeros((2, 3), jnp.float32))
+        return jax.lax.scan(step, qzero, xs)
+
+    qtotal, qys = (jax.jit(run) if jit else run)(jnp.asarray(xs))
+    assert str(jax.typeof(qtotal)) == "q8[2,3]" and str(jax.typeof(qys)) == "q8[4,2,3]"
+    total = np.zeros((2, 3), np.float32)
+    for x in xs:
+        total = ref.roundtrip(total + x)
+    np.testing.assert_allclose(qa.dequantize(qtotal), total, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        qa.dequantize(qys), np.stack([ref.roundtrip(2 * x) for x in xs]), rtol=1e-6
+    )
+
+
+def test_grad_through_scan_over_quantized_layers(rng):
+    """A 3-layer quantized MLP as a scan over stacked weights, differentiated."""
+    x0, ws = normal(rng, (2, 4)), normal(rng, (3, 4, 4)) * 0.5
+
+    def net(x0, ws):
+        def layer(x, w):
+            return jnp.tanh(qa.matmul_q(x, qa.quantize(w))), None
+
+        return jnp.sum(jax.lax.scan(layer, x0, ws)[0])
+
+    gx, gws = jax.jit(jax.grad(net, (0, 1)))(x0, ws)
+    # NumPy forward/backward with straight-through weights
+    wqs = [ref.roundtrip(w).astype(np.float64) for w in ws]
+    acts = [x0.astype(np.float64)]
+    for wq in wqs:
+        acts.append(np.tanh(acts[-1] @ wq))
+    g, want_gws = np.ones_like(acts[-1]), []
+    for i in reversed(range(3)):
+        g = g * (1 - acts[i + 1] ** 2)
+        want_gws.insert(0, acts[i].T @ g)
+        g = g @ wqs[i].T
+    np.testing.assert_allclose(gx, g, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(gws, np.stack(want_gws), rtol=RTOL, atol=ATOL)

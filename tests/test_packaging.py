@@ -1,0 +1,37 @@
+"""The project's install metadata stays consistent."""
+
+import pathlib
+import tomllib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def pins(lines):
+    out = {}
+    for line in lines:
+        line = line.split("#")[0].strip()
+        if "==" in line:
+            name, version = line.split("==")
+            out[name.split("[")[0].strip().lower()] = version.strip()
+    return out
+
+
+def test_image_requirements_match_pyproject_pins():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = pins(
+        project["dependencies"] + project["optional-dependencies"]["tesseract"]
+    )
+    image = pins((ROOT / "tesseract_requirements.txt").read_text().splitlines())
+    assert image, "tesseract_requirements.txt pins nothing"
+    for name, version in image.items():
+        assert declared.get(name) == version, (name, version, declared.get(name))
+    for name in ("jax", "equinox", "numpy", "tesseract-core"):
+        assert name in image
+
+
+def test_every_dependency_is_pinned_exactly():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = project["dependencies"] + [
+        d for extra in project["optional-dependencies"].values() for d in extra
+    ]
+    assert all("==" in d for d in deps), deps
