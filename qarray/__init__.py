@@ -2,7 +2,9 @@
 
 from ._ops import dequantize as dequantize
 from ._ops import matmul_q as matmul_q
+from ._ops import pack as pack
 from ._ops import quantize as quantize
+from ._ops import unpack as unpack
 from ._qarray import QArray as QArray
 from ._qarray import QArrayP as QArrayP
 from ._qarray import QArraySpec as QArraySpec

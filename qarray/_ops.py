@@ -24,7 +24,7 @@ from jax.experimental.hijax import (
 from jax.sharding import AxisType
 
 from . import _kernels
-from ._qarray import FLOAT32, QArray, QArraySpec, QArrayTy, full_spec, with_spec
+from ._qarray import FLOAT32, INT8, QArray, QArraySpec, QArrayTy, full_spec, with_spec
 
 ACTIVATIONS = ("float32", "int8")
 
@@ -292,6 +292,102 @@ class MatmulQ(HiPrim):
         return ys, 0
 
 
+class Pack(HiPrim):
+    """(int8[..., n], f32[...]) -> q8[..., n]: a QArray from given parts.
+
+    The caller vouches for the invariants' values (qvalue in [-127, 127],
+    scale >= 0); shapes and dtypes are checked here. Differentiable in
+    ``scale`` (the represented array ``qvalue * scale`` is linear in it);
+    ``qvalue`` is integer and has no tangent.
+    """
+
+    def __init__(self, qvalue_aval, scale_aval):
+        got_q, got_s = type_str(qvalue_aval), type_str(scale_aval)
+        if not isinstance(qvalue_aval, ShapedArray) or qvalue_aval.dtype != INT8:
+            raise TypeError(f"pack requires qvalue to be an int8 array, got {got_q}.")
+        if qvalue_aval.ndim < 1:
+            raise TypeError(f"pack requires qvalue of rank >= 1, got {got_q}.")
+        if not isinstance(scale_aval, ShapedArray) or scale_aval.dtype != FLOAT32:
+            raise TypeError(f"pack requires scale to be a float32 array, got {got_s}.")
+        if scale_aval.shape != qvalue_aval.shape[:-1]:
+            raise TypeError(
+                "pack requires scale.shape == qvalue.shape[:-1] (one scale per row), "
+                f"got {got_q} and {got_s}."
+            )
+        self.in_avals = (qvalue_aval, scale_aval)
+        self.out_aval = QArrayTy.like(qvalue_aval)
+        self.params = {}
+        super().__init__()
+
+    def expand(self, qvalue, scale):
+        return QArray(qvalue, scale)
+
+    def jvp(self, primals, tangents):
+        (qvalue, scale), (_, t_scale) = primals, tangents
+        out = self(qvalue, scale)
+        if isinstance(t_scale, Zero):
+            return out, Zero(self.out_aval.to_tangent_aval())
+        return out, _kernels.dequantize_rows(qvalue, t_scale)
+
+    lin, linearized = linearize_from_jvp
+
+    def vjp_fwd(self, nzs_in, qvalue, scale):
+        return self(qvalue, scale), qvalue
+
+    def vjp_bwd_retval(self, qvalue, g):
+        g = instantiate_zeros(g)
+        return None, jnp.sum(g * qvalue.astype(jnp.float32), axis=-1)
+
+    def batch(self, axis_data, args, dims):
+        (qvalue, scale), (dq, ds) = args, dims
+        if dq is None and ds is None:
+            return pack(qvalue, scale), None
+        size = axis_data.size
+        qvalue = _batch_at_front(qvalue, dq, size)
+        scale = _batch_at_front(scale, ds, size)
+        return pack(qvalue, scale), QArraySpec()
+
+
+class Unpack(HiPrim):
+    """q8[..., n] -> (int8[..., n], f32[...]): read a QArray's parts.
+
+    For reading results out (e.g. returning quantized weights): the parts carry
+    no derivative (zero tangents, like ``lax.stop_gradient``).
+    """
+
+    def __init__(self, q_aval):
+        _require_qarray("unpack", "q", q_aval)
+        self.in_avals = (q_aval,)
+        self.out_aval = tuple(q_aval.lo_ty())
+        self.params = {}
+        super().__init__()
+
+    def expand(self, q):
+        return (q.qvalue, q.scale)
+
+    def jvp(self, primals, tangents):
+        (q,) = primals
+        return self(q), tuple(Zero(a.to_tangent_aval()) for a in self.out_aval)
+
+    lin, linearized = linearize_from_jvp
+
+    def vjp_fwd(self, nzs_in, q):
+        return self(q), None
+
+    def vjp_bwd_retval(self, _res, g):
+        return (None,)
+
+    def batch(self, axis_data, args, dims):
+        (q,), (d,) = args, dims
+        return unpack(q), (None, None) if d is None else (0, 0)
+
+
+def _batch_at_front(x, d, size):
+    if d is None:
+        return jnp.broadcast_to(x, (size, *x.shape))
+    return jnp.moveaxis(x, d, 0)
+
+
 def quantize(x):
     """Quantize f32[..., n] to a q8[..., n] QArray, one scale per row.
 
@@ -304,6 +400,24 @@ def quantize(x):
 def dequantize(q):
     """q8[..., n] -> f32[..., n]: ``qvalue * scale[..., None]``."""
     return Dequantize(jax.typeof(q))(q)
+
+
+def pack(qvalue, scale):
+    """A QArray from its parts: int8[..., n] and one f32 scale per row [...].
+
+    Use it for weights quantized elsewhere; ``quantize`` is the usual way in.
+    Gradients flow to ``scale``.
+    """
+    return Pack(jax.typeof(qvalue), jax.typeof(scale))(qvalue, scale)
+
+
+def unpack(q):
+    """The parts ``(qvalue int8[..., n], scale f32[...])`` of a QArray.
+
+    Works under every transformation (unlike reading ``q.qvalue`` on a
+    tracer); the parts carry no derivative.
+    """
+    return Unpack(jax.typeof(q))(q)
 
 
 def matmul_q(x, qw, activations="float32"):

@@ -1,0 +1,350 @@
+"""qarray Tesseract: an int8-quantized linear layer as differentiable endpoints.
+
+``y = x @ W + bias`` with ``W`` quantized per row (one float32 scale per K row),
+served through tesseract-core's JAX recipes. Gradients are exact for ``x``,
+``bias`` and ``w_q.scale`` and straight-through for ``w`` (quantization acts as
+the identity for derivatives). This module is thin on purpose: request
+validation here, everything numeric in ``qarray``.
+
+Environment:
+    QARRAY_MAX_ELEMENTS    largest array (declared shape, any field) and largest
+                           result accepted, in elements (default 33554432)
+    QARRAY_VJP_CACHE_SIZE  entries in the VJP residual cache (default 8; 0 = off)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Annotated, Any, Literal, Self
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from fastapi import HTTPException
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from tesseract_core.runtime import Array, Differentiable, Float32, Int8, jax_recipes
+from tesseract_core.runtime.experimental import set_jax_vjp_cache_size
+
+import qarray as qa
+
+
+def _env_int(name: str, default: int, minimum: int) -> int:
+    raw = os.environ.get(name, "")
+    try:
+        value = int(raw) if raw.strip() else default
+    except ValueError:
+        raise RuntimeError(f"{name} must be an integer, got {raw!r}.") from None
+    if value < minimum:
+        raise RuntimeError(f"{name} must be >= {minimum}, got {value}.")
+    return value
+
+
+MAX_ELEMENTS = _env_int("QARRAY_MAX_ELEMENTS", 2**25, minimum=1)
+VJP_CACHE_SIZE = _env_int("QARRAY_VJP_CACHE_SIZE", 8, minimum=0)
+set_jax_vjp_cache_size(VJP_CACHE_SIZE)
+
+
+# --- size limits, checked on the declared shape before any array is decoded
+
+
+def _declared_shape(value: Any) -> tuple[int, ...] | None:
+    """The shape a raw field value declares, without decoding it."""
+    if isinstance(value, dict) and "shape" in value:
+        shape = value["shape"]
+        if isinstance(shape, list | tuple) and all(
+            isinstance(d, int) and not isinstance(d, bool) for d in shape
+        ):
+            return tuple(shape)
+        return None  # malformed: the array validator names the problem
+    if hasattr(value, "shape"):
+        return tuple(value.shape)
+    shape = []
+    while isinstance(value, list | tuple):  # nested JSON lists
+        shape.append(len(value))
+        value = value[0] if value else None
+    return tuple(shape)
+
+
+def _limit_size(value: Any) -> Any:
+    shape = _declared_shape(value)
+    if shape is not None and math.prod(shape) > MAX_ELEMENTS:
+        raise ValueError(
+            f"declared shape {shape} has {math.prod(shape)} elements, over the "
+            f"limit of {MAX_ELEMENTS} (QARRAY_MAX_ELEMENTS)"
+        )
+    return value
+
+
+SizeLimited = BeforeValidator(_limit_size)
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    """Shape of a decoded array or of an abstract ShapeDType (abstract_eval)."""
+    return None if value is None else tuple(value.shape)
+
+
+def _concrete(value: Any) -> bool:
+    return isinstance(value, np.ndarray)
+
+
+def _require_finite(name: str, value: Any) -> None:
+    if _concrete(value) and not np.isfinite(value).all():
+        index = tuple(int(i) for i in np.argwhere(~np.isfinite(value))[0])
+        raise ValueError(
+            f"{name} must be finite, got {value[index]} at index {index} of "
+            f"{name} {value.shape}"
+        )
+
+
+# --- schemas
+
+
+class QuantizedWeights(BaseModel):
+    """Weights already quantized per row: ``W = qvalue * scale[:, None]``."""
+
+    qvalue: Annotated[Array[(None, None), Int8], SizeLimited] = Field(
+        description="int8 payload, shape (K, N), values in [-127, 127]."
+    )
+    scale: Annotated[Differentiable[Array[(None,), Float32]], SizeLimited] = Field(
+        description="One float32 scale per row, shape (K,), finite and >= 0."
+    )
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        k = _shape(self.qvalue)[0]
+        if _shape(self.scale) != (k,):
+            raise ValueError(
+                f"w_q.scale must have shape (K,) = ({k},) to match w_q.qvalue "
+                f"{_shape(self.qvalue)}, got {_shape(self.scale)}"
+            )
+        if _concrete(self.qvalue) and self.qvalue.size and self.qvalue.min() < -127:
+            raise ValueError(
+                "w_q.qvalue must lie in [-127, 127] (symmetric int8), got -128"
+            )
+        _require_finite("w_q.scale", self.scale)
+        if _concrete(self.scale) and (self.scale < 0).any():
+            raise ValueError("w_q.scale must be >= 0, got a negative scale")
+        return self
+
+
+class InputSchema(BaseModel):
+    x: Annotated[Differentiable[Array[..., Float32]], SizeLimited] = Field(
+        description="Activations, float32 of shape (..., K): any leading axes."
+    )
+    w: Annotated[Differentiable[Array[(None, None), Float32]], SizeLimited] | None = (
+        Field(
+            default=None,
+            description=(
+                "Dense weights (K, N), quantized per row (one scale per K row) on "
+                "every call; straight-through gradient. Give exactly one of w, w_q."
+            ),
+        )
+    )
+    w_q: QuantizedWeights | None = Field(
+        default=None,
+        description="Pre-quantized weights {qvalue (K, N), scale (K,)}. Give "
+        "exactly one of w, w_q.",
+    )
+    bias: Annotated[Differentiable[Array[(None,), Float32]], SizeLimited] | None = (
+        Field(default=None, description="Optional bias, shape (N,).")
+    )
+    activations: Literal["float32", "int8"] = Field(
+        default="float32",
+        description='"float32": weight-only quantization (default). "int8": the '
+        "activations are quantized per row too, for an int8 x int8 product; "
+        "gradients stay those of the dense product (straight-through).",
+    )
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if (self.w is None) == (self.w_q is None):
+            got = "both" if self.w is not None else "neither"
+            raise ValueError(f"give exactly one of w and w_q, got {got}")
+        x_shape = _shape(self.x)
+        if not x_shape:
+            raise ValueError(
+                "x must have shape (..., K) with at least one axis, got ()"
+            )
+        name, w_shape = (
+            ("w", _shape(self.w))
+            if self.w is not None
+            else ("w_q.qvalue", _shape(self.w_q.qvalue))
+        )
+        k, n = w_shape
+        if x_shape[-1] != k:
+            raise ValueError(
+                f"x.shape[-1] must equal {name}.shape[0] (K), got x {x_shape} and "
+                f"{name} {w_shape}"
+            )
+        if self.bias is not None and _shape(self.bias) != (n,):
+            raise ValueError(
+                f"bias must have shape (N,) = ({n},) to match {name} {w_shape}, got "
+                f"{_shape(self.bias)}"
+            )
+        y_size = math.prod(x_shape[:-1]) * n
+        if y_size > MAX_ELEMENTS:
+            raise ValueError(
+                f"y would have shape {(*x_shape[:-1], n)} ({y_size} elements), over "
+                f"the limit of {MAX_ELEMENTS} (QARRAY_MAX_ELEMENTS)"
+            )
+        _require_finite("x", self.x)
+        _require_finite("w", self.w)
+        _require_finite("bias", self.bias)
+        return self
+
+
+class QuantizedWeightsOut(BaseModel):
+    qvalue: Array[(None, None), Int8] = Field(description="int8 payload (K, N).")
+    scale: Array[(None,), Float32] = Field(description="One scale per row (K,).")
+
+
+class OutputSchema(BaseModel):
+    y: Differentiable[Array[..., Float32]] = Field(
+        description="x @ W + bias, float32 of shape (..., N)."
+    )
+    w_q: QuantizedWeightsOut | None = Field(
+        description="The quantized weights when w was given (reuse them as w_q), "
+        "else null."
+    )
+    weight_error: Float32 = Field(
+        description="Relative quantization error ||w - W|| / ||w|| of the weights "
+        "used (0 when w_q was given or w is zero)."
+    )
+
+
+# --- the computation
+
+
+@eqx.filter_jit
+def apply_jit(inputs: dict) -> dict:
+    """inputs (as InputSchema.model_dump()) -> outputs (as OutputSchema)."""
+    x = jnp.asarray(inputs["x"])
+    w_q_out, weight_error = None, jnp.float32(0.0)
+    if inputs["w"] is not None:
+        w = jnp.asarray(inputs["w"])
+        qw = qa.quantize(w)
+        qvalue, scale = qa.unpack(qw)
+        w_q_out = {"qvalue": qvalue, "scale": scale}
+        w_norm = jnp.linalg.norm(w)
+        error = jnp.linalg.norm(w - qa.dequantize(qw)) / jnp.where(
+            w_norm > 0, w_norm, 1
+        )
+        # a diagnostic output: it carries no derivative
+        weight_error = jax.lax.stop_gradient(error)
+    else:
+        parts = inputs["w_q"]
+        qw = qa.pack(jnp.asarray(parts["qvalue"]), jnp.asarray(parts["scale"]))
+    y = qa.matmul_q(x, qw, inputs["activations"])
+    if inputs["bias"] is not None:
+        y = y + jnp.asarray(inputs["bias"])
+    return {"y": y, "w_q": w_q_out, "weight_error": weight_error}
+
+
+def apply(inputs: InputSchema) -> OutputSchema:
+    """y = x @ W + bias with int8 per-row quantized W."""
+    return jax_recipes.jax_apply(apply_jit, inputs)
+
+
+def abstract_eval(abstract_inputs):
+    """Output shapes and dtypes from input shapes and dtypes, without computing."""
+    return jax_recipes.jax_abstract_eval(apply_jit, abstract_inputs)
+
+
+# --- gradient endpoints: request checks the runtime's schemas cannot express,
+# then one call into the recipes
+
+
+def _bad_request(message: str) -> HTTPException:
+    return HTTPException(status_code=422, detail=message)
+
+
+def _require_given(inputs: InputSchema, paths: set[str], field: str) -> None:
+    for path in sorted(paths):
+        head, _, _ = path.partition(".")
+        if getattr(inputs, head) is None:
+            other = "w_q" if head == "w" else "w"
+            raise _bad_request(
+                f"{field} names {path!r}, which this request did not give "
+                f"(it gave {other})"
+                if head in ("w", "w_q")
+                else f"{field} names {path!r}, which this request did not give"
+            )
+
+
+def _y_shape(inputs: InputSchema) -> tuple[int, ...]:
+    n = (inputs.w if inputs.w is not None else inputs.w_q.qvalue).shape[1]
+    return (*inputs.x.shape[:-1], n)
+
+
+def _input_shape(inputs: InputSchema, path: str) -> tuple[int, ...]:
+    value = inputs
+    for part in path.split("."):
+        value = getattr(value, part)
+    return tuple(value.shape)
+
+
+def jacobian(inputs: InputSchema, jac_inputs: set[str], jac_outputs: set[str]):
+    """d y / d (jac_inputs), each of shape y.shape + input.shape."""
+    _require_given(inputs, jac_inputs, "jac_inputs")
+    y_size = math.prod(_y_shape(inputs))
+    for path in jac_inputs:
+        size = y_size * math.prod(_input_shape(inputs, path))
+        if size > MAX_ELEMENTS:
+            raise _bad_request(
+                f"the Jacobian of y {_y_shape(inputs)} with respect to {path} "
+                f"{_input_shape(inputs, path)} has {size} elements, over the limit "
+                f"of {MAX_ELEMENTS} (QARRAY_MAX_ELEMENTS): use "
+                "vector_jacobian_product or jacobian_vector_product"
+            )
+    return jax_recipes.jax_jacobian(apply_jit, inputs, jac_inputs, jac_outputs)
+
+
+def jacobian_vector_product(
+    inputs: InputSchema,
+    jvp_inputs: set[str],
+    jvp_outputs: set[str],
+    tangent_vector: dict[str, Any],
+):
+    """Tangent of y for tangents of jvp_inputs (each shaped like its input)."""
+    _require_given(inputs, jvp_inputs, "jvp_inputs")
+    for path, tangent in tangent_vector.items():
+        if tuple(np.shape(tangent)) != _input_shape(inputs, path):
+            raise _bad_request(
+                f"tangent_vector[{path!r}] must have the shape of {path} "
+                f"{_input_shape(inputs, path)}, got {tuple(np.shape(tangent))}"
+            )
+    return jax_recipes.jax_jvp(
+        apply_jit, inputs, jvp_inputs, jvp_outputs, _as_float32(tangent_vector)
+    )
+
+
+def vector_jacobian_product(
+    inputs: InputSchema,
+    vjp_inputs: set[str],
+    vjp_outputs: set[str],
+    cotangent_vector: dict[str, Any],
+):
+    """Cotangents of vjp_inputs for a cotangent of y (shaped like y)."""
+    _require_given(inputs, vjp_inputs, "vjp_inputs")
+    for path, cotangent in cotangent_vector.items():
+        if tuple(np.shape(cotangent)) != _y_shape(inputs):
+            raise _bad_request(
+                f"cotangent_vector[{path!r}] must have the shape of y "
+                f"{_y_shape(inputs)}, got {tuple(np.shape(cotangent))}"
+            )
+    return jax_recipes.jax_vjp(
+        apply_jit, inputs, vjp_inputs, vjp_outputs, _as_float32(cotangent_vector)
+    )
+
+
+def _as_float32(vectors: dict[str, Any]) -> dict[str, Any]:
+    for path, v in vectors.items():
+        if not np.isfinite(v).all():
+            raise _bad_request(f"the vector for {path!r} must be finite")
+    return {path: np.asarray(v, np.float32) for path, v in vectors.items()}

@@ -1,0 +1,108 @@
+"""Start and stop a real `tesseract-runtime serve` process for tests."""
+
+import base64
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import requests
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNTIME = Path(sys.executable).with_name("tesseract-runtime")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve(tmp_path, api_path=ROOT / "tesseract_api.py", env=None, workers=1,
+          timeout=120):
+    """Serve ``api_path`` on a free loopback port; yield its base URL.
+
+    The process is ours alone: it is stopped by PID when the block exits.
+    """
+    port = free_port()
+    output = tmp_path / "outputs"
+    output.mkdir(exist_ok=True)
+    full_env = {
+        **os.environ,
+        "TESSERACT_API_PATH": str(api_path),
+        "TESSERACT_OUTPUT_FORMAT": "json+base64",
+        "TESSERACT_OUTPUT_PATH": str(output),
+        "TESSERACT_NAME": "qarray",
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "",
+        **(env or {}),
+    }
+    log = open(tmp_path / f"server-{port}.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [str(RUNTIME), "serve", "--host", "127.0.0.1", "--port", str(port),
+         "--num-workers", str(workers)],
+        env=full_env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, timeout, tmp_path / f"server-{port}.log")
+        yield url
+    finally:
+        stop(proc)
+        log.close()
+
+
+def wait_healthy(url, proc, timeout, log_path):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}"
+            )
+        with contextlib.suppress(requests.RequestException):
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)
+    stop(proc)
+    raise RuntimeError(f"server not healthy after {timeout}s:\n{log_path.read_text()}")
+
+
+def stop(proc):
+    """Stop a server we started, its worker processes included."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def b64(array) -> dict:
+    """An array in tesseract's base64 JSON encoding."""
+    array = np.ascontiguousarray(array)
+    return {
+        "object_type": "array",
+        "shape": list(array.shape),
+        "dtype": str(array.dtype),
+        "data": {"buffer": base64.b64encode(array.tobytes()).decode(), "encoding": "base64"},
+    }
+
+
+def decode(obj):
+    """Decode tesseract's JSON encodings (base64 or json) back to NumPy, recursively."""
+    if isinstance(obj, dict) and obj.get("object_type") == "array":
+        data = obj["data"]
+        if data["encoding"] == "base64":
+            raw = base64.b64decode(data["buffer"])
+            return np.frombuffer(raw, dtype=obj["dtype"]).reshape(obj["shape"])
+        return np.asarray(data["buffer"], dtype=obj["dtype"]).reshape(obj["shape"])
+    if isinstance(obj, dict):
+        return {k: decode(v) for k, v in obj.items()}
+    return obj
