@@ -24,8 +24,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(tmp_path, api_path=ROOT / "tesseract_api.py", env=None, workers=1,
-          timeout=120):
+def serve(
+    tmp_path, api_path=ROOT / "tesseract_api.py", env=None, workers=1, timeout=120
+):
     """Serve ``api_path`` on a free loopback port; yield its base URL.
 
     The process is ours alone: it is stopped by PID when the block exits.
@@ -43,11 +44,22 @@ def serve(tmp_path, api_path=ROOT / "tesseract_api.py", env=None, workers=1,
         "XLA_FLAGS": "",
         **(env or {}),
     }
-    log = open(tmp_path / f"server-{port}.log", "wb")  # noqa: SIM115
+    log = open(tmp_path / f"server-{port}.log", "wb")
     proc = subprocess.Popen(
-        [str(RUNTIME), "serve", "--host", "127.0.0.1", "--port", str(port),
-         "--num-workers", str(workers)],
-        env=full_env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+        [
+            str(RUNTIME),
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--num-workers",
+            str(workers),
+        ],
+        env=full_env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=tmp_path,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -91,7 +103,10 @@ def b64(array) -> dict:
         "object_type": "array",
         "shape": list(array.shape),
         "dtype": str(array.dtype),
-        "data": {"buffer": base64.b64encode(array.tobytes()).decode(), "encoding": "base64"},
+        "data": {
+            "buffer": base64.b64encode(array.tobytes()).decode(),
+            "encoding": "base64",
+        },
     }
 
 

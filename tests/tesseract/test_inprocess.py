@@ -30,7 +30,9 @@ def dense_weights(inputs):
 def reference_y(inputs):
     w = inputs.get("w")
     qvalue, scale = (
-        ref.quantize(w) if w is not None else (inputs["w_q"]["qvalue"], inputs["w_q"]["scale"])
+        ref.quantize(w)
+        if w is not None
+        else (inputs["w_q"]["qvalue"], inputs["w_q"]["scale"])
     )
     y = ref.matmul_q(inputs["x"], qvalue, scale, inputs.get("activations", "float32"))
     return y + inputs.get("bias", 0)
@@ -140,7 +142,9 @@ def test_jacobian_vector_product_and_jacobian_agree_with_vjp(tess, inputs, rng):
     jac = tess.jacobian(inputs, paths, ["y"])["y"]
     for p in paths:
         assert jac[p].shape == y_shape + np.shape(_at(inputs, p))
-        np.testing.assert_allclose(jac[p], _jacobian_ref(inputs, p), rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(
+            jac[p], _jacobian_ref(inputs, p), rtol=RTOL, atol=ATOL
+        )
 
 
 def _at(inputs, path):
