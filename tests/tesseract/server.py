@@ -98,7 +98,7 @@ def stop(proc):
 
 def b64(array) -> dict:
     """An array in tesseract's base64 JSON encoding."""
-    array = np.ascontiguousarray(array)
+    array = np.asarray(array, order="C")  # (ascontiguousarray makes 0-d arrays 1-d)
     return {
         "object_type": "array",
         "shape": list(array.shape),
