@@ -14,7 +14,7 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml tesseract_requirements.txt scripts/install.sh
 	@test -x $(PY) || { python=$$(scripts/find_python.sh) && "$$python" -m venv $(VENV); }
-	scripts/install.sh $(PY) dev
+	scripts/install.sh $(PY) dev --cpu
 	@touch $@
 
 test: setup

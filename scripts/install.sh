@@ -1,23 +1,36 @@
 #!/bin/sh
-# Install the Tesseract's pinned requirements and this package into the
-# environment of PYTHON. One script for both installs, so that `make setup`
-# runs the same steps as the Docker image:
-#   scripts/install.sh PYTHON runtime   the image: requirements + qarray
-#   scripts/install.sh PYTHON dev       local: the same, qarray editable, plus
-#                                       the client and test tools
-# JAX_EXTRA=cuda13 (or cuda12) adds jax's CUDA plugin at the pinned version.
+# Install the Tesseract's pinned requirements (tesseract_requirements.txt) and
+# this package into the environment of PYTHON. One script for every install, so
+# that `make setup` runs the same steps as the Docker image:
+#
+#   scripts/install.sh PYTHON runtime         the image: requirements + qarray
+#   scripts/install.sh PYTHON dev --cpu       local: the same pins without jax's
+#                                             CUDA extra, qarray editable, plus
+#                                             the client and test tools
 set -eu
+if [ $# -lt 2 ]; then
+    echo "usage: scripts/install.sh PYTHON runtime|dev [--cpu]" >&2
+    exit 2
+fi
 python=$1
-mode=${2:-runtime}
+mode=$2
+cpu=${3:-}
 cd "$(dirname "$0")/.."
 
 pip() { "$python" -m pip install --disable-pip-version-check --no-input -q "$@"; }
 
-pip -r tesseract_requirements.txt
-if [ -n "${JAX_EXTRA:-}" ]; then
-    jax_pin=$(grep '^jax==' tesseract_requirements.txt)
-    pip "jax[${JAX_EXTRA}]==${jax_pin#jax==}"
+requirements=tesseract_requirements.txt
+if [ "$cpu" = "--cpu" ]; then
+    # same pins, CPU-only jax: drop the extra from `jax[...]==VERSION`
+    requirements=$(mktemp)
+    trap 'rm -f "$requirements"' EXIT
+    sed 's/^jax\[[a-z0-9,_-]*\]==/jax==/' tesseract_requirements.txt >"$requirements"
+elif [ -n "$cpu" ]; then
+    echo "install.sh: unknown option '$cpu' (only --cpu)" >&2
+    exit 2
 fi
+
+pip -r "$requirements"
 case "$mode" in
     runtime) pip --no-deps . ;;
     dev) pip -e ".[tesseract,dev]" ;;
