@@ -1,0 +1,68 @@
+"""The examples run end to end against a served Tesseract."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+import requests
+
+from tests.tesseract.server import ROOT, serve
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with serve(tmp_path_factory.mktemp("examples")) as url:
+        yield url
+
+
+def run_example(name, *args):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def test_http_client(server):
+    out = run_example("http_client.py", "--url", server)
+    rel = float(re.search(r"relative error vs dense float32: (\S+)", out).group(1))
+    assert 0 < rel < 1e-2
+    assert "d sum(y^2) / d w: shape (64, 16)" in out
+    assert "w_q round trip max |dy|: 0.0e+00" in out
+
+
+def test_qat_pipeline_trains_and_plots(server, tmp_path):
+    plot = tmp_path / "qat.png"
+    out = run_example(
+        "qat_pipeline.py", "--url", server, "--steps", "25", "--plot", str(plot)
+    )
+    first, last = map(float, re.search(r"loss (\S+) -> (\S+);", out).groups())
+    assert last < 0.1 * first
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def readme_curl_commands():
+    """(path, JSON body) of every `curl ... -X POST` in the README."""
+    text = (ROOT / "README.md").read_text()
+    pattern = re.compile(
+        r"curl -s -X POST 127\.0\.0\.1:8000(/\w+) [^\n]*-d '(.*?)'", re.S
+    )
+    return pattern.findall(text)
+
+
+def test_readme_curl_commands_work_as_written(server):
+    commands = readme_curl_commands()
+    assert {path for path, _ in commands} >= {"/apply", "/vector_jacobian_product"}
+    for path, body in commands:
+        response = requests.post(
+            f"{server}{path}",
+            data=body,
+            timeout=60,
+            headers={"Content-Type": "application/json"},
+        )
+        assert response.status_code == 200, (path, response.text[:1000])
+        assert response.json()
