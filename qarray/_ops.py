@@ -222,9 +222,7 @@ class MatmulQ(HiPrim):
         super().__init__()
 
     def expand(self, x, qw):
-        if self.activations == "int8":
-            return _kernels.matmul_int8_activations(x, qw.qvalue, qw.scale)
-        return _kernels.matmul_weight_only(x, qw.qvalue, qw.scale)
+        return _kernels.matmul(x, qw.qvalue, qw.scale, self.activations)
 
     # d(x @ W) = dx @ W + x @ dW, with W = dequantize(qw)
     def jvp(self, primals, tangents):

@@ -9,7 +9,7 @@ import numpy as np
 def quantize(x):
     """Symmetric per-row absmax int8: (qvalue int8[..., n], scale f32[...])."""
     x = np.asarray(x, np.float32)
-    scale = (np.max(np.abs(x), axis=-1) / np.float32(127)).astype(np.float32)
+    scale = (np.max(np.abs(x), axis=-1, initial=0) / np.float32(127)).astype(np.float32)
     divisor = np.where(scale > 0, scale, np.float32(1))[..., None]
     q = np.clip(np.round(x / divisor), -127, 127)  # np.round: half to even
     return q.astype(np.int8), scale

@@ -1,0 +1,104 @@
+"""Each matmul_q formulation against the NumPy reference, and the choice rule."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qarray as qa
+from qarray import _kernels
+from tests import reference as ref
+
+# relative error (Frobenius) each formulation may add to the exact product
+TOLERANCE = {
+    "chunked": 1e-6,
+    "dequantize": 1e-6,
+    "split_int8": 1e-4,  # x * scale kept to ~2e-5 of each row's max
+    "bf16": 5e-3,  # x * scale rounded to bf16 (8 bits of mantissa)
+    "int8_dot": 1e-6,  # same quantized rows as the reference: integer sums
+}
+
+SHAPES = [(1, 64, 48), (3, 1000, 40), (8, 96, 4096), (5, 300, 7), (0, 16, 8), (2, 0, 3)]
+
+
+def data(rng, m, k, n):
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    qvalue, scale = (
+        ref.quantize(w) if k else (np.zeros((0, n), np.int8), np.zeros(0, np.float32))
+    )
+    return x, qvalue, scale
+
+
+def rel_err(got, want):
+    scale = max(np.linalg.norm(want), 1e-30)
+    return np.linalg.norm(np.asarray(got, np.float64) - want) / scale
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("strategy", _kernels.WEIGHT_ONLY_STRATEGIES)
+def test_weight_only_strategies(rng, shape, strategy):
+    x, qvalue, scale = data(rng, *shape)
+    f = jax.jit(lambda x, q, s: _kernels.matmul(x, q, s, "float32", strategy))
+    got = f(x, qvalue, scale)
+    want = ref.matmul_q(x, qvalue, scale)
+    assert got.shape == want.shape and got.dtype == np.float32
+    assert rel_err(got, want) <= TOLERANCE[strategy]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("strategy", _kernels.INT8_STRATEGIES)
+def test_int8_activation_strategies(rng, shape, strategy):
+    x, qvalue, scale = data(rng, *shape)
+    f = jax.jit(lambda x, q, s: _kernels.matmul(x, q, s, "int8", strategy))
+    got = f(x, qvalue, scale)
+    want = ref.matmul_q(x, qvalue, scale, activations="int8")
+    assert rel_err(got, want) <= TOLERANCE[strategy]
+
+
+def test_leading_axes_and_vectors(rng):
+    x = rng.standard_normal((2, 3, 64)).astype(np.float32)
+    _, qvalue, scale = data(rng, 1, 64, 16)
+    for strategy in _kernels.WEIGHT_ONLY_STRATEGIES:
+        got = _kernels.matmul(jnp.asarray(x), qvalue, scale, "float32", strategy)
+        assert rel_err(got, ref.matmul_q(x, qvalue, scale)) <= TOLERANCE[strategy]
+        got = _kernels.matmul(jnp.asarray(x[0, 0]), qvalue, scale, "float32", strategy)
+        assert got.shape == (16,)
+
+
+@pytest.mark.parametrize(
+    ("m", "activations", "platform", "expected"),
+    [
+        (1, "float32", "cpu", "chunked"),
+        (3, "float32", "cpu", "chunked"),
+        (4, "float32", "cpu", "split_int8"),
+        (255, "float32", "cpu", "split_int8"),
+        (256, "float32", "cpu", "bf16"),
+        (1, "int8", "cpu", "chunked"),
+        (2, "int8", "cpu", "int8_dot"),
+        (1, "float32", "gpu", "dequantize"),
+        (512, "float32", "tpu", "dequantize"),
+        (1, "int8", "gpu", "int8_dot"),
+    ],
+)
+def test_choose_strategy(m, activations, platform, expected):
+    assert _kernels.choose_strategy(m, 4096, 4096, activations, platform) == expected
+
+
+@pytest.mark.parametrize(
+    ("m", "activations"),
+    [(1, "float32"), (8, "float32"), (256, "float32"), (1, "int8"), (8, "int8")],
+)
+def test_matmul_q_runs_the_chosen_strategy_on_cpu(rng, m, activations):
+    x, qvalue, scale = data(rng, m, 64, 32)
+    chosen = _kernels.choose_strategy(m, 64, 32, activations, "cpu")
+    forced = jax.jit(lambda x, q, s: _kernels.matmul(x, q, s, activations, chosen))
+    auto = jax.jit(lambda x, q, s: qa.matmul_q(x, qa.pack(q, s), activations))
+    np.testing.assert_array_equal(auto(x, qvalue, scale), forced(x, qvalue, scale))
+
+
+def test_unknown_strategy_is_refused():
+    with pytest.raises(ValueError, match="unknown weight-only strategy 'fast'"):
+        _kernels.matmul(
+            jnp.ones((2, 4)), jnp.ones((4, 3), jnp.int8), jnp.ones(4), "float32", "fast"
+        )
