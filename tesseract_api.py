@@ -10,10 +10,15 @@ Environment:
     QARRAY_MAX_ELEMENTS    largest array (declared shape, any field) and largest
                            result accepted, in elements (default 33554432)
     QARRAY_VJP_CACHE_SIZE  entries in the VJP residual cache (default 8; 0 = off)
+    QARRAY_VJP_CACHE_MIN_FLOPS
+                           apply caches its pullback only when the product costs
+                           at least this many flops, 2*M*K*N (default 4194304):
+                           below it, recomputing in the VJP is cheaper
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Annotated, Any, Literal, Self
@@ -43,6 +48,7 @@ def _env_int(name: str, default: int, minimum: int) -> int:
 
 MAX_ELEMENTS = _env_int("QARRAY_MAX_ELEMENTS", 2**25, minimum=1)
 VJP_CACHE_SIZE = _env_int("QARRAY_VJP_CACHE_SIZE", 8, minimum=0)
+VJP_CACHE_MIN_FLOPS = _env_int("QARRAY_VJP_CACHE_MIN_FLOPS", 2**22, minimum=0)
 set_jax_vjp_cache_size(VJP_CACHE_SIZE)
 
 
@@ -248,7 +254,57 @@ def apply_jit(inputs: dict) -> dict:
 
 def apply(inputs: InputSchema) -> OutputSchema:
     """y = x @ W + bias with int8 per-row quantized W."""
-    return jax_recipes.jax_apply(apply_jit, inputs)
+    if jax_recipes._jax_vjp_cache is None or _flops(inputs) < VJP_CACHE_MIN_FLOPS:
+        return apply_jit(jax_recipes.as_jax_arrays(inputs.model_dump()))
+    return _apply_and_cache_pullback(inputs)
+
+
+# --- the VJP residual cache
+#
+# tesseract-core's jax_apply fills its LRU with an eager jax.vjp of apply_jit,
+# which pays Python dispatch per call and made apply + vjp slower than
+# recomputing. Here one compiled call runs the forward pass and returns its
+# pullback (jax.vjp inside jit: the pullback is a pytree of residuals), stored
+# in the same LRU under the same key (tesseract-core's device fingerprint of the
+# inputs), in the form jax_recipes.jax_vjp reads. jax_vjp is unchanged: on a hit
+# it calls the compiled pullback, on a miss it recomputes.
+
+
+def _flops(inputs: InputSchema) -> int:
+    k, n = (inputs.w if inputs.w is not None else inputs.w_q.qvalue).shape
+    return 2 * math.prod(inputs.x.shape[:-1]) * k * n
+
+
+# plain jax.jit, not eqx.filter_jit: the pullback's residuals include QArray
+# values, which filter_jit would take for static (non-array) outputs
+@functools.partial(jax.jit, static_argnames="activations")
+def _forward_with_pullback(arrays: dict, activations: str):
+    diff, nondiff = eqx.partition(arrays, eqx.is_inexact_array)
+
+    def forward(diff):
+        out = apply_jit({**eqx.combine(diff, nondiff), "activations": activations})
+        return {"y": out["y"]}, out
+
+    _, pullback, out = jax.vjp(forward, diff, has_aux=True)
+    return out, pullback
+
+
+@jax.jit
+def _run_pullback(pullback, cotangent):
+    return pullback(cotangent)
+
+
+def _apply_and_cache_pullback(inputs: InputSchema) -> dict:
+    inputs_dict = jax_recipes.as_jax_arrays(inputs.model_dump())
+    arrays = {k: v for k, v in inputs_dict.items() if k != "activations"}
+    out, pullback = _forward_with_pullback(arrays, inputs_dict["activations"])
+    # jax_vjp looks the same key up and calls vjp_func(cotangent shaped like
+    # the template)
+    jax_recipes._jax_vjp_cache.put(
+        jax_recipes._cache_key(inputs_dict),
+        (functools.partial(_run_pullback, pullback), {"y": out["y"]}),
+    )
+    return out
 
 
 def abstract_eval(abstract_inputs):

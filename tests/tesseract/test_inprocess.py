@@ -187,3 +187,38 @@ def test_zero_weights_give_zero_error_and_output(tess, rng):
     np.testing.assert_array_equal(out["y"], 0)
     assert out["weight_error"] == 0
     np.testing.assert_array_equal(out["w_q"]["qvalue"], 0)
+
+
+@pytest.fixture
+def api_module(monkeypatch):
+    """tesseract_api imported directly, caching every apply's pullback."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    import tesseract_api
+
+    monkeypatch.setattr(tesseract_api, "VJP_CACHE_MIN_FLOPS", 0)
+    assert sys.modules["tesseract_api"] is tesseract_api
+    return tesseract_api
+
+
+def test_vjp_after_apply_comes_from_the_cached_pullback(
+    api_module, inputs, rng, monkeypatch
+):
+    from tesseract_core.runtime import jax_recipes
+
+    model = api_module.InputSchema.model_validate(inputs)
+    out = api_module.apply(model)
+    np.testing.assert_allclose(out["y"], reference_y(inputs), rtol=RTOL, atol=ATOL)
+
+    def recompute(*args, **kwargs):
+        raise AssertionError("the VJP recomputed instead of using the cache")
+
+    monkeypatch.setattr(jax_recipes, "_vjp_jit", recompute)
+    g = normal(rng, out["y"].shape)
+    paths = diff_paths(inputs)
+    for _ in range(2):  # the cached pullback serves repeated VJPs
+        got = api_module.vector_jacobian_product(model, set(paths), {"y"}, {"y": g})
+        want = reference_vjp(inputs, g)
+        for path in paths:
+            np.testing.assert_allclose(got[path], want[path], rtol=RTOL, atol=ATOL)
