@@ -251,12 +251,17 @@ class MatmulQ(HiPrim):
         ct_x = ct_qw = None
         if qw is not None:
             # g[..., n] . W[k, n] over n -> [..., k]
-            ct_x = lax.dot_general(
-                g,
-                dequantize(qw),
-                (((g.ndim - 1,), (1,)), ((), ())),
-                out_sharding=_explicit_spec(x_aval),
-            )
+            if _explicit_spec(x_aval) is None and _explicit_spec(qw_aval) is None:
+                ct_x = matmul_qt(g, qw)  # runs on the int8 payload
+            else:
+                # explicit sharding: the contraction over n may be sharded, and
+                # the cotangent lands where x lives
+                ct_x = lax.dot_general(
+                    g,
+                    dequantize(qw),
+                    (((g.ndim - 1,), (1,)), ((), ())),
+                    out_sharding=_explicit_spec(x_aval),
+                )
             ct_x = _sum_to_type(ct_x, x_aval)
         if x is not None:
             # x[..., k] . g[..., n] over the leading axes -> [k, n]; an outer
@@ -288,6 +293,81 @@ class MatmulQ(HiPrim):
             xs = (jnp.moveaxis(x, dx, 0), qw)
         _, ys = lax.scan(body, None, xs, length=axis_data.size)
         return ys, 0
+
+
+class MatmulQT(HiPrim):
+    """f32[..., n] @ q8[k, n]^T -> f32[..., k]: the transposed product.
+
+    What matmul_q's backward rule computes for x's cotangent,
+    ``g @ dequantize(qw).T``, as a primitive of its own so that the int8
+    payload does the heavy work (``_kernels.matmul_transposed``) while every
+    derivative rule stays in terms of primitives (for higher-order AD).
+    Internal: unsharded operands only (the rule handles explicit sharding).
+    """
+
+    def __init__(self, g_aval, qw_aval):
+        _require_float32("matmul_qt", "g", g_aval, min_rank=1)
+        _require_qarray("matmul_qt", "qw", qw_aval)
+        if qw_aval.ndim != 2 or g_aval.shape[-1] != qw_aval.shape[1]:
+            raise TypeError(
+                "matmul_qt requires g.shape[-1] == qw.shape[1], got "
+                f"{type_str(g_aval)} @ {type_str(qw_aval)}^T."
+            )
+        self.in_avals = (g_aval, qw_aval)
+        self.out_aval = ShapedArray(
+            (*g_aval.shape[:-1], qw_aval.shape[0]),
+            FLOAT32,
+            sharding=g_aval.sharding,
+            manual_axis_type=_union_mat(g_aval.manual_axis_type, qw_aval.mat),
+        )
+        self.params = {}
+        super().__init__()
+
+    def expand(self, g, qw):
+        return _kernels.matmul_transposed(g, qw.qvalue, qw.scale)
+
+    # d(g @ W^T) = dg @ W^T + g @ dW^T
+    def jvp(self, primals, tangents):
+        (g, qw), (tg, tw) = primals, tangents
+        out = self(g, qw)
+        terms = []
+        if not isinstance(tg, Zero):
+            terms.append(matmul_qt(tg, qw))
+        if not isinstance(tw, Zero):
+            terms.append(jnp.matmul(g, tw.T))
+        if not terms:
+            return out, Zero(self.out_aval.to_tangent_aval())
+        return out, sum(terms[1:], terms[0])
+
+    lin, linearized = linearize_from_jvp
+
+    def vjp_fwd(self, nzs_in, g, qw):
+        needs_g, needs_qw = nzs_in
+        return self(g, qw), (g if needs_qw else None, qw if needs_g else None)
+
+    def vjp_bwd_retval(self, res, ct):
+        g, qw = res
+        ct = instantiate_zeros(ct)
+        ct_g = None if qw is None else matmul_q(ct, qw)
+        ct_qw = None
+        if g is not None:  # ct[..., k] . g[..., n] over the leading axes -> [k, n]
+            lead = tuple(range(g.ndim - 1))
+            ct_qw = lax.dot_general(ct, g, ((lead, lead), ((), ())))
+            ct_qw = _sum_to_type(ct_qw, self.in_avals[1].to_tangent_aval())
+        return ct_g, ct_qw
+
+    def batch(self, axis_data, args, dims):
+        (g, qw), (dg, dq) = args, dims
+        if dq is None:
+            if dg is None:
+                return self(g, qw), None
+            return matmul_qt(jnp.moveaxis(g, dg, 0), qw), 0
+        # stacked weights (rare: vmap of a gradient over weights): dense product
+        g = g if dg is None else jnp.moveaxis(g, dg, 0)
+        w_t = jnp.swapaxes(dequantize(qw), -1, -2)
+        if dg is None:
+            return jnp.einsum("...n,bnk->b...k", g, w_t), 0
+        return jnp.einsum("b...n,bnk->b...k", g, w_t), 0
 
 
 class Pack(HiPrim):
@@ -398,6 +478,11 @@ def quantize(x):
 def dequantize(q):
     """q8[..., n] -> f32[..., n]: ``qvalue * scale[..., None]``."""
     return Dequantize(jax.typeof(q))(q)
+
+
+def matmul_qt(g, qw):
+    """f32[..., n] @ q8[k, n]^T -> f32[..., k] (internal: matmul_q's backward)."""
+    return MatmulQT(jax.typeof(g), jax.typeof(qw))(g, qw)
 
 
 def pack(qvalue, scale):

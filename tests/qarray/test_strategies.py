@@ -18,7 +18,15 @@ TOLERANCE = {
     "int8_dot": 1e-6,  # same quantized rows as the reference: integer sums
 }
 
-SHAPES = [(1, 64, 48), (3, 1000, 40), (8, 96, 4096), (5, 300, 7), (0, 16, 8), (2, 0, 3)]
+SHAPES = [
+    (1, 64, 48),
+    (3, 1000, 40),
+    (2, 997, 9),
+    (8, 96, 4096),
+    (5, 300, 7),
+    (0, 16, 8),
+    (2, 0, 3),
+]
 
 
 def data(rng, m, k, n):
@@ -67,22 +75,23 @@ def test_leading_axes_and_vectors(rng):
 
 
 @pytest.mark.parametrize(
-    ("m", "activations", "platform", "expected"),
+    ("m", "kn", "activations", "platform", "expected"),
     [
-        (1, "float32", "cpu", "chunked"),
-        (3, "float32", "cpu", "chunked"),
-        (4, "float32", "cpu", "split_int8"),
-        (255, "float32", "cpu", "split_int8"),
-        (256, "float32", "cpu", "bf16"),
-        (1, "int8", "cpu", "chunked"),
-        (2, "int8", "cpu", "int8_dot"),
-        (1, "float32", "gpu", "dequantize"),
-        (512, "float32", "tpu", "dequantize"),
-        (1, "int8", "gpu", "int8_dot"),
+        (1, 4096, "float32", "cpu", "chunked"),
+        (2, 4096, "float32", "cpu", "split_int8"),
+        (255, 1024, "float32", "cpu", "split_int8"),
+        (256, 1024, "float32", "cpu", "bf16"),
+        (512, 2048, "float32", "cpu", "bf16"),
+        (512, 4096, "float32", "cpu", "split_int8"),
+        (1, 4096, "int8", "cpu", "chunked"),
+        (2, 4096, "int8", "cpu", "int8_dot"),
+        (1, 4096, "float32", "gpu", "dequantize"),
+        (512, 4096, "float32", "tpu", "dequantize"),
+        (1, 4096, "int8", "gpu", "int8_dot"),
     ],
 )
-def test_choose_strategy(m, activations, platform, expected):
-    assert _kernels.choose_strategy(m, 4096, 4096, activations, platform) == expected
+def test_choose_strategy(m, kn, activations, platform, expected):
+    assert _kernels.choose_strategy(m, kn, kn, activations, platform) == expected
 
 
 @pytest.mark.parametrize(
@@ -102,3 +111,17 @@ def test_unknown_strategy_is_refused():
         _kernels.matmul(
             jnp.ones((2, 4)), jnp.ones((4, 3), jnp.int8), jnp.ones(4), "float32", "fast"
         )
+
+
+@pytest.mark.parametrize("shape", [(1, 64, 48), (5, 300, 7), (64, 96, 130), (0, 8, 4)])
+def test_transposed_product(rng, shape):
+    """g @ W^T, matmul_q's backward for x: exact f32 for one row, split_int8 else."""
+    m, k, n = shape
+    _, qvalue, scale = data(rng, 1, k, n)
+    g = rng.standard_normal((m, n)).astype(np.float32)
+    got = jax.jit(_kernels.matmul_transposed)(g, qvalue, scale)
+    want = g.astype(np.float64) @ ref.dequantize(qvalue, scale).T.astype(np.float64)
+    assert got.shape == (m, k)
+    assert rel_err(got, want) <= (
+        TOLERANCE["chunked"] if m < 2 else TOLERANCE["split_int8"]
+    )
