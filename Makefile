@@ -40,5 +40,9 @@ serve: setup
 	TESSERACT_OUTPUT_PATH="$(SCRATCH)" \
 	$(VENV)/bin/tesseract-runtime serve --host $(HOST) --port $(PORT)
 
+# side-by-side benchmarks (never part of `make test`): table, results.json, results.png
+bench: setup
+	$(PY) -m benchmarks.run
+
 clean:
 	rm -rf $(VENV) $(COMPAT_VENV)

@@ -10,10 +10,12 @@ Environment:
     QARRAY_MAX_ELEMENTS    largest array (declared shape, any field) and largest
                            result accepted, in elements (default 33554432)
     QARRAY_VJP_CACHE_SIZE  entries in the VJP residual cache (default 8; 0 = off)
-    QARRAY_VJP_CACHE_MIN_FLOPS
+    QARRAY_VJP_CACHE_MIN_INTENSITY
                            apply caches its pullback only when the product costs
-                           at least this many flops, 2*M*K*N (default 4194304):
-                           below it, recomputing in the VJP is cheaper
+                           at least this many flops per input element,
+                           2*M*K*N / (M*K + K*N) (default 1024): keying the cache
+                           hashes every input twice (apply, then vjp), which
+                           costs more than recomputing a cheaper forward pass
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def _env_int(name: str, default: int, minimum: int) -> int:
 
 MAX_ELEMENTS = _env_int("QARRAY_MAX_ELEMENTS", 2**25, minimum=1)
 VJP_CACHE_SIZE = _env_int("QARRAY_VJP_CACHE_SIZE", 8, minimum=0)
-VJP_CACHE_MIN_FLOPS = _env_int("QARRAY_VJP_CACHE_MIN_FLOPS", 2**22, minimum=0)
+VJP_CACHE_MIN_INTENSITY = _env_int("QARRAY_VJP_CACHE_MIN_INTENSITY", 1024, minimum=0)
 set_jax_vjp_cache_size(VJP_CACHE_SIZE)
 
 
@@ -254,7 +256,7 @@ def apply_jit(inputs: dict) -> dict:
 
 def apply(inputs: InputSchema) -> OutputSchema:
     """y = x @ W + bias with int8 per-row quantized W."""
-    if jax_recipes._jax_vjp_cache is None or _flops(inputs) < VJP_CACHE_MIN_FLOPS:
+    if jax_recipes._jax_vjp_cache is None or not _cache_pays(inputs):
         return apply_jit(jax_recipes.as_jax_arrays(inputs.model_dump()))
     return _apply_and_cache_pullback(inputs)
 
@@ -263,16 +265,25 @@ def apply(inputs: InputSchema) -> OutputSchema:
 #
 # tesseract-core's jax_apply fills its LRU with an eager jax.vjp of apply_jit,
 # which pays Python dispatch per call and made apply + vjp slower than
-# recomputing. Here one compiled call runs the forward pass and returns its
-# pullback (jax.vjp inside jit: the pullback is a pytree of residuals), stored
-# in the same LRU under the same key (tesseract-core's device fingerprint of the
-# inputs), in the form jax_recipes.jax_vjp reads. jax_vjp is unchanged: on a hit
-# it calls the compiled pullback, on a miss it recomputes.
+# recomputing (benchmarks/bench_cache.py measures both). Here one compiled call
+# runs the forward pass and returns its pullback (jax.vjp inside jit: the
+# pullback is a pytree of residuals), stored in the same LRU under the same key
+# (tesseract-core's device fingerprint of the inputs), in the form
+# jax_recipes.jax_vjp reads. jax_vjp is unchanged: on a hit it calls the
+# compiled pullback, on a miss it recomputes.
 
 
-def _flops(inputs: InputSchema) -> int:
+def _cache_pays(inputs: InputSchema) -> bool:
+    """Whether the forward pass costs more than keying the cache on the inputs.
+
+    The key is tesseract-core's device fingerprint of every input, computed on
+    apply and again on vjp (measured ~4 ns per element here, against ~1000
+    flops of matmul in the same time): caching pays for compute-heavy calls.
+    """
     k, n = (inputs.w if inputs.w is not None else inputs.w_q.qvalue).shape
-    return 2 * math.prod(inputs.x.shape[:-1]) * k * n
+    m = math.prod(inputs.x.shape[:-1])
+    flops, elements = 2 * m * k * n, m * k + k * n + n
+    return flops >= VJP_CACHE_MIN_INTENSITY * max(elements, 1)
 
 
 # plain jax.jit, not eqx.filter_jit: the pullback's residuals include QArray

@@ -115,7 +115,7 @@ def test_unknown_strategy_is_refused():
 
 @pytest.mark.parametrize("shape", [(1, 64, 48), (5, 300, 7), (64, 96, 130), (0, 8, 4)])
 def test_transposed_product(rng, shape):
-    """g @ W^T, matmul_q's backward for x: exact f32 for one row, split_int8 else."""
+    """g @ W^T, matmul_q's backward for x: float32-exact for any number of rows."""
     m, k, n = shape
     _, qvalue, scale = data(rng, 1, k, n)
     g = rng.standard_normal((m, n)).astype(np.float32)

@@ -30,7 +30,7 @@ def counted_server(tmp_path_factory):
     env = {
         "QARRAY_TEST_FORWARD_COUNTER": str(counter),
         "QARRAY_VJP_CACHE_SIZE": "8",
-        "QARRAY_VJP_CACHE_MIN_FLOPS": "0",
+        "QARRAY_VJP_CACHE_MIN_INTENSITY": "0",
     }
     with serve(tmp, api_path=ROOT / "tests/tesseract/counting_api.py", env=env) as url:
         yield url, counter

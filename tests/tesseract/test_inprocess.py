@@ -197,7 +197,7 @@ def api_module(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT))
     import tesseract_api
 
-    monkeypatch.setattr(tesseract_api, "VJP_CACHE_MIN_FLOPS", 0)
+    monkeypatch.setattr(tesseract_api, "VJP_CACHE_MIN_INTENSITY", 0)
     assert sys.modules["tesseract_api"] is tesseract_api
     return tesseract_api
 

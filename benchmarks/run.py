@@ -1,0 +1,137 @@
+"""Run every benchmark side by side and report ratios: `make bench`.
+
+    .venv/bin/python -m benchmarks.run [--quick] [--only matmul,cache,http]
+
+Prints a table (markdown), writes benchmarks/results.json and
+benchmarks/results.png. Never part of `make test`.
+"""
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}, "
+        f"Python {platform.python_version()}, jax {jax.__version__} "
+        f"({jax.default_backend()})"
+    )
+
+
+def met(row) -> bool | None:
+    target = row.get("target")
+    if target is None:
+        return None
+    if row.get("lower_is_better"):
+        return row["ratio"] <= target
+    return row["ratio"] >= target
+
+
+def fmt(value) -> str:
+    if value is None:
+        return "-"
+    if abs(value) < 0.1 and value != 0:
+        return f"{value:.2e}"
+    return f"{value:.2f}"
+
+
+def table(rows) -> str:
+    lines = [
+        "| row | shape (M, K, N) | result | target | met | baseline |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        ok = met(row)
+        mark = "-" if ok is None else ("yes" if ok else "**MISSED**")
+        comparison = "<=" if row.get("lower_is_better") else ">="
+        target = (
+            "-" if row.get("target") is None else f"{comparison} {fmt(row['target'])}"
+        )
+        lines.append(
+            f"| {row['row']} | {tuple(row['shape'])} | {fmt(row['ratio'])} "
+            f"{row['unit']} | {target} | {mark} | {row['baseline']} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    speed = [r for r in rows if r["unit"] == "x faster"]
+    fig, ax = plt.subplots(figsize=(10, 0.42 * len(speed) + 1.2))
+    labels = [f"{r['row']} {tuple(r['shape'])}" for r in speed]
+    colors = ["tab:green" if met(r) else "tab:red" for r in speed]
+    ax.barh(range(len(speed)), [r["ratio"] for r in speed], color=colors)
+    for i, r in enumerate(speed):
+        ax.plot([r["target"]] * 2, [i - 0.4, i + 0.4], color="black", lw=2)
+    ax.axvline(1.0, color="gray", ls="--", lw=1)
+    ax.set_yticks(range(len(speed)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("speed-up over the dense float32 baseline (black tick: target)")
+    ax.set_title("qarray on XLA:CPU, measured side by side")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--only", default="matmul,cache,http")
+    parser.add_argument("--out", default=str(HERE / "results.json"))
+    parser.add_argument("--plot", default=str(HERE / "results.png"))
+    args = parser.parse_args()
+    sys.path.insert(0, str(HERE.parent))
+    from benchmarks import bench_cache, bench_http, bench_matmul
+
+    reps = 5 if args.quick else 15
+    suites = {
+        "matmul": lambda: bench_matmul.run(reps=reps),
+        "cache": lambda: bench_cache.run(reps=reps),
+        "http": lambda: bench_http.run(reps=50 if args.quick else 200),
+    }
+    rows = []
+    started = time.time()
+    for name in args.only.split(","):
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        rows += suites[name]()
+    report = {
+        "machine": machine(),
+        "command": "make bench",
+        "seconds": round(time.time() - started, 1),
+        "rows": [
+            {**r, "shape": list(r["shape"]), "met": met(r)}
+            | {k: float(v) for k, v in r.items() if isinstance(v, np.floating)}
+            for r in rows
+        ],
+    }
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    plot(rows, args.plot)
+    print(f"Machine: {report['machine']}\n")
+    print(table(rows))
+    print(f"\nwrote {args.out} and {args.plot} in {report['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()
