@@ -11,11 +11,11 @@ Environment:
                            result accepted, in elements (default 33554432)
     QARRAY_VJP_CACHE_SIZE  entries in the VJP residual cache (default 8; 0 = off)
     QARRAY_VJP_CACHE_MIN_INTENSITY
-                           apply caches its pullback only when the product costs
-                           at least this many flops per input element,
-                           2*M*K*N / (M*K + K*N) (default 1024): keying the cache
-                           hashes every input twice (apply, then vjp), which
-                           costs more than recomputing a cheaper forward pass
+                           apply stores its pullback in the cache only when the
+                           product costs at least this many flops per input
+                           element, 2*M*K*N / (M*K + K*N + N) (default 2**20,
+                           i.e. not for any shape QARRAY_MAX_ELEMENTS admits:
+                           see _cache_pays); 0 caches every apply
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _env_int(name: str, default: int, minimum: int) -> int:
 
 MAX_ELEMENTS = _env_int("QARRAY_MAX_ELEMENTS", 2**25, minimum=1)
 VJP_CACHE_SIZE = _env_int("QARRAY_VJP_CACHE_SIZE", 8, minimum=0)
-VJP_CACHE_MIN_INTENSITY = _env_int("QARRAY_VJP_CACHE_MIN_INTENSITY", 1024, minimum=0)
+VJP_CACHE_MIN_INTENSITY = _env_int("QARRAY_VJP_CACHE_MIN_INTENSITY", 2**20, minimum=0)
 set_jax_vjp_cache_size(VJP_CACHE_SIZE)
 
 
@@ -229,9 +229,19 @@ class OutputSchema(BaseModel):
 # --- the computation
 
 
-@eqx.filter_jit
 def apply_jit(inputs: dict) -> dict:
-    """inputs (as InputSchema.model_dump()) -> outputs (as OutputSchema)."""
+    """inputs (as InputSchema.model_dump()) -> outputs (as OutputSchema), compiled.
+
+    What tesseract-core's jax_recipes differentiate. A plain function over one
+    jax.jit (activations static) rather than eqx.filter_jit: filter_jit's
+    per-call partitioning measured ~50 us, a third of a small apply's latency.
+    """
+    arrays = {k: v for k, v in inputs.items() if k != "activations"}
+    return _compute(arrays, activations=inputs["activations"])
+
+
+@functools.partial(jax.jit, static_argnames="activations")
+def _compute(inputs: dict, activations: str) -> dict:
     x = jnp.asarray(inputs["x"])
     w_q_out, weight_error = None, jnp.float32(0.0)
     if inputs["w"] is not None:
@@ -248,16 +258,26 @@ def apply_jit(inputs: dict) -> dict:
     else:
         parts = inputs["w_q"]
         qw = qa.pack(jnp.asarray(parts["qvalue"]), jnp.asarray(parts["scale"]))
-    y = qa.matmul_q(x, qw, inputs["activations"])
+    y = qa.matmul_q(x, qw, activations)
     if inputs["bias"] is not None:
         y = y + jnp.asarray(inputs["bias"])
     return {"y": y, "w_q": w_q_out, "weight_error": weight_error}
 
 
+def _as_dict(inputs: InputSchema) -> dict:
+    """inputs.model_dump(), without its cost (~50 us on small requests)."""
+    out = dict(inputs)
+    if inputs.w_q is not None:
+        out["w_q"] = dict(inputs.w_q)
+    return out
+
+
 def apply(inputs: InputSchema) -> OutputSchema:
     """y = x @ W + bias with int8 per-row quantized W."""
     if jax_recipes._jax_vjp_cache is None or not _cache_pays(inputs):
-        return apply_jit(jax_recipes.as_jax_arrays(inputs.model_dump()))
+        # NumPy straight into the compiled call: converting each input to a jax
+        # array first (as_jax_arrays) costs more than the whole small product
+        return apply_jit(_as_dict(inputs))
     return _apply_and_cache_pullback(inputs)
 
 
@@ -274,11 +294,15 @@ def apply(inputs: InputSchema) -> OutputSchema:
 
 
 def _cache_pays(inputs: InputSchema) -> bool:
-    """Whether the forward pass costs more than keying the cache on the inputs.
+    """Whether apply should store its pullback (see QARRAY_VJP_CACHE_MIN_INTENSITY).
 
-    The key is tesseract-core's device fingerprint of every input, computed on
-    apply and again on vjp (measured ~4 ns per element here, against ~1000
-    flops of matmul in the same time): caching pays for compute-heavy calls.
+    Measured (benchmarks/bench_cache.py): a hit saves less than it costs here.
+    y = x @ W + b is linear, so the VJP never needs y and XLA drops the product
+    from the recomputed forward pass: a miss recomputes only quantize(w). A hit
+    instead pays tesseract-core's key, a device fingerprint of every input,
+    computed on apply and again on vjp, plus a bitwise compare. So by default
+    apply does not cache; the threshold is there for hardware where hashing is
+    cheap relative to the product, or to force caching (0).
     """
     k, n = (inputs.w if inputs.w is not None else inputs.w_q.qvalue).shape
     m = math.prod(inputs.x.shape[:-1])

@@ -42,7 +42,7 @@ def run(reps=200):
                 x = rng.standard_normal((m, k)).astype(np.float32)
                 w = rng.standard_normal((k, n)).astype(np.float32)
                 ours_payload = {"inputs": {"x": b64(x), "w": b64(w)}}
-                floor_payload = {"inputs": {"x": b64(x)}}
+                floor_payload = {"inputs": {"x": b64(x), "w": b64(w)}}
                 for _ in range(20):  # warm-up: compile, connections
                     session.post(f"{ours}/apply", json=ours_payload, timeout=60)
                     session.post(f"{floor}/apply", json=floor_payload, timeout=60)
@@ -59,7 +59,8 @@ def run(reps=200):
                     {
                         "row": f"HTTP apply latency, {label} (base64)",
                         "shape": (m, k, n),
-                        "baseline": "trivial Tesseract (y = x) served the same way",
+                        "baseline": "trivial Tesseract (same request, returns x), "
+                        "served the same way",
                         "ratio": ours_s / floor_s,
                         "target": target,
                         "unit": "x the floor's latency (lower is better)",

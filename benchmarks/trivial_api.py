@@ -1,4 +1,9 @@
-"""A trivial Tesseract (y = x): the HTTP floor of tesseract-runtime serve."""
+"""A trivial Tesseract: the HTTP floor of tesseract-runtime serve.
+
+It takes the same request as qarray's apply (x and w) and answers with x, so
+the comparison isolates what qarray adds on top of the framework: validation,
+the computation, and its extra outputs.
+"""
 
 from pydantic import BaseModel, Field
 from tesseract_core.runtime import Array, Float32
@@ -6,6 +11,7 @@ from tesseract_core.runtime import Array, Float32
 
 class InputSchema(BaseModel):
     x: Array[..., Float32] = Field(description="Any float32 array.")
+    w: Array[..., Float32] = Field(description="Any float32 array (ignored).")
 
 
 class OutputSchema(BaseModel):
