@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
 HERE = Path(__file__).resolve().parent
 
@@ -41,8 +40,8 @@ def met(row) -> bool | None:
     if target is None:
         return None
     if row.get("lower_is_better"):
-        return row["ratio"] <= target
-    return row["ratio"] >= target
+        return bool(row["ratio"] <= target)
+    return bool(row["ratio"] >= target)
 
 
 def fmt(value) -> str:
@@ -120,13 +119,11 @@ def main():
         "machine": machine(),
         "command": "make bench",
         "seconds": round(time.time() - started, 1),
-        "rows": [
-            {**r, "shape": list(r["shape"]), "met": met(r)}
-            | {k: float(v) for k, v in r.items() if isinstance(v, np.floating)}
-            for r in rows
-        ],
+        "rows": [{**r, "shape": list(r["shape"]), "met": met(r)} for r in rows],
     }
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    # NumPy scalars (ratios, shapes) as plain JSON numbers
+    as_json = json.dumps(report, indent=2, default=lambda v: v.item())
+    Path(args.out).write_text(as_json + "\n")
     plot(rows, args.plot)
     print(f"Machine: {report['machine']}\n")
     print(table(rows))
