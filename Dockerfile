@@ -29,7 +29,8 @@ ENV TESSERACT_NAME=qarray \
     TESSERACT_OUTPUT_PATH=/tesseract/output_data \
     TESSERACT_OUTPUT_FORMAT=json+base64 \
     XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    QARRAY_VJP_CACHE_SIZE=8
+    QARRAY_VJP_CACHE_SIZE=8 \
+    QARRAY_MAX_REQUEST_BYTES=268435456
 
 USER 10001
 WORKDIR /tesseract
@@ -37,6 +38,8 @@ EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=120s --retries=3 \
     CMD ["python", "-c", "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
 
-# `tesseract serve` runs images as `serve --host 0.0.0.0 --port 8000 [--num-workers N]`
-ENTRYPOINT ["tesseract-runtime"]
+# `tesseract serve` runs images as `serve --host 0.0.0.0 --port 8000 [--num-workers N]`;
+# qarray-serve takes those arguments (tesseract-runtime's app behind qarray's
+# request guard) and hands any other command to tesseract-runtime
+ENTRYPOINT ["qarray-serve"]
 CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -31,14 +31,15 @@ test-compat:
 	$(COMPAT_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
 	$(COMPAT_VENV)/bin/python -m pytest tests/qarray
 
-# serves on $(HOST):$(PORT) with base64 array responses; run folders go to $(SCRATCH)
+# serves on $(HOST):$(PORT) with base64 array responses; run folders go to $(SCRATCH);
+# qarray-serve is tesseract-runtime serve behind the request guard (qarray/serve.py)
 serve: setup
 	@mkdir -p "$(SCRATCH)"
 	TESSERACT_API_PATH="$(CURDIR)/tesseract_api.py" \
 	TESSERACT_NAME=qarray \
 	TESSERACT_OUTPUT_FORMAT=json+base64 \
 	TESSERACT_OUTPUT_PATH="$(SCRATCH)" \
-	$(VENV)/bin/tesseract-runtime serve --host $(HOST) --port $(PORT)
+	$(VENV)/bin/qarray-serve serve --host $(HOST) --port $(PORT)
 
 # side-by-side benchmarks (never part of `make test`): table, results.json, results.png
 bench: setup

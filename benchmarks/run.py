@@ -104,11 +104,11 @@ def main():
     sys.path.insert(0, str(HERE.parent))
     from benchmarks import bench_cache, bench_http, bench_matmul
 
-    reps = 5 if args.quick else 15
+    reps = 5 if args.quick else 41
     suites = {
         "matmul": lambda: bench_matmul.run(reps=reps),
         "cache": lambda: bench_cache.run(reps=reps),
-        "http": lambda: bench_http.run(reps=50 if args.quick else 200),
+        "http": lambda: bench_http.run(reps=50 if args.quick else 600),
     }
     rows = []
     started = time.time()

@@ -17,15 +17,13 @@ chunked    K in chunks of ~128 rows: each   XLA:CPU never fuses an int8 -> f32 c
            chunk's int8 rows converted to   into a dot: a whole-matrix convert writes a
            f32 and multiplied, accumulated  full f32 copy (4x the int8 bytes). Chunks
            in f32 (``lax.scan``)            keep the copy in cache. Exact f32 math.
-split_int8 ``v`` split per row into a high   Two int8 x int8 -> int32 products in one
-           and a low int8 part (scale       dot (rows stacked), the fast int8 kernel.
-           ``max|v|/127``, then the         ``v`` is represented to ~2e-5 relative,
-           residual's): ``v ~ a1 q1 + a2    far below the weights' own quantization.
-           q2``
-bf16       ``v`` and the int8 payload in    For large M the dot dominates; bf16 with
-           bf16, f32 accumulation           f32 accumulation. ``v`` rounded to bf16
-                                            (~1.7e-3 relative): weight-only error stays
-                                            <= 9e-3 for Gaussian data at K = 4096.
+split_int8 ``v`` split per row into three   One int8 x int8 -> int32 product (parts'
+           int8 parts, each quantizing      rows stacked), the fast int8 kernel. ``v``
+           what the previous left           is kept to ~1e-7 of each row's largest
+           (``v ~ a1 q1 + a2 q2 + a3 q3``)  entry: float32 precision, so the product
+                                            is as smooth in ``x`` as a float32 one
+                                            (finite differences agree with the
+                                            gradients at any step).
 int8_dot   (``activations="int8"``) ``v``   int8 x int8 -> int32, rows padded to a
            quantized per row, one int8 dot  multiple of 8 (XLA:CPU's int8 kernel is
                                             slow for a single row).
@@ -33,14 +31,18 @@ dequantize ``v @ qvalue.astype(f32)``       Backends that fuse the convert into 
                                             dot (GPU); the reference formulation.
 ========== ================================ =========================================
 
+Weight-only products keep the activations at float32 precision: the only
+approximation is the weights' quantization. (Two int8 parts, or ``v`` in bf16,
+measured up to ~2x faster again at some shapes, but they add ~5e-5 and ~2e-3
+relative noise to the activations, enough to break finite-difference checks of
+the exact gradients; ``benchmarks/`` reports what precision costs.)
+
 Operands sharded over explicit mesh axes take the ``dequantize`` / plain int8
-formulations, which keep every axis in place for sharding propagation. On CPU,
-weight-only: ``chunked`` for M < 4 (bandwidth-bound; also no full f32
-copy of the weights), ``bf16`` for M >= 256, ``split_int8`` between. With
-``activations="int8"``: ``chunked`` on the quantized rows for M = 1,
-``int8_dot`` otherwise. Elsewhere: ``dequantize`` (weight-only) and
-``int8_dot``. The measurements behind these thresholds are in
-``benchmarks/`` (``make bench``).
+formulations, which keep every axis in place for sharding propagation. On CPU:
+``chunked`` for a single row, either mode (bandwidth-bound; no full f32 copy of
+the weights); more rows: ``split_int8`` (weight-only) or ``int8_dot``. Elsewhere:
+``dequantize`` (weight-only) and ``int8_dot``. The measurements behind these
+choices are in ``benchmarks/`` (``make bench``).
 """
 
 from __future__ import annotations
@@ -53,13 +55,13 @@ from jax import lax
 
 QMAX = 127.0
 
-WEIGHT_ONLY_STRATEGIES = ("chunked", "split_int8", "bf16", "dequantize")
+WEIGHT_ONLY_STRATEGIES = ("chunked", "split_int8", "dequantize")
 INT8_STRATEGIES = ("chunked", "int8_dot")
 
 # rows of int8 weights converted to f32 at a time by the chunked formulation
 CHUNK_ROWS = 128
-# weights (k * n) up to which large-M weight-only products run in bf16
-BF16_MAX_WEIGHTS = 4 * 1024 * 1024
+# int8 parts representing float32 activations: (1/254)^3 ~ 6e-8 of a row's max
+SPLIT_LEVELS = 3
 
 
 def quantize_rows(x):
@@ -88,15 +90,12 @@ def dequantize_rows(qvalue, scale):
 
 def choose_strategy(m: int, k: int, n: int, activations: str, platform: str) -> str:
     """The formulation ``matmul`` uses for x[m, k] @ q8[k, n] (see module doc)."""
+    del k, n  # measured so far: the best choice depends on M alone
     if platform != "cpu":
         return "int8_dot" if activations == "int8" else "dequantize"
     if m == 1:
         return "chunked"
-    if activations == "int8":
-        return "int8_dot"
-    # bf16 pays a converted copy of the weights per call: worth it once M is
-    # large and the copy (2 bytes per weight) stays cache-sized
-    return "bf16" if m >= 256 and k * n <= BF16_MAX_WEIGHTS else "split_int8"
+    return "int8_dot" if activations == "int8" else "split_int8"
 
 
 def matmul(x, qvalue, scale, activations="float32", strategy=None):
@@ -148,7 +147,7 @@ def matmul_transposed(g, qvalue, scale):
     if m < 2:
         acc = lax.dot_general(g2, qvalue.astype(jnp.float32), dims)
     else:
-        acc = _split_product(g2, qvalue, dims, levels=3)
+        acc = _split_product(g2, qvalue, dims, levels=SPLIT_LEVELS)
     return (acc * scale).reshape(*lead, k)
 
 
@@ -174,8 +173,6 @@ def _weight_only(v, qvalue, strategy):
         return _chunked(v, qvalue)
     if strategy == "split_int8":
         return _split_int8(v, qvalue)
-    if strategy == "bf16":
-        return _dot(v.astype(jnp.bfloat16), qvalue.astype(jnp.bfloat16), jnp.float32)
     if strategy == "dequantize":
         return _dot(v, qvalue.astype(jnp.float32))
     raise ValueError(f"unknown weight-only strategy {strategy!r}")
@@ -209,8 +206,8 @@ def _int8_dot(lhs_q, qvalue):
 
 
 def _split_int8(v, qvalue):
-    """v f32[m, k] @ int8[k, n] as int8 products: v ~ a1 q1 + a2 q2 per row."""
-    return _split_product(v, qvalue, (((1,), (0,)), ((), ())), levels=2)
+    """v f32[m, k] @ int8[k, n] as one int8 product of v's three int8 parts."""
+    return _split_product(v, qvalue, (((1,), (0,)), ((), ())), levels=SPLIT_LEVELS)
 
 
 def _split_product(v, qvalue, dims, levels):

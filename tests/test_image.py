@@ -38,7 +38,7 @@ def test_dockerfile_serves_like_tesseract_serve_expects():
     assert any(ln.startswith("USER ") and ln != "USER root" for ln in lines)
     assert any(ln.startswith("HEALTHCHECK") for ln in lines)
     assert "/health" in text
-    assert 'ENTRYPOINT ["tesseract-runtime"]' in lines
+    assert 'ENTRYPOINT ["qarray-serve"]' in lines  # the guarded server
     assert 'CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]' in lines
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored

@@ -13,8 +13,7 @@ from tests import reference as ref
 TOLERANCE = {
     "chunked": 1e-6,
     "dequantize": 1e-6,
-    "split_int8": 1e-4,  # x * scale kept to ~2e-5 of each row's max
-    "bf16": 5e-3,  # x * scale rounded to bf16 (8 bits of mantissa)
+    "split_int8": 1e-6,  # x * scale in three int8 parts: float32 precision
     "int8_dot": 1e-6,  # same quantized rows as the reference: integer sums
 }
 
@@ -79,10 +78,7 @@ def test_leading_axes_and_vectors(rng):
     [
         (1, 4096, "float32", "cpu", "chunked"),
         (2, 4096, "float32", "cpu", "split_int8"),
-        (255, 1024, "float32", "cpu", "split_int8"),
-        (256, 1024, "float32", "cpu", "bf16"),
-        (512, 2048, "float32", "cpu", "bf16"),
-        (512, 4096, "float32", "cpu", "split_int8"),
+        (512, 1024, "float32", "cpu", "split_int8"),
         (1, 4096, "int8", "cpu", "chunked"),
         (2, 4096, "int8", "cpu", "int8_dot"),
         (1, 4096, "float32", "gpu", "dequantize"),

@@ -15,6 +15,7 @@ import requests
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNTIME = Path(sys.executable).with_name("tesseract-runtime")
+SERVE = Path(sys.executable).with_name("qarray-serve")  # what make serve runs
 
 
 def free_port() -> int:
@@ -47,7 +48,7 @@ def serve(
     log = open(tmp_path / f"server-{port}.log", "wb")
     proc = subprocess.Popen(
         [
-            str(RUNTIME),
+            str(SERVE),
             "serve",
             "--host",
             "127.0.0.1",

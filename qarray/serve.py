@@ -1,0 +1,245 @@
+"""The Tesseract's HTTP server: tesseract-core's app behind a request guard.
+
+    qarray-serve serve --host 0.0.0.0 --port 8000 [--num-workers N]
+
+takes the arguments ``tesseract-runtime serve`` takes (``tesseract serve`` runs
+images that way); any other command is handed to ``tesseract-runtime``. Needs
+tesseract-core's runtime (``pip install qarray[tesseract]``); importing
+``qarray`` does not import this module.
+
+The guard, an ASGI middleware in front of every route, refuses before the
+application sees the request:
+
+- a body over ``QARRAY_MAX_REQUEST_BYTES`` (default 256 MiB): by its
+  Content-Length without reading it, or as soon as a streamed body passes the
+  limit (413);
+- any ``binref`` array whose buffer is not a plain relative path inside the
+  input folder (``TESSERACT_INPUT_PATH``): absolute paths, ``..``, URLs and
+  fsspec protocols, symlinks that lead out (422), so nothing is read or fetched
+  on a client's say-so;
+- a binref array declaring more than ``QARRAY_MAX_ELEMENTS`` elements (413);
+- a ``run_id`` that is not a plain name (400): the runtime makes a folder of it
+  under the output folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from urllib.parse import parse_qs
+
+DEFAULT_MAX_REQUEST_BYTES = 256 * 2**20
+DEFAULT_MAX_ELEMENTS = 2**25
+
+_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+# '<path>[:<offset>[:<compressed size>]]'; a path is plain names joined by '/'
+_BINREF = re.compile(r"(?P<path>[^:]*)(:\d+(:\d+)?)?")
+_SAFE_PATH = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*")
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    try:
+        value = int(raw) if raw else default
+    except ValueError:
+        raise SystemExit(f"{name} must be an integer, got {raw!r}.") from None
+    if value < 1:
+        raise SystemExit(f"{name} must be >= 1, got {value}.")
+    return value
+
+
+def binref_problem(buffer: str, input_dir: Path) -> str | None:
+    """Why a binref buffer may not be read, or None if it names a file inside
+    ``input_dir`` (the check happens before anything is opened)."""
+    match = _BINREF.fullmatch(buffer)
+    path = match.group("path") if match else ""
+    if not match or not _SAFE_PATH.fullmatch(path):
+        return (
+            f"binref buffer {buffer!r} must be a relative path inside the input "
+            "folder (names of letters, digits, '_', '.', '-' joined by '/'); absolute "
+            "paths, '..', URLs and other protocols are refused"
+        )
+    if any(part == ".." for part in path.split("/")):
+        return f"binref buffer {buffer!r} may not contain '..'"
+    root = input_dir.resolve()
+    target = (root / path).resolve()
+    if not target.is_relative_to(root):
+        return f"binref buffer {buffer!r} leads outside the input folder"
+    return None
+
+
+def _encoded_arrays(tree, path=""):
+    """(field path, encoded-array dict) for every encoded array in a JSON tree."""
+    if isinstance(tree, dict):
+        if tree.get("object_type") == "array" and isinstance(tree.get("data"), dict):
+            yield path, tree
+            return
+        for key, value in tree.items():
+            yield from _encoded_arrays(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(tree, list):
+        for i, value in enumerate(tree):
+            yield from _encoded_arrays(value, f"{path}[{i}]")
+
+
+def _field_name(path: str) -> str:
+    # the endpoint payload nests the schema under "inputs"
+    return path.removeprefix("inputs.")
+
+
+def check_body(body: bytes, input_dir: Path, max_elements: int):
+    """(status, message) for a request body that must be refused, else None."""
+    if b"binref" not in body:  # the common case costs one scan, no parse
+        return None
+    try:
+        tree = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None  # the application answers malformed JSON itself
+    for path, array in _encoded_arrays(tree):
+        data = array["data"]
+        if data.get("encoding") != "binref":
+            continue
+        name = _field_name(path)
+        buffer = data.get("buffer")
+        if not isinstance(buffer, str):
+            return 422, f"{name}: a binref buffer must be a string path"
+        problem = binref_problem(buffer, input_dir)
+        if problem:
+            return 422, f"{name}: {problem}"
+        shape = array.get("shape")
+        if isinstance(shape, list) and all(isinstance(d, int) for d in shape):
+            size = 1
+            for d in shape:
+                size *= max(d, 0)
+            if size > max_elements:
+                return 413, (
+                    f"{name}: declared shape {tuple(shape)} has {size} elements, over "
+                    f"the limit of {max_elements} (QARRAY_MAX_ELEMENTS)"
+                )
+    return None
+
+
+class RequestGuard:
+    """ASGI middleware applying the checks in this module's docstring."""
+
+    def __init__(self, app, max_body: int, input_dir: Path, max_elements: int):
+        self.app = app
+        self.max_body = max_body
+        self.input_dir = input_dir
+        self.max_elements = max_elements
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        for run_id in query.get("run_id", []):
+            if not _RUN_ID.fullmatch(run_id):
+                return await _reject(
+                    send, 400, "run_id must be 1-128 letters, digits, '_' or '-'"
+                )
+        headers = dict(scope.get("headers", []))
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                return await _reject(send, 400, "Content-Length must be a number")
+            if int(declared) > self.max_body:
+                return await _reject(send, 413, self._too_large(int(declared)))
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None  # the client left: nothing to answer
+            body += message.get("body", b"")
+            if len(body) > self.max_body:
+                return await _reject(send, 413, self._too_large(len(body)))
+            if not message.get("more_body", False):
+                break
+        refusal = check_body(bytes(body), self.input_dir, self.max_elements)
+        if refusal:
+            return await _reject(send, *refusal)
+
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()  # e.g. the client disconnecting
+
+        return await self.app(scope, replay, send)
+
+    def _too_large(self, size: int) -> str:
+        return (
+            f"request body of {size} bytes is over the limit of {self.max_body} "
+            "bytes (QARRAY_MAX_REQUEST_BYTES)"
+        )
+
+
+async def _reject(send, status: int, message: str):
+    body = json.dumps({"detail": message}).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def create_app():
+    """tesseract-core's app for TESSERACT_API_PATH, behind the guard."""
+    from tesseract_core.runtime.config import get_config
+    from tesseract_core.runtime.core import get_tesseract_api
+    from tesseract_core.runtime.serve import create_rest_api
+
+    return RequestGuard(
+        create_rest_api(get_tesseract_api()),
+        max_body=_env_int("QARRAY_MAX_REQUEST_BYTES", DEFAULT_MAX_REQUEST_BYTES),
+        input_dir=Path(get_config().input_path),
+        max_elements=_env_int("QARRAY_MAX_ELEMENTS", DEFAULT_MAX_ELEMENTS),
+    )
+
+
+def main(argv=None) -> None:
+    """``qarray-serve serve [--host H] [--port P] [--num-workers N]``; any other
+    command runs as ``tesseract-runtime`` would run it."""
+    import argparse
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "serve":
+        from tesseract_core.runtime.cli import main as runtime_main
+
+        sys.argv = ["tesseract-runtime", *argv]
+        return runtime_main()
+    parser = argparse.ArgumentParser(prog="qarray-serve serve")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--num-workers", type=int, default=1)
+    args = parser.parse_args(argv[1:])
+    if args.num_workers < 1:
+        parser.error("--num-workers must be >= 1")
+
+    import uvicorn
+
+    _env_int("QARRAY_MAX_REQUEST_BYTES", DEFAULT_MAX_REQUEST_BYTES)  # fail early
+    uvicorn.run(
+        "qarray.serve:create_app",
+        factory=True,
+        host=args.host,
+        port=args.port,
+        workers=args.num_workers,
+        timeout_keep_alive=60,
+    )
+    return None
+
+
+if __name__ == "__main__":
+    main()
