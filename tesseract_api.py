@@ -77,6 +77,8 @@ def _declared_shape(value: Any) -> tuple[int, ...] | None:
 
 def _limit_size(value: Any) -> Any:
     shape = _declared_shape(value)
+    if shape is not None and any(d < 0 for d in shape):
+        raise ValueError(f"declared shape {shape} has a negative dimension")
     if shape is not None and math.prod(shape) > MAX_ELEMENTS:
         raise ValueError(
             f"declared shape {shape} has {math.prod(shape)} elements, over the "

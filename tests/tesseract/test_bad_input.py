@@ -223,11 +223,166 @@ CASES = [
 ]
 
 
+def truncated(array):
+    encoded = b64(array)
+    encoded["data"]["buffer"] = encoded["data"]["buffer"][:-6]
+    return encoded
+
+
+def with_data(array, **data):
+    encoded = b64(array)
+    encoded["data"].update(data)
+    return encoded
+
+
+class Raw(bytes):
+    """A request body sent as is, with its own content type."""
+
+    def __new__(cls, body: bytes, content_type="application/json"):
+        obj = super().__new__(cls, body)
+        obj.content_type = content_type
+        return obj
+
+
+ABSTRACT_X = {"shape": [2, 3], "dtype": "float32"}
+ABSTRACT_W = {"shape": [3, 4], "dtype": "float32"}
+
+CASES += [
+    # encodings and transport
+    ("truncated-base64", "apply", {"inputs": inputs(x=truncated(X))}, ["x", "base64"]),
+    (
+        "unknown-encoding",
+        "apply",
+        {"inputs": inputs(x=with_data(X, encoding="b65"))},
+        ["x", "encoding"],
+    ),
+    (
+        "buffer-shape-mismatch",
+        "apply",
+        {"inputs": inputs(x={**b64(X), "shape": [4, 3]})},
+        ["x"],
+    ),
+    (
+        "complex-dtype",
+        "apply",
+        {"inputs": inputs(x=b64(X.astype(np.complex64)))},
+        ["x", "complex64"],
+    ),
+    ("x-is-a-string", "apply", {"inputs": inputs(x="hello")}, ["x"]),
+    ("missing-inputs", "apply", {}, ["inputs", "Field required"]),
+    ("inputs-is-a-list", "apply", {"inputs": [1, 2]}, ["inputs"]),
+    ("malformed-json", "apply", Raw(b'{"inputs": {"x": [[1, 2'), ["json"]),
+    ("empty-body", "apply", Raw(b""), ["body"]),
+    ("json-array-body", "apply", Raw(b"[1, 2, 3]"), ["body"]),
+    ("text-content-type", "apply", Raw(b'{"inputs": {}}', "text/plain"), ["body"]),
+    # abstract_eval
+    (
+        "abstract-unknown-dtype",
+        "abstract_eval",
+        {"inputs": {"x": {"shape": [2, 3], "dtype": "float99"}, "w": ABSTRACT_W}},
+        ["dtype"],
+    ),
+    (
+        "abstract-negative-dim",
+        "abstract_eval",
+        {"inputs": {"x": {"shape": [-2, 3], "dtype": "float32"}, "w": ABSTRACT_W}},
+        ["x", "shape"],
+    ),
+    (
+        "abstract-k-mismatch",
+        "abstract_eval",
+        {"inputs": {"x": {"shape": [2, 5], "dtype": "float32"}, "w": ABSTRACT_W}},
+        ["x.shape[-1] must equal w.shape[0] (K)"],
+    ),
+    (
+        "abstract-both-weights",
+        "abstract_eval",
+        {
+            "inputs": {
+                "x": ABSTRACT_X,
+                "w": ABSTRACT_W,
+                "w_q": {
+                    "qvalue": {"shape": [3, 4], "dtype": "int8"},
+                    "scale": {"shape": [3], "dtype": "float32"},
+                },
+            }
+        },
+        ["exactly one of w and w_q"],
+    ),
+    # jacobian
+    (
+        "jacobian-unknown-input",
+        "jacobian",
+        {"inputs": inputs(), "jac_inputs": ["z"], "jac_outputs": ["y"]},
+        ["jac_inputs"],
+    ),
+    (
+        "jacobian-no-inputs",
+        "jacobian",
+        {"inputs": inputs(), "jac_inputs": [], "jac_outputs": ["y"]},
+        ["jac_inputs"],
+    ),
+    (
+        "jacobian-nondiff-output",
+        "jacobian",
+        {"inputs": inputs(), "jac_inputs": ["x"], "jac_outputs": ["w_q.qvalue"]},
+        ["jac_outputs"],
+    ),
+    (
+        "jacobian-too-large",
+        "jacobian",
+        {
+            "inputs": inputs(x=b64(np.ones((1000, 3), np.float32))),
+            "jac_inputs": ["x"],
+            "jac_outputs": ["y"],
+        },
+        ["Jacobian of y (1000, 4) with respect to x (1000, 3)", "QARRAY_MAX_ELEMENTS"],
+    ),
+    # vjp / jvp vectors
+    (
+        "vjp-cotangent-complex",
+        "vector_jacobian_product",
+        vjp(cotangent_vector={"y": b64(G.astype(np.complex64))}),
+        ["cotangent_vector"],
+    ),
+    (
+        "vjp-cotangent-truncated",
+        "vector_jacobian_product",
+        vjp(cotangent_vector={"y": truncated(G)}),
+        ["cotangent_vector", "base64"],
+    ),
+    (
+        "vjp-cotangent-wrong-key",
+        "vector_jacobian_product",
+        vjp(cotangent_vector={"x": b64(G)}),
+        ["cotangent_vector"],
+    ),
+    (
+        "vjp-cotangent-nan",
+        "vector_jacobian_product",
+        vjp(cotangent_vector={"y": b64(with_nan(G))}),
+        ["'y' must be finite"],
+    ),
+    (
+        "jvp-tangent-string",
+        "jacobian_vector_product",
+        jvp(tangent_vector={"x": "nope"}),
+        ["tangent_vector"],
+    ),
+    (
+        "jvp-tangent-extra-key",
+        "jacobian_vector_product",
+        jvp(tangent_vector={"x": b64(X), "bias": b64(np.ones(4, np.float32))}),
+        ["tangent_vector"],
+    ),
+]
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bad-input")
     with serve(tmp, env={"QARRAY_MAX_ELEMENTS": "1000000"}) as url:
-        yield url
+        yield url, tmp
 
 
 @pytest.mark.parametrize(
@@ -236,7 +391,16 @@ def server(tmp_path_factory):
     ids=[c[0] for c in CASES],
 )
 def test_bad_input_is_a_4xx_naming_the_field(server, endpoint, payload, fragments):
-    response = requests.post(f"{server}/{endpoint}", json=payload, timeout=60)
+    url, _ = server
+    if isinstance(payload, Raw):
+        response = requests.post(
+            f"{url}/{endpoint}",
+            data=bytes(payload),
+            timeout=60,
+            headers={"Content-Type": payload.content_type},
+        )
+    else:
+        response = requests.post(f"{url}/{endpoint}", json=payload, timeout=60)
     assert 400 <= response.status_code < 500, (
         response.status_code,
         response.text[:2000],
@@ -244,4 +408,26 @@ def test_bad_input_is_a_4xx_naming_the_field(server, endpoint, payload, fragment
     message = response.text
     for fragment in fragments:
         assert fragment in message, (fragment, message[:2000])
-    assert requests.get(f"{server}/health", timeout=10).status_code == 200
+    assert requests.get(f"{url}/health", timeout=10).status_code == 200
+
+
+def test_the_suite_is_broad():
+    assert len(CASES) >= 40
+    assert {c[1] for c in CASES} == {
+        "apply",
+        "abstract_eval",
+        "jacobian",
+        "jacobian_vector_product",
+        "vector_jacobian_product",
+    }
+
+
+def test_nothing_was_written_outside_the_output_folder(server):
+    """Runs after the bad-input cases (same module server)."""
+    _, tmp = server
+    stray = [
+        p
+        for p in tmp.rglob("*")
+        if not p.is_relative_to(tmp / "outputs") and not p.name.startswith("server-")
+    ]
+    assert stray == []

@@ -1,0 +1,155 @@
+"""qarray-serve's request guard: no file or network access on a client's say-so,
+bounded request bodies, safe run ids."""
+
+import socket
+import time
+
+import numpy as np
+import pytest
+import requests
+
+from qarray.serve import binref_problem
+from tests.tesseract.server import b64, serve
+
+X = np.arange(6, dtype=np.float32).reshape(2, 3)
+W = np.arange(12, dtype=np.float32).reshape(3, 4) / 12
+
+
+def binref(buffer, shape=(2, 3), dtype="float32"):
+    return {
+        "object_type": "array",
+        "shape": list(shape),
+        "dtype": dtype,
+        "data": {"buffer": buffer, "encoding": "binref"},
+    }
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("guard")
+    inputs = tmp / "inputs"
+    inputs.mkdir()
+    (inputs / "x.bin").write_bytes(X.tobytes())
+    secret = tmp / "secret.bin"
+    secret.write_bytes(np.full(6, 4321.5, np.float32).tobytes())
+    (inputs / "link.bin").symlink_to(secret)
+    env = {"TESSERACT_INPUT_PATH": str(inputs), "QARRAY_MAX_REQUEST_BYTES": "200000"}
+    with serve(tmp, env=env) as url:
+        yield url, tmp, secret
+
+
+HOSTILE = [
+    ("absolute", "{secret}:0"),
+    ("absolute-no-offset", "/etc/passwd"),
+    ("dotdot", "../secret.bin:0"),
+    ("dotdot-inside", "sub/../../secret.bin"),
+    ("url", "http://127.0.0.1:9/x.bin:0"),
+    ("fsspec-memory", "memory://x.bin"),
+    ("fsspec-chained", "simplecache::http://127.0.0.1:9/x"),
+    ("file-scheme", "file:///etc/passwd"),
+    ("home", "~/x.bin"),
+    ("symlink-out", "link.bin:0"),
+    ("empty", ""),
+]
+
+
+@pytest.mark.parametrize(("name", "buffer"), HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_binref_is_refused_before_reading(guarded, name, buffer):
+    url, _, secret = guarded
+    buffer = buffer.format(secret=secret)
+    payload = {"inputs": {"x": binref(buffer), "w": b64(W)}}
+    response = requests.post(f"{url}/apply", json=payload, timeout=30)
+    assert response.status_code == 422, response.text
+    assert "x: binref buffer" in response.text or "binref" in response.text
+    # nothing of the secret came back
+    assert "4321" not in response.text
+    assert requests.get(f"{url}/health", timeout=10).status_code == 200
+
+
+def test_binref_inside_the_input_folder_works(guarded):
+    url, _, _ = guarded
+    payload = {"inputs": {"x": binref("x.bin:0"), "w": b64(W)}}
+    response = requests.post(
+        f"{url}/apply", json=payload, timeout=30, headers={"Accept": "application/json"}
+    )
+    assert response.status_code == 200, response.text
+    y = np.asarray(response.json()["y"]["data"]["buffer"], np.float32)
+    assert y.shape == (2, 4)
+
+
+def test_binref_in_a_cotangent_is_checked_too(guarded):
+    url, _, secret = guarded
+    payload = {
+        "inputs": {"x": b64(X), "w": b64(W)},
+        "vjp_inputs": ["x"],
+        "vjp_outputs": ["y"],
+        "cotangent_vector": {"y": binref(f"{secret}:0", shape=(2, 4))},
+    }
+    response = requests.post(f"{url}/vector_jacobian_product", json=payload, timeout=30)
+    assert response.status_code == 422
+    assert "cotangent_vector.y: binref buffer" in response.text
+
+
+def test_binref_declaring_a_huge_shape_is_refused(guarded):
+    url, _, _ = guarded
+    payload = {"inputs": {"x": binref("x.bin:0", shape=(100000, 100000)), "w": b64(W)}}
+    response = requests.post(f"{url}/apply", json=payload, timeout=30)
+    assert response.status_code == 413
+    assert "QARRAY_MAX_ELEMENTS" in response.text
+
+
+def test_body_over_the_limit_is_refused_by_its_length(guarded):
+    url, _, _ = guarded
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        # declare 10 MB, send nothing: the answer must not wait for the body
+        sock.sendall(
+            b"POST /apply HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 10000000\r\n\r\n"
+        )
+        start = time.monotonic()
+        reply = b""
+        while chunk := sock.recv(4096):  # the guard closes the connection
+            reply += chunk
+        reply = reply.decode()
+        assert time.monotonic() - start < 5
+    assert reply.startswith("HTTP/1.1 413"), reply
+    assert "QARRAY_MAX_REQUEST_BYTES" in reply
+
+
+def test_streamed_body_over_the_limit_is_refused(guarded):
+    url, _, _ = guarded
+
+    def chunks():
+        for _ in range(100):
+            yield b" " * 10000  # 1 MB in all, no Content-Length
+
+    response = requests.post(
+        f"{url}/apply",
+        data=chunks(),
+        timeout=30,
+        headers={"Content-Type": "application/json"},
+    )
+    assert response.status_code == 413
+    assert requests.get(f"{url}/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("run_id", ["../../escape", "a/b", "x" * 200, "%2e%2e"])
+def test_run_id_must_be_a_plain_name(guarded, run_id):
+    url, tmp, _ = guarded
+    payload = {"inputs": {"x": b64(X), "w": b64(W)}}
+    response = requests.post(
+        f"{url}/apply", params={"run_id": run_id}, json=payload, timeout=30
+    )
+    assert response.status_code == 400
+    assert not (tmp / "escape").exists()
+
+
+def test_binref_problem_unit():
+    from pathlib import Path
+
+    root = Path("/tmp")
+    assert binref_problem("data/x.bin:16", root) is None
+    assert binref_problem("x.bin:0:12", root) is None
+    for bad in ("/x", "../x", "a/../../x", "s3://b/x", "c:\\x", "a//b", ".hidden"):
+        assert binref_problem(bad, root) is not None, bad
