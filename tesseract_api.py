@@ -406,15 +406,10 @@ def jacobian_vector_product(
 ):
     """Tangent of y for tangents of jvp_inputs (each shaped like its input)."""
     _require_given(inputs, jvp_inputs, "jvp_inputs")
-    for path, tangent in tangent_vector.items():
-        if tuple(np.shape(tangent)) != _input_shape(inputs, path):
-            raise _bad_request(
-                f"tangent_vector[{path!r}] must have the shape of {path} "
-                f"{_input_shape(inputs, path)}, got {tuple(np.shape(tangent))}"
-            )
-    return jax_recipes.jax_jvp(
-        apply_jit, inputs, jvp_inputs, jvp_outputs, _as_float32(tangent_vector)
+    tangents = _checked_vectors(
+        "tangent_vector", tangent_vector, lambda p: (p, _input_shape(inputs, p))
     )
+    return jax_recipes.jax_jvp(apply_jit, inputs, jvp_inputs, jvp_outputs, tangents)
 
 
 def vector_jacobian_product(
@@ -425,19 +420,22 @@ def vector_jacobian_product(
 ):
     """Cotangents of vjp_inputs for a cotangent of y (shaped like y)."""
     _require_given(inputs, vjp_inputs, "vjp_inputs")
-    for path, cotangent in cotangent_vector.items():
-        if tuple(np.shape(cotangent)) != _y_shape(inputs):
-            raise _bad_request(
-                f"cotangent_vector[{path!r}] must have the shape of y "
-                f"{_y_shape(inputs)}, got {tuple(np.shape(cotangent))}"
-            )
-    return jax_recipes.jax_vjp(
-        apply_jit, inputs, vjp_inputs, vjp_outputs, _as_float32(cotangent_vector)
+    cotangents = _checked_vectors(
+        "cotangent_vector", cotangent_vector, lambda p: ("y", _y_shape(inputs))
     )
+    return jax_recipes.jax_vjp(apply_jit, inputs, vjp_inputs, vjp_outputs, cotangents)
 
 
-def _as_float32(vectors: dict[str, Any]) -> dict[str, Any]:
+def _checked_vectors(field: str, vectors: dict[str, Any], like) -> dict[str, Any]:
+    """Tangents / cotangents, checked: ``like(path)`` names the array each must
+    match and its shape; they must be finite. Returned as float32."""
     for path, v in vectors.items():
+        name, shape = like(path)
+        if tuple(np.shape(v)) != shape:
+            raise _bad_request(
+                f"{field}[{path!r}] must have the shape of {name} {shape}, got "
+                f"{tuple(np.shape(v))}"
+            )
         if not np.isfinite(v).all():
-            raise _bad_request(f"the vector for {path!r} must be finite")
+            raise _bad_request(f"{field}[{path!r}] must be finite")
     return {path: np.asarray(v, np.float32) for path, v in vectors.items()}

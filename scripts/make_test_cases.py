@@ -7,7 +7,6 @@ this script again reproduces the files byte for byte (a test checks that):
     .venv/bin/python scripts/make_test_cases.py [OUT_DIR]   # default: test_cases/
 """
 
-import base64
 import json
 import sys
 from pathlib import Path
@@ -18,21 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests import reference as ref  # noqa: E402
+from tests.tesseract.server import b64  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-4
-
-
-def b64(array) -> dict:
-    array = np.asarray(array, order="C")  # (ascontiguousarray makes 0-d arrays 1-d)
-    return {
-        "object_type": "array",
-        "shape": list(array.shape),
-        "dtype": str(array.dtype),
-        "data": {
-            "buffer": base64.b64encode(array.tobytes()).decode(),
-            "encoding": "base64",
-        },
-    }
 
 
 def encode(tree):
