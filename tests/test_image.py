@@ -57,6 +57,9 @@ def test_tesseract_config_is_valid_for_tesseract_core():
     )
     for source, _ in config.build_config.package_data:
         assert (ROOT / source).exists(), source
+    # `tesseract build` images serve behind the request guard too
+    steps = "\n".join(config.build_config.custom_build_steps)
+    assert '"python", "-m", "qarray.serve"' in steps
 
 
 def test_local_install_has_the_image_pins_without_cuda():
