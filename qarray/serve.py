@@ -20,6 +20,9 @@ application sees the request:
 - a binref array declaring more than ``QARRAY_MAX_ELEMENTS`` elements (413);
 - a ``run_id`` that is not a plain name (400): the runtime makes a folder of it
   under the output folder.
+
+Validation errors (422) name the field and the problem but do not echo the
+input back.
 """
 
 from __future__ import annotations
@@ -194,14 +197,30 @@ async def _reject(send, status: int, message: str):
     await send({"type": "http.response.body", "body": body})
 
 
+def _validation_error_response(request, exc):
+    """FastAPI's 422, without echoing each failing input back: a malformed
+    100 MB array would otherwise come back whole in the error."""
+    from fastapi.encoders import jsonable_encoder
+    from fastapi.responses import JSONResponse
+
+    errors = [
+        {k: v for k, v in error.items() if k not in ("input", "url")}
+        for error in exc.errors()
+    ]
+    return JSONResponse(status_code=422, content={"detail": jsonable_encoder(errors)})
+
+
 def create_app():
     """tesseract-core's app for TESSERACT_API_PATH, behind the guard."""
+    from fastapi.exceptions import RequestValidationError
     from tesseract_core.runtime.config import get_config
     from tesseract_core.runtime.core import get_tesseract_api
     from tesseract_core.runtime.serve import create_rest_api
 
+    app = create_rest_api(get_tesseract_api())
+    app.add_exception_handler(RequestValidationError, _validation_error_response)
     return RequestGuard(
-        create_rest_api(get_tesseract_api()),
+        app,
         max_body=_env_int("QARRAY_MAX_REQUEST_BYTES", DEFAULT_MAX_REQUEST_BYTES),
         input_dir=Path(get_config().input_path),
         max_elements=_env_int("QARRAY_MAX_ELEMENTS", DEFAULT_MAX_ELEMENTS),

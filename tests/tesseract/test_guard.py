@@ -153,3 +153,13 @@ def test_binref_problem_unit():
     assert binref_problem("x.bin:0:12", root) is None
     for bad in ("/x", "../x", "a/../../x", "s3://b/x", "c:\\x", "a//b", ".hidden"):
         assert binref_problem(bad, root) is not None, bad
+
+
+def test_validation_errors_do_not_echo_large_inputs(guarded):
+    url, _, _ = guarded
+    x = np.ones((100, 300), np.float32)  # ~160 kB of base64, under the body limit
+    payload = {"inputs": {"x": b64(x)}}  # neither w nor w_q
+    response = requests.post(f"{url}/apply", json=payload, timeout=30)
+    assert response.status_code == 422
+    assert "give exactly one of w and w_q, got neither" in response.text
+    assert len(response.content) < 2000
