@@ -306,7 +306,7 @@ def _cache_pays(inputs: InputSchema) -> bool:
     apply does not cache; the threshold is there for hardware where hashing is
     cheap relative to the product, or to force caching (0).
     """
-    k, n = (inputs.w if inputs.w is not None else inputs.w_q.qvalue).shape
+    k, n = _weights_shape(inputs)
     m = math.prod(inputs.x.shape[:-1])
     flops, elements = 2 * m * k * n, m * k + k * n + n
     return flops >= VJP_CACHE_MIN_INTENSITY * max(elements, 1)
@@ -319,7 +319,7 @@ def _forward_with_pullback(arrays: dict, activations: str):
     diff, nondiff = eqx.partition(arrays, eqx.is_inexact_array)
 
     def forward(diff):
-        out = apply_jit({**eqx.combine(diff, nondiff), "activations": activations})
+        out = _compute(eqx.combine(diff, nondiff), activations=activations)
         return {"y": out["y"]}, out
 
     _, pullback, out = jax.vjp(forward, diff, has_aux=True)
@@ -370,9 +370,13 @@ def _require_given(inputs: InputSchema, paths: set[str], field: str) -> None:
             )
 
 
+def _weights_shape(inputs: InputSchema) -> tuple[int, int]:
+    """(K, N) of whichever weights the request gave."""
+    return (inputs.w if inputs.w is not None else inputs.w_q.qvalue).shape
+
+
 def _y_shape(inputs: InputSchema) -> tuple[int, ...]:
-    n = (inputs.w if inputs.w is not None else inputs.w_q.qvalue).shape[1]
-    return (*inputs.x.shape[:-1], n)
+    return (*inputs.x.shape[:-1], _weights_shape(inputs)[1])
 
 
 def _input_shape(inputs: InputSchema, path: str) -> tuple[int, ...]:

@@ -188,26 +188,29 @@ def _int8_activations(xq, xscale, qvalue, strategy):
     return acc * xscale[:, None]
 
 
+# lhs[m, k] . rhs[k, n]: contract lhs's columns with rhs's rows
+_ROWS_BY_COLS = (((1,), (0,)), ((), ()))
+
+
 def _dot(lhs, rhs, preferred_element_type=None):
     """lhs[m, k] . rhs[k, n] -> [m, n]."""
-    dims = (((1,), (0,)), ((), ()))
     return lax.dot_general(
-        lhs, rhs, dims, preferred_element_type=preferred_element_type
+        lhs, rhs, _ROWS_BY_COLS, preferred_element_type=preferred_element_type
     )
 
 
-def _int8_dot(lhs_q, qvalue):
-    """int8[m, k] . int8[k, n] -> int32[m, n], rows padded to a multiple of 8
+def _int8_dot(lhs_q, qvalue, dims=_ROWS_BY_COLS):
+    """int8[m, c] . int8 payload -> int32[m, ...], rows padded to a multiple of 8
     (XLA:CPU's int8 kernel is slow for a single row and for odd counts)."""
     m = lhs_q.shape[0]
-    pad = -m % 8
-    acc = _dot(jnp.pad(lhs_q, ((0, pad), (0, 0))), qvalue, jnp.int32)
+    padded = jnp.pad(lhs_q, ((0, -m % 8), (0, 0)))
+    acc = lax.dot_general(padded, qvalue, dims, preferred_element_type=jnp.int32)
     return acc[:m]
 
 
 def _split_int8(v, qvalue):
     """v f32[m, k] @ int8[k, n] as one int8 product of v's three int8 parts."""
-    return _split_product(v, qvalue, (((1,), (0,)), ((), ())), levels=SPLIT_LEVELS)
+    return _split_product(v, qvalue, _ROWS_BY_COLS, levels=SPLIT_LEVELS)
 
 
 def _split_product(v, qvalue, dims, levels):
@@ -224,10 +227,7 @@ def _split_product(v, qvalue, dims, levels):
         parts.append(q)
         scales.append(a)
         rest = rest - dequantize_rows(q, a)
-    rows = jnp.concatenate(parts)
-    rows = jnp.pad(rows, ((0, -rows.shape[0] % 8), (0, 0)))
-    acc = lax.dot_general(rows, qvalue, dims, preferred_element_type=jnp.int32)
-    acc = acc.astype(jnp.float32)
+    acc = _int8_dot(jnp.concatenate(parts), qvalue, dims).astype(jnp.float32)
     return sum(acc[i * m : (i + 1) * m] * a[:, None] for i, a in enumerate(scales))
 
 

@@ -91,6 +91,25 @@ def _sum_to_type(ct, aval):
     return lax.psum(ct, ordered)
 
 
+def _product_rule(out_aval, *terms):
+    """The tangent sum of ``fn(tangent)`` over ``(tangent, fn)`` terms, skipping
+    symbolic zeros; a symbolic zero of ``out_aval``'s tangent type if all are."""
+    parts = [fn(t) for t, fn in terms if not isinstance(t, Zero)]
+    if not parts:
+        return Zero(out_aval.to_tangent_aval())
+    return sum(parts[1:], parts[0])
+
+
+def _contract_leading(a, b, target_aval):
+    """a[..., k] . b[..., n] over all leading axes -> [k, n] (an outer product
+    for vectors), typed and placed like ``target_aval``."""
+    lead = tuple(range(a.ndim - 1))
+    out = lax.dot_general(
+        a, b, ((lead, lead), ((), ())), out_sharding=_explicit_spec(target_aval)
+    )
+    return _sum_to_type(out, target_aval)
+
+
 def _same_tangent(tangent, out_aval):
     """A straight-through tangent, re-typed as ``out_aval``'s tangent."""
     if isinstance(tangent, Zero):
@@ -227,15 +246,11 @@ class MatmulQ(HiPrim):
     # d(x @ W) = dx @ W + x @ dW, with W = dequantize(qw)
     def jvp(self, primals, tangents):
         (x, qw), (tx, tw) = primals, tangents
-        y = self(x, qw)
-        terms = []
-        if not isinstance(tx, Zero):
-            terms.append(jnp.matmul(tx, dequantize(qw)))
-        if not isinstance(tw, Zero):
-            terms.append(jnp.matmul(x, tw))
-        if not terms:
-            return y, Zero(self.out_aval.to_tangent_aval())
-        return y, sum(terms[1:], terms[0])
+        return self(x, qw), _product_rule(
+            self.out_aval,
+            (tx, lambda t: jnp.matmul(t, dequantize(qw))),
+            (tw, lambda t: jnp.matmul(x, t)),
+        )
 
     lin, linearized = linearize_from_jvp
 
@@ -264,16 +279,8 @@ class MatmulQ(HiPrim):
                 )
             ct_x = _sum_to_type(ct_x, x_aval)
         if x is not None:
-            # x[..., k] . g[..., n] over the leading axes -> [k, n]; an outer
-            # product when x is a vector. Cotangents live where primals live.
-            lead = tuple(range(x.ndim - 1))
-            ct_qw = lax.dot_general(
-                x,
-                g,
-                ((lead, lead), ((), ())),
-                out_sharding=_explicit_spec(qw_aval.to_tangent_aval()),
-            )
-            ct_qw = _sum_to_type(ct_qw, qw_aval.to_tangent_aval())
+            # x^T g -> [k, n]. Cotangents live where primals live.
+            ct_qw = _contract_leading(x, g, qw_aval.to_tangent_aval())
         return ct_x, ct_qw
 
     def batch(self, axis_data, args, dims):
@@ -329,15 +336,11 @@ class MatmulQT(HiPrim):
     # d(g @ W^T) = dg @ W^T + g @ dW^T
     def jvp(self, primals, tangents):
         (g, qw), (tg, tw) = primals, tangents
-        out = self(g, qw)
-        terms = []
-        if not isinstance(tg, Zero):
-            terms.append(matmul_qt(tg, qw))
-        if not isinstance(tw, Zero):
-            terms.append(jnp.matmul(g, tw.T))
-        if not terms:
-            return out, Zero(self.out_aval.to_tangent_aval())
-        return out, sum(terms[1:], terms[0])
+        return self(g, qw), _product_rule(
+            self.out_aval,
+            (tg, lambda t: matmul_qt(t, qw)),
+            (tw, lambda t: jnp.matmul(g, t.T)),
+        )
 
     lin, linearized = linearize_from_jvp
 
@@ -350,10 +353,8 @@ class MatmulQT(HiPrim):
         ct = instantiate_zeros(ct)
         ct_g = None if qw is None else matmul_q(ct, qw)
         ct_qw = None
-        if g is not None:  # ct[..., k] . g[..., n] over the leading axes -> [k, n]
-            lead = tuple(range(g.ndim - 1))
-            ct_qw = lax.dot_general(ct, g, ((lead, lead), ((), ())))
-            ct_qw = _sum_to_type(ct_qw, self.in_avals[1].to_tangent_aval())
+        if g is not None:  # ct^T g -> [k, n]
+            ct_qw = _contract_leading(ct, g, self.in_avals[1].to_tangent_aval())
         return ct_g, ct_qw
 
     def batch(self, axis_data, args, dims):
