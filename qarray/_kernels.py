@@ -35,7 +35,7 @@ Weight-only products keep the activations at float32 precision: the only
 approximation is the weights' quantization. (Two int8 parts, or ``v`` in bf16,
 measured up to ~2x faster again at some shapes, but they add ~5e-5 and ~2e-3
 relative noise to the activations, enough to break finite-difference checks of
-the exact gradients; ``benchmarks/`` reports what precision costs.)
+the exact gradients; the README's Performance section records what they measured.)
 
 Operands sharded over explicit mesh axes take the ``dequantize`` / plain int8
 formulations, which keep every axis in place for sharding propagation. On CPU:
