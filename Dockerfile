@@ -1,12 +1,20 @@
 # GPU-capable image of the qarray Tesseract, serving on 0.0.0.0:8000.
 #   docker build -t qarray .
-#   docker run --gpus all -p 8000:8000 qarray
+#   docker run --gpus all -p 127.0.0.1:8000:8000 qarray
 # jax's CUDA 13 wheels bundle the CUDA libraries; the NVIDIA driver comes from the
 # host through `--gpus all`. Without a GPU the same image runs on the CPU.
+#
+# Build arguments:
+#   BASE_IMAGE  any Debian-like image with Python >= 3.12, venv and `useradd`
+#               (default: the slim Python 3.12 image from Docker Hub)
+#   JAX         "cuda13" (default: jax's CUDA 13 wheels) or "cpu" (CPU-only jax:
+#               a smaller image, what `make test-image` builds)
 # The install runs scripts/install.sh, the script `make setup` runs, on the same
 # pinned tesseract_requirements.txt.
-FROM python:3.12.12-slim-bookworm
+ARG BASE_IMAGE=python:3.12.12-slim-bookworm
+FROM ${BASE_IMAGE}
 
+ARG JAX=cuda13
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PATH=/opt/venv/bin:$PATH
@@ -15,15 +23,29 @@ WORKDIR /opt/qarray
 COPY pyproject.toml README.md tesseract_requirements.txt ./
 COPY scripts/install.sh scripts/
 COPY qarray/ qarray/
-RUN python -m venv /opt/venv \
-    && scripts/install.sh /opt/venv/bin/python runtime
+RUN case "$JAX" in \
+        cuda13) jax_option= ;; \
+        cpu) jax_option=--cpu ;; \
+        *) echo "build argument JAX must be cuda13 or cpu, got '$JAX'" >&2; exit 2 ;; \
+    esac \
+    && python -m venv /opt/venv \
+    && scripts/install.sh /opt/venv/bin/python runtime $jax_option
 
 COPY tesseract_api.py /tesseract/tesseract_api.py
+# output_data is writable by any uid: `tesseract serve` runs containers as the
+# calling user's uid, not as the image's USER
 RUN useradd --create-home --uid 10001 tesseract \
     && mkdir -p /tesseract/input_data /tesseract/output_data \
-    && chown tesseract /tesseract/output_data
+    && chmod 755 /tesseract/input_data \
+    && chmod 777 /tesseract/output_data
 
+# The environment and label a `tesseract build` image carries (tesseract-core's
+# tooling reads them: `tesseract ps` needs TESSERACT_VERSION);
+# tests/image/test_image.py checks them against `tesseract build --generate-only`.
+LABEL ai.pasteurlabs.tesseract.metadata="{}"
 ENV TESSERACT_NAME=qarray \
+    TESSERACT_VERSION=0.1.0 \
+    TESSERACT_DESCRIPTION="int8-quantized network with differentiable endpoints (qarray, a JAX hijax type)" \
     TESSERACT_API_PATH=/tesseract/tesseract_api.py \
     TESSERACT_INPUT_PATH=/tesseract/input_data \
     TESSERACT_OUTPUT_PATH=/tesseract/output_data \
@@ -38,8 +60,10 @@ EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=120s --retries=3 \
     CMD ["python", "-c", "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
 
-# `tesseract serve` runs images as `serve --host 0.0.0.0 --port 8000 [--num-workers N]`;
+# `tesseract serve` runs images as `serve --port 8000 [--num-workers N] --host 0.0.0.0`;
 # qarray-serve takes those arguments (tesseract-runtime's app behind qarray's
-# request guard) and hands any other command to tesseract-runtime
+# request guard) and hands any other command to tesseract-runtime. The default
+# command keeps that order: `tesseract ps` reads the port from the command's
+# third word.
 ENTRYPOINT ["qarray-serve"]
-CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]
+CMD ["serve", "--port", "8000", "--host", "0.0.0.0"]

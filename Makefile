@@ -8,7 +8,7 @@ PORT ?= 8000
 HOST ?= 127.0.0.1
 SCRATCH ?= $(or $(TMPDIR),/tmp)/qarray-serve
 
-.PHONY: setup test lint serve bench test-compat clean
+.PHONY: setup test test-image lint serve bench test-compat clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,18 @@ $(STAMP): pyproject.toml tesseract_requirements.txt scripts/install.sh
 
 test: setup
 	$(PY) -m pytest
+
+# the image, built and served for real: needs a Docker engine
+# (../shared/tools/local-docker.sh start makes one on a machine without).
+# BASE_IMAGE: any Debian-like image with Python >= 3.12 (default: the Dockerfile's);
+# the image gets CPU-only jax. Containers are removed by id; the image stays.
+IMAGE ?= qarray:test
+BASE_IMAGE ?=
+test-image: setup
+	docker build --network host --build-arg JAX=cpu \
+		$(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t $(IMAGE) .
+	QARRAY_TEST_IMAGE=$(IMAGE) $(if $(BASE_IMAGE),BASE_IMAGE=$(BASE_IMAGE)) \
+		$(PY) -m pytest tests/image
 
 lint: setup
 	$(PY) -m ruff check .

@@ -14,6 +14,10 @@ import pytest
 
 jax.config.update("jax_enable_x64", False)
 
+# tests/image builds on a Docker engine and an image: `make test-image` runs it
+# (and names the image); `make test` does not collect it
+collect_ignore = [] if os.environ.get("QARRAY_TEST_IMAGE") else ["image"]
+
 
 @pytest.fixture
 def rng():
