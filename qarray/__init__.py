@@ -1,6 +1,7 @@
 """qarray: int8 quantized arrays as a JAX type (hijax), differentiable everywhere."""
 
 from ._ops import dequantize as dequantize
+from ._ops import linear_q as linear_q
 from ._ops import matmul_q as matmul_q
 from ._ops import pack as pack
 from ._ops import quantize as quantize

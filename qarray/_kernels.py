@@ -43,6 +43,42 @@ formulations, which keep every axis in place for sharding propagation. On CPU:
 the weights); more rows: ``split_int8`` (weight-only) or ``int8_dot``. Elsewhere:
 ``dequantize`` (weight-only) and ``int8_dot``. The measurements behind these
 choices are in ``benchmarks/`` (``make bench``).
+
+How ``linear_q`` computes ``x[m, k] @ (qvalue[n, k] * scale[n, None])^T``
+------------------------------------------------------------------------
+Weights stored ``(out, in)`` with one scale per output channel: the scales run
+along the *output* axis and factor out of the product, ``y = (x @ qvalue^T) *
+scale``, so nothing folds into ``x`` (``choose_linear_strategy``):
+
+========== ================================ =========================================
+strategy   what                             why / accuracy
+========== ================================ =========================================
+split_int8 ``x`` split per row into three   As for matmul_q: float32 precision. One
+           int8 parts, one int8 x int8      int8 dot contracting both operands' last
+           product contracting both last    axes, rows padded to 8: the int8 rows are
+           axes, then ``* scale``           read once and never converted, which
+                                            also serves a single row (1.5-1.7x of
+                                            f32 ``x @ w`` at M = 1, K = N = 4096,
+                                            where converting weights costs 0.1x).
+int8_dot   (``activations="int8"``) ``x``   ``int32(xq @ qvalue^T) * sx * scale``:
+           quantized per row, one int8 dot  ``x`` is quantized as it is (nothing
+                                            folded in), so its error is the
+                                            weights' own: sqrt(2) of weight-only.
+dequantize ``(x @ qvalue.astype(f32)^T)``   Backends that fuse the convert (GPU).
+           ``* scale``
+========== ================================ =========================================
+
+On CPU: ``split_int8`` (weight-only) and ``int8_dot`` at every shape. Measured
+against ``dequantize`` and a scan over 64-256-row chunks of the output channels
+at M = 1 to 512, K, N = 1024 and 4096, ``split_int8`` was best or within noise
+(1.0-1.3x of f32 at K = N = 1024, M = 64 and 512); where the f32 weights fit
+in cache (M = 1, K = N <= 1024) no form reliably beats float32.
+Elsewhere: ``dequantize`` and ``int8_dot``. Explicitly sharded operands take
+the plain forms, rank kept.
+
+The two products are each other's transposes (``g @ W`` for W stored ``(n, k)``
+is matmul_q's product): each primitive's backward for ``x`` is the other's
+weight-only forward, so both backwards also run on the int8 payload.
 """
 
 from __future__ import annotations
@@ -55,8 +91,15 @@ from jax import lax
 
 QMAX = 127.0
 
+# lhs[m, k] . rhs[k, n]: contract lhs's columns with rhs's rows (matmul_q)
+_ROWS_BY_COLS = (((1,), (0,)), ((), ()))
+# lhs[m, k] . rhs[n, k]: contract both operands' last axes (linear_q)
+_LAST_BY_LAST = (((1,), (1,)), ((), ()))
+
 WEIGHT_ONLY_STRATEGIES = ("chunked", "split_int8", "dequantize")
 INT8_STRATEGIES = ("chunked", "int8_dot")
+LINEAR_WEIGHT_ONLY_STRATEGIES = ("split_int8", "dequantize")
+LINEAR_INT8_STRATEGIES = ("int8_dot",)
 
 # rows of int8 weights converted to f32 at a time by the chunked formulation
 CHUNK_ROWS = 128
@@ -98,6 +141,16 @@ def choose_strategy(m: int, k: int, n: int, activations: str, platform: str) -> 
     return "int8_dot" if activations == "int8" else "split_int8"
 
 
+def choose_linear_strategy(
+    m: int, k: int, n: int, activations: str, platform: str
+) -> str:
+    """The formulation ``linear`` uses for x[m, k] @ q8[n, k]^T (see module doc)."""
+    del m, k, n  # measured so far: one choice per backend and mode
+    if activations == "int8":
+        return "int8_dot"
+    return "split_int8" if platform == "cpu" else "dequantize"
+
+
 def matmul(x, qvalue, scale, activations="float32", strategy=None):
     """x f32[..., k] @ (qvalue int8[k, n] * scale f32[k]) -> f32[..., n].
 
@@ -109,46 +162,49 @@ def matmul(x, qvalue, scale, activations="float32", strategy=None):
     n = qvalue.shape[1]
     m = math.prod(lead)
     if _explicitly_sharded(x) or _explicitly_sharded(qvalue):
-        return _sharded(x * scale, qvalue, activations)
+        return _sharded(x * scale, qvalue, activations, w_axis=0)
     v = (x * scale).reshape(m, k)  # per-row weight scales fold into x
     if activations == "int8":
         xq, xscale = quantize_rows(v)
         run = lambda s: _int8_activations(xq, xscale, qvalue, s)  # noqa: E731
     else:
         run = lambda s: _weight_only(v, qvalue, s)  # noqa: E731
-    if strategy is not None:
-        y = run(strategy)
-    else:
-        cpu, other = (choose_strategy(m, k, n, activations, p) for p in ("cpu", "gpu"))
-        y = (
-            run(cpu)
-            if cpu == other
-            else lax.platform_dependent(
-                cpu=lambda: run(cpu), default=lambda: run(other)
-            )
-        )
+    y = _by_platform(run, choose_strategy, (m, k, n, activations), strategy)
     return y.reshape(*lead, n)
 
 
-def matmul_transposed(g, qvalue, scale):
-    """g f32[..., n] @ (qvalue int8[k, n] * scale f32[k])^T -> f32[..., k].
+def linear(x, qvalue, scale, activations="float32", strategy=None):
+    """x f32[..., k] @ (qvalue int8[n, k] * scale f32[n, None])^T -> f32[..., n].
 
-    matmul_q's backward for x: ``(g @ qvalue^T) * scale``. One row: the exact
-    f32 product (a matrix-vector product). More rows: ``g`` split per row into
-    three int8 parts (``g`` kept to ~1e-7 of each row's largest entry, as fine
-    as float32 itself, so gradients stay exact to float32 precision), one int8
-    product against the payload; measured ~1.1-1.3x faster than float32.
+    The per-output-channel scales factor out: ``(x @ qvalue^T) * scale``.
+    ``activations="int8"`` quantizes ``x`` per row first (``sx``):
+    ``int32(xq @ qvalue^T) * sx[:, None] * scale``. ``strategy`` forces a
+    formulation; by default ``choose_linear_strategy`` picks one per backend.
     """
-    lead, n = g.shape[:-1], g.shape[-1]
-    k = qvalue.shape[0]
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = qvalue.shape[0]
     m = math.prod(lead)
-    g2 = g.reshape(m, n)
-    dims = (((1,), (1,)), ((), ()))
-    if m < 2:
-        acc = lax.dot_general(g2, qvalue.astype(jnp.float32), dims)
+    if _explicitly_sharded(x) or _explicitly_sharded(qvalue):
+        return _sharded(x, qvalue, activations, w_axis=1) * scale
+    x2 = x.reshape(m, k)
+    if activations == "int8":
+        xq, xscale = quantize_rows(x2)
+        run = lambda s: _linear_int8(xq, xscale, qvalue, s)  # noqa: E731
     else:
-        acc = _split_product(g2, qvalue, dims, levels=SPLIT_LEVELS)
-    return (acc * scale).reshape(*lead, k)
+        run = lambda s: _linear_weight_only(x2, qvalue, s)  # noqa: E731
+    y = _by_platform(run, choose_linear_strategy, (m, k, n, activations), strategy)
+    return (y * scale).reshape(*lead, n)
+
+
+def _by_platform(run, choose, problem, strategy):
+    """``run(strategy)``, or the strategy ``choose(*problem, platform)`` picks
+    per backend, resolved when the computation is lowered."""
+    if strategy is not None:
+        return run(strategy)
+    cpu, other = (choose(*problem, p) for p in ("cpu", "gpu"))
+    if cpu == other:
+        return run(cpu)
+    return lax.platform_dependent(cpu=lambda: run(cpu), default=lambda: run(other))
 
 
 def _explicitly_sharded(a) -> bool:
@@ -156,11 +212,12 @@ def _explicitly_sharded(a) -> bool:
     return any(p is not None for p in jax.typeof(a).sharding.spec)
 
 
-def _sharded(v, qvalue, activations):
-    """The plain formulations, rank kept: explicit sharding propagates through
-    them as the typing rule declared (rows like x's, columns like qvalue's),
-    where padding, stacking or reshaping rows would need resharding."""
-    dims = (((v.ndim - 1,), (0,)), ((), ()))
+def _sharded(v, qvalue, activations, w_axis):
+    """The plain formulations, rank kept, contracting v's last axis with
+    qvalue's ``w_axis``: explicit sharding propagates through them as the
+    typing rule declared (rows like x's, the other axis like qvalue's), where
+    padding, stacking or reshaping rows would need resharding."""
+    dims = (((v.ndim - 1,), (w_axis,)), ((), ()))
     if activations == "int8":
         xq, xscale = quantize_rows(v)
         acc = lax.dot_general(xq, qvalue, dims, preferred_element_type=jnp.int32)
@@ -188,8 +245,19 @@ def _int8_activations(xq, xscale, qvalue, strategy):
     return acc * xscale[:, None]
 
 
-# lhs[m, k] . rhs[k, n]: contract lhs's columns with rhs's rows
-_ROWS_BY_COLS = (((1,), (0,)), ((), ()))
+def _linear_weight_only(x, qvalue, strategy):
+    if strategy == "split_int8":
+        return _split_product(x, qvalue, _LAST_BY_LAST, levels=SPLIT_LEVELS)
+    if strategy == "dequantize":
+        return lax.dot_general(x, qvalue.astype(jnp.float32), _LAST_BY_LAST)
+    raise ValueError(f"unknown weight-only strategy {strategy!r}")
+
+
+def _linear_int8(xq, xscale, qvalue, strategy):
+    if strategy == "int8_dot":
+        acc = _int8_dot(xq, qvalue, _LAST_BY_LAST).astype(jnp.float32)
+        return acc * xscale[:, None]
+    raise ValueError(f"unknown int8-activation strategy {strategy!r}")
 
 
 def _dot(lhs, rhs, preferred_element_type=None):

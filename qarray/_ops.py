@@ -1,4 +1,4 @@
-"""The QArray primitives: quantize, dequantize and matmul_q.
+"""The QArray primitives: quantize, dequantize, matmul_q and linear_q.
 
 Each primitive computes its output type (shape, sharding, varying manual axes)
 in ``__init__``, which is where operand errors surface: at trace time. The
@@ -6,7 +6,8 @@ implementation lives in ``expand``; every other rule is traced code and reaches
 QArray contents only through primitives.
 
 Gradients are straight-through: quantize and dequantize are the identity for
-tangents and cotangents, and matmul_q differentiates like ``x @ dequantize(qw)``.
+tangents and cotangents; matmul_q differentiates like ``x @ dequantize(qw)``
+and linear_q like ``x @ dequantize(qw).T``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.hijax import (
+    GradAccum,
     HiPrim,
     ShapedArray,
     Zero,
@@ -185,37 +187,51 @@ class Dequantize(HiPrim):
         return dequantize(q), 0
 
 
-class MatmulQ(HiPrim):
-    """f32[..., k] @ q8[k, n] -> f32[..., n].
+class _QProduct(HiPrim):
+    """What matmul_q and linear_q share: f32 ``x[..., k]`` contracted with a
+    2-d QArray ``qw`` over x's last axis and qw's axis ``w_axis``; qw's other
+    axis gives the output's last.
 
-    ``activations="float32"`` (weight-only): the per-row weight scales fold into
-    ``x`` and the product runs against the int8 payload. ``activations="int8"``:
-    ``x * scale`` is also quantized per row and the product is int8 x int8 with
-    int32 accumulation. Either way the derivatives are those of the dense
-    product ``x @ dequantize(qw)`` (straight-through).
+    ``activations="float32"`` (weight-only) keeps ``x`` at float32 precision;
+    ``activations="int8"`` quantizes it per row for an int8 x int8 product.
+    Either way the derivatives are those of the dense product with
+    ``W = dequantize(qw)`` (straight-through), in float32.
+
+    The two products are each other's transposes: the cotangent of ``x`` is
+    ``g`` contracted with qw's other axis, which is the other primitive's
+    weight-only product (``transposed``). So backward passes run on the int8
+    payload too, and every rule stays in terms of primitives (higher-order AD).
     """
 
+    op_name: str  # the public name, for errors
+    w_axis: int  # qw's contracted axis
+    w_out: str  # what qw's other (output) axis is called in errors
+    operands_fmt: str  # how errors print the operands
+
     def __init__(self, x_aval, qw_aval, activations="float32"):
+        name = self.op_name
         if activations not in ACTIVATIONS:
             raise ValueError(
-                f"matmul_q requires activations in {ACTIVATIONS}, got {activations!r}."
+                f"{name} requires activations in {ACTIVATIONS}, got {activations!r}."
             )
-        _require_float32("matmul_q", "x", x_aval, min_rank=1)
-        _require_qarray("matmul_q", "qw", qw_aval)
-        operands = f"{type_str(x_aval)} @ {type_str(qw_aval)}"
+        _require_float32(name, "x", x_aval, min_rank=1)
+        _require_qarray(name, "qw", qw_aval)
+        operands = self.operands_fmt.format(x=type_str(x_aval), qw=type_str(qw_aval))
         if qw_aval.ndim != 2:
-            raise TypeError(f"matmul_q requires qw of rank 2, got {operands}.")
-        if x_aval.shape[-1] != qw_aval.shape[0]:
+            raise TypeError(f"{name} requires qw of rank 2, got {operands}.")
+        if x_aval.shape[-1] != qw_aval.shape[self.w_axis]:
             raise TypeError(
-                f"matmul_q requires x.shape[-1] == qw.shape[0], got {operands}."
+                f"{name} requires x.shape[-1] == qw.shape[{self.w_axis}], "
+                f"got {operands}."
             )
         x_spec = full_spec(x_aval.sharding, x_aval.ndim)
-        if x_spec[-1] is not None or qw_aval.spec[0] is not None:
+        if x_spec[-1] is not None or qw_aval.spec[self.w_axis] is not None:
+            which = "first" if self.w_axis == 0 else "last"
             raise TypeError(
-                "matmul_q requires an unsharded contraction axis (x's last, qw's "
-                f"first), got {operands}."
+                f"{name} requires an unsharded contraction axis (x's last, qw's "
+                f"{which}), got {operands}."
             )
-        out_spec = (*x_spec[:-1], qw_aval.spec[1])
+        out_spec = (*x_spec[:-1], qw_aval.spec[1 - self.w_axis])
         named = [
             n
             for p in out_spec
@@ -224,15 +240,15 @@ class MatmulQ(HiPrim):
         ]
         if len(named) != len(set(named)):
             raise TypeError(
-                "matmul_q cannot shard x's rows and qw's columns over the same "
-                f"mesh axis, got {operands}."
+                f"{name} cannot shard x's rows and qw's {self.w_out} over the "
+                f"same mesh axis, got {operands}."
             )
         sharding = (
-            x_aval.sharding if x_aval.sharding.mesh.axis_names else (qw_aval.sharding)
+            x_aval.sharding if x_aval.sharding.mesh.axis_names else qw_aval.sharding
         )
         self.in_avals = (x_aval, qw_aval)
         self.out_aval = ShapedArray(
-            (*x_aval.shape[:-1], qw_aval.shape[1]),
+            (*x_aval.shape[:-1], qw_aval.shape[1 - self.w_axis]),
             FLOAT32,
             sharding=with_spec(sharding, out_spec),
             manual_axis_type=_union_mat(x_aval.manual_axis_type, qw_aval.mat),
@@ -240,16 +256,29 @@ class MatmulQ(HiPrim):
         self.params = {"activations": activations}
         super().__init__()
 
-    def expand(self, x, qw):
-        return _kernels.matmul(x, qw.qvalue, qw.scale, self.activations)
+    @classmethod
+    def apply(cls, x, qw, activations="float32"):
+        """The product of ``x`` and ``qw`` with this primitive."""
+        return cls(jax.typeof(x), jax.typeof(qw), activations)(x, qw)
 
-    # d(x @ W) = dx @ W + x @ dW, with W = dequantize(qw)
+    def transposed(self, g, qw):
+        """``g`` contracted with qw's output axis (the other primitive)."""
+        raise NotImplementedError
+
+    # d(x . W) = dx . W + x . dW, with W = dequantize(qw); dx . W is the
+    # weight-only product whatever the activations (straight-through, float32)
     def jvp(self, primals, tangents):
         (x, qw), (tx, tw) = primals, tangents
+        dims = (((x.ndim - 1,), (self.w_axis,)), ((), ()))
         return self(x, qw), _product_rule(
             self.out_aval,
-            (tx, lambda t: jnp.matmul(t, dequantize(qw))),
-            (tw, lambda t: jnp.matmul(x, t)),
+            (tx, lambda t: self.apply(t, qw)),
+            (
+                tw,
+                lambda t: lax.dot_general(
+                    x, t, dims, out_sharding=_explicit_spec(self.out_aval)
+                ),
+            ),
         )
 
     lin, linearized = linearize_from_jvp
@@ -262,113 +291,100 @@ class MatmulQ(HiPrim):
     def vjp_bwd_retval(self, res, g):
         x, qw = res
         g = instantiate_zeros(g)
-        x_aval, qw_aval = self.in_avals
-        ct_x = ct_qw = None
-        if qw is not None:
-            # g[..., n] . W[k, n] over n -> [..., k]
-            if _explicit_spec(x_aval) is None and _explicit_spec(qw_aval) is None:
-                ct_x = matmul_qt(g, qw)  # runs on the int8 payload
-            else:
-                # explicit sharding: the contraction over n may be sharded, and
-                # the cotangent lands where x lives
-                ct_x = lax.dot_general(
-                    g,
-                    dequantize(qw),
-                    (((g.ndim - 1,), (1,)), ((), ())),
-                    out_sharding=_explicit_spec(x_aval),
-                )
-            ct_x = _sum_to_type(ct_x, x_aval)
+        ct_x = None if qw is None else self._ct_x(g, qw)
+        ct_qw = None
         if x is not None:
-            # x^T g -> [k, n]. Cotangents live where primals live.
-            ct_qw = _contract_leading(x, g, qw_aval.to_tangent_aval())
+            # x^T g over all leading axes, laid out like qw. Cotangents live
+            # where primals live.
+            pair = (x, g) if self.w_axis == 0 else (g, x)
+            ct_qw = _contract_leading(*pair, self.in_avals[1].to_tangent_aval())
         return ct_x, ct_qw
+
+    def _ct_x(self, g, qw):
+        """``g`` contracted with qw's output axis, typed like ``x``."""
+        x_aval, qw_aval = self.in_avals
+        if _explicit_spec(x_aval) is None and _explicit_spec(qw_aval) is None:
+            ct_x = self.transposed(g, qw)  # runs on the int8 payload
+        else:
+            # explicit sharding: the contraction (qw's output axis) may be
+            # sharded, and the cotangent lands where x lives
+            ct_x = lax.dot_general(
+                g,
+                dequantize(qw),
+                (((g.ndim - 1,), (1 - self.w_axis,)), ((), ())),
+                out_sharding=_explicit_spec(x_aval),
+            )
+        return _sum_to_type(ct_x, x_aval)
+
+    # linear in x: what jax.linear_transpose (and reverse mode over a
+    # linearized jvp, whose tangent products are these) needs
+    def transpose(self, ct, x, qw):
+        if self.activations != "float32":
+            raise TypeError(
+                f"{self.op_name} with activations={self.activations!r} is not "
+                "linear in x: transpose the weight-only product instead."
+            )
+        if isinstance(qw, GradAccum) or not isinstance(x, GradAccum):
+            raise NotImplementedError(
+                f"{self.op_name} transposes in x only, with qw known."
+            )
+        if not isinstance(ct, Zero):
+            x.accum(self._ct_x(ct, qw))
 
     def batch(self, axis_data, args, dims):
         (x, qw), (dx, dq) = args, dims
+        activations = self.activations
         if dq is None:
             if dx is None:
                 return self(x, qw), None
-            # matmul_q takes any number of leading axes on x
-            return matmul_q(jnp.moveaxis(x, dx, 0), qw, self.activations), 0
+            # x takes any number of leading axes
+            return self.apply(jnp.moveaxis(x, dx, 0), qw, activations), 0
         # one weight matrix per example: loop over the stacked QArray, which
         # keeps each example's exact numerics (and every rule) intact
         if dx is None:
-            body = lambda _, q: (None, matmul_q(x, q, self.activations))  # noqa: E731
+            body = lambda _, q: (None, self.apply(x, q, activations))  # noqa: E731
             xs = qw
         else:
-            body = lambda _, xq: (None, matmul_q(*xq, self.activations))  # noqa: E731
+            body = lambda _, xq: (None, self.apply(*xq, activations))  # noqa: E731
             xs = (jnp.moveaxis(x, dx, 0), qw)
         _, ys = lax.scan(body, None, xs, length=axis_data.size)
         return ys, 0
 
 
-class MatmulQT(HiPrim):
-    """f32[..., n] @ q8[k, n]^T -> f32[..., k]: the transposed product.
+class MatmulQ(_QProduct):
+    """f32[..., k] @ q8[k, n] -> f32[..., n].
 
-    What matmul_q's backward rule computes for x's cotangent,
-    ``g @ dequantize(qw).T``, as a primitive of its own so that the int8
-    payload does the heavy work (``_kernels.matmul_transposed``) while every
-    derivative rule stays in terms of primitives (for higher-order AD).
-    Internal: unsharded operands only (the rule handles explicit sharding).
+    The per-row weight scales run along the contraction axis, so they fold
+    into ``x`` and the product runs against the int8 payload; with
+    ``activations="int8"`` the folded ``x * scale`` is quantized per row.
     """
 
-    def __init__(self, g_aval, qw_aval):
-        _require_float32("matmul_qt", "g", g_aval, min_rank=1)
-        _require_qarray("matmul_qt", "qw", qw_aval)
-        if qw_aval.ndim != 2 or g_aval.shape[-1] != qw_aval.shape[1]:
-            raise TypeError(
-                "matmul_qt requires g.shape[-1] == qw.shape[1], got "
-                f"{type_str(g_aval)} @ {type_str(qw_aval)}^T."
-            )
-        self.in_avals = (g_aval, qw_aval)
-        self.out_aval = ShapedArray(
-            (*g_aval.shape[:-1], qw_aval.shape[0]),
-            FLOAT32,
-            sharding=g_aval.sharding,
-            manual_axis_type=_union_mat(g_aval.manual_axis_type, qw_aval.mat),
-        )
-        self.params = {}
-        super().__init__()
+    op_name, w_axis, w_out, operands_fmt = "matmul_q", 0, "columns", "{x} @ {qw}"
 
-    def expand(self, g, qw):
-        return _kernels.matmul_transposed(g, qw.qvalue, qw.scale)
+    def expand(self, x, qw):
+        return _kernels.matmul(x, qw.qvalue, qw.scale, self.activations)
 
-    # d(g @ W^T) = dg @ W^T + g @ dW^T
-    def jvp(self, primals, tangents):
-        (g, qw), (tg, tw) = primals, tangents
-        return self(g, qw), _product_rule(
-            self.out_aval,
-            (tg, lambda t: matmul_qt(t, qw)),
-            (tw, lambda t: jnp.matmul(g, t.T)),
-        )
+    def transposed(self, g, qw):
+        # g[..., n] . W[k, n] over n: linear_q's product with qw read as (out, in)
+        return linear_q(g, qw)
 
-    lin, linearized = linearize_from_jvp
 
-    def vjp_fwd(self, nzs_in, g, qw):
-        needs_g, needs_qw = nzs_in
-        return self(g, qw), (g if needs_qw else None, qw if needs_g else None)
+class LinearQ(_QProduct):
+    """f32[..., k] with q8[n, k] -> f32[..., n]: ``x @ dequantize(qw).T``.
 
-    def vjp_bwd_retval(self, res, ct):
-        g, qw = res
-        ct = instantiate_zeros(ct)
-        ct_g = None if qw is None else matmul_q(ct, qw)
-        ct_qw = None
-        if g is not None:  # ct^T g -> [k, n]
-            ct_qw = _contract_leading(ct, g, self.in_avals[1].to_tangent_aval())
-        return ct_g, ct_qw
+    Weights stored ``(out, in)`` (torch's ``F.linear``), one scale per output
+    channel: the scales factor out, ``y = (x @ qvalue.T) * scale``; with
+    ``activations="int8"``, ``y = int32(xq @ qvalue.T) * sx[:, None] * scale``.
+    """
 
-    def batch(self, axis_data, args, dims):
-        (g, qw), (dg, dq) = args, dims
-        if dq is None:
-            if dg is None:
-                return self(g, qw), None
-            return matmul_qt(jnp.moveaxis(g, dg, 0), qw), 0
-        # stacked weights (rare: vmap of a gradient over weights): dense product
-        g = g if dg is None else jnp.moveaxis(g, dg, 0)
-        w_t = jnp.swapaxes(dequantize(qw), -1, -2)
-        if dg is None:
-            return jnp.einsum("...n,bnk->b...k", g, w_t), 0
-        return jnp.einsum("b...n,bnk->b...k", g, w_t), 0
+    op_name, w_axis, w_out, operands_fmt = "linear_q", 1, "rows", "{x} @ {qw}^T"
+
+    def expand(self, x, qw):
+        return _kernels.linear(x, qw.qvalue, qw.scale, self.activations)
+
+    def transposed(self, g, qw):
+        # g[..., n] . W[n, k] over n: matmul_q's product with qw read as (in, out)
+        return matmul_q(g, qw)
 
 
 class Pack(HiPrim):
@@ -481,11 +497,6 @@ def dequantize(q):
     return Dequantize(jax.typeof(q))(q)
 
 
-def matmul_qt(g, qw):
-    """f32[..., n] @ q8[k, n]^T -> f32[..., k] (internal: matmul_q's backward)."""
-    return MatmulQT(jax.typeof(g), jax.typeof(qw))(g, qw)
-
-
 def pack(qvalue, scale):
     """A QArray from its parts: int8[..., n] and one f32 scale per row [...].
 
@@ -512,3 +523,15 @@ def matmul_q(x, qw, activations="float32"):
     those of ``x @ dequantize(qw)`` in both cases.
     """
     return MatmulQ(jax.typeof(x), jax.typeof(qw), activations)(x, qw)
+
+
+def linear_q(x, qw, activations="float32"):
+    """f32[..., k] with q8[n, k] -> f32[..., n]: ``x @ dequantize(qw).T``.
+
+    torch's ``F.linear`` layout: ``qw`` stores weights ``(out, in)``, e.g. a
+    PyTorch ``nn.Linear.weight``, one scale per output channel. ``x`` may be a
+    vector. ``activations``: ``"float32"`` (weight-only, default) or ``"int8"``
+    (``x`` quantized per row too, for an int8 x int8 product). Derivatives are
+    those of ``x @ dequantize(qw).T`` in both cases.
+    """
+    return LinearQ(jax.typeof(x), jax.typeof(qw), activations)(x, qw)

@@ -35,6 +35,17 @@ def matmul_q(x, qvalue, scale, activations="float32"):
     return x @ w
 
 
+def linear_q(x, qvalue, scale, activations="float32"):
+    """x[..., k] with q8[n, k] (weights stored (out, in)): x @ W.T in float64."""
+    x = np.asarray(x, np.float64)
+    if activations == "int8":
+        # x is quantized per row as it is; the weight scales factor out
+        xq, xs = quantize(np.asarray(x, np.float32))
+        acc = xq.astype(np.float64) @ qvalue.astype(np.float64).T
+        return acc * xs[..., None] * np.asarray(scale, np.float64)
+    return x @ dequantize(qvalue, scale).astype(np.float64).T
+
+
 def dense_vjp(x, w, g):
     """Cotangents of y = x @ w for output cotangent g: (g @ w.T, x^T g)."""
     x, w, g = (np.asarray(a, np.float64) for a in (x, w, g))

@@ -1,5 +1,5 @@
-"""Values of quantize / dequantize / matmul_q against the NumPy reference, and
-the trace-time errors each primitive raises."""
+"""Values of quantize / dequantize / matmul_q / linear_q against the NumPy
+reference, and the trace-time errors each primitive raises."""
 
 import re
 
@@ -113,6 +113,34 @@ def test_int8_activations_are_close_to_dense(rng):
     assert rel < 1.25e-2
 
 
+@pytest.mark.parametrize("x_shape", [(6,), (3, 6), (2, 3, 6), (9, 6)])
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_linear_q_matches_reference(rng, x_shape, activations, jit):
+    x, w = normal(rng, x_shape), normal(rng, (5, 6))  # w stored (out, in)
+    qw = qa.quantize(jnp.asarray(w))
+    linear = jax.jit(qa.linear_q, static_argnums=2) if jit else qa.linear_q
+    y = linear(jnp.asarray(x), qw, activations)
+    assert y.shape == (*x_shape[:-1], 5) and y.dtype == np.float32
+    want = ref.linear_q(x, *ref.quantize(w), activations=activations)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    ("activations", "bound"), [("float32", 9.0e-3), ("int8", 1.25e-2)]
+)
+def test_linear_q_error_on_gaussian_data_at_k_4096(activations, bound):
+    """Relative error against the dense float64 product: the weights' own
+    quantization error weight-only; int8 activations add x's (same size)."""
+    rng = np.random.default_rng(3)
+    x, w = normal(rng, (64, 4096)), normal(rng, (256, 4096))
+    qw = qa.quantize(jnp.asarray(w))
+    y = np.asarray(jax.jit(qa.linear_q, static_argnums=2)(x, qw, activations))
+    dense = x.astype(np.float64) @ w.T.astype(np.float64)
+    rel = np.linalg.norm(y - dense) / np.linalg.norm(dense)
+    assert bound / 2 < rel <= bound
+
+
 def test_quantized_array_is_one_value_in_jaxprs():
     x = jnp.ones((2, 3), jnp.float32)
     jaxpr = jax.make_jaxpr(lambda x: qa.dequantize(qa.quantize(x)))(x)
@@ -124,6 +152,24 @@ def test_quantized_array_is_one_value_in_jaxprs():
     assert ref.equations(jaxpr) == [
         ("MatmulQ", ["float32[2,3]", "q8[3,4]"], ["float32[2,4]"])
     ]
+    jaxpr = jax.make_jaxpr(qa.linear_q)(x, qa.quantize(jnp.ones((4, 3))))
+    assert ref.equations(jaxpr) == [
+        ("LinearQ", ["float32[2,3]", "q8[4,3]"], ["float32[2,4]"])
+    ]
+
+
+def test_each_product_backward_is_the_other_product():
+    """g @ W^T for matmul_q's qw is linear_q's product and vice versa: the
+    backward passes run as the other primitive (on the int8 payload)."""
+    x = jnp.ones((2, 3), jnp.float32)
+
+    def grad_eqns(product, w):
+        loss = lambda x, w: jnp.sum(product(x, qa.quantize(w), "int8"))  # noqa: E731
+        return [e[0] for e in ref.equations(jax.make_jaxpr(jax.grad(loss))(x, w))]
+
+    # the backward for x is the weight-only product whatever the activations
+    assert "LinearQ" in grad_eqns(qa.matmul_q, jnp.ones((3, 4)))
+    assert "MatmulQ" in grad_eqns(qa.linear_q, jnp.ones((4, 3)))
 
 
 def test_typeof_prints_q8():
@@ -187,6 +233,49 @@ ERRORS = [
         lambda: qa.matmul_q(jnp.ones((2, 3)), qa.quantize(jnp.ones((3, 5))), "int4"),
         ValueError,
         "matmul_q requires activations in ('float32', 'int8'), got 'int4'.",
+    ),
+    (
+        lambda: qa.linear_q(jnp.ones((2, 3)), qa.quantize(jnp.ones((5, 4)))),
+        TypeError,
+        "linear_q requires x.shape[-1] == qw.shape[1], got f32[2,3] @ q8[5,4]^T.",
+    ),
+    (
+        # matmul_q's layout handed to linear_q: (k, n) where (n, k) is wanted
+        lambda: qa.linear_q(jnp.ones((2, 3)), qa.quantize(jnp.ones((3, 5)))),
+        TypeError,
+        "linear_q requires x.shape[-1] == qw.shape[1], got f32[2,3] @ q8[3,5]^T.",
+    ),
+    (
+        lambda: qa.linear_q(jnp.ones((2, 3)), jnp.ones((5, 3))),
+        TypeError,
+        "linear_q requires qw to be a QArray (q8), got f32[5,3].",
+    ),
+    (
+        lambda: qa.linear_q(
+            jnp.ones((2, 3), jnp.bfloat16), qa.quantize(jnp.ones((5, 3)))
+        ),
+        TypeError,
+        "linear_q requires x to be a float32 array, got bf16[2,3].",
+    ),
+    (
+        lambda: qa.linear_q(jnp.float32(1.0), qa.quantize(jnp.ones((5, 3)))),
+        TypeError,
+        "linear_q requires x of rank >= 1, got f32[].",
+    ),
+    (
+        lambda: qa.linear_q(jnp.ones((2, 3)), qa.quantize(jnp.ones((3,)))),
+        TypeError,
+        "linear_q requires qw of rank 2, got f32[2,3] @ q8[3]^T.",
+    ),
+    (
+        lambda: qa.linear_q(jnp.ones((2, 3)), qa.quantize(jnp.ones((2, 5, 3)))),
+        TypeError,
+        "linear_q requires qw of rank 2, got f32[2,3] @ q8[2,5,3]^T.",
+    ),
+    (
+        lambda: qa.linear_q(jnp.ones((2, 3)), qa.quantize(jnp.ones((5, 3))), "bf16"),
+        ValueError,
+        "linear_q requires activations in ('float32', 'int8'), got 'bf16'.",
     ),
 ]
 

@@ -184,3 +184,153 @@ def test_grad_through_shard_map_with_qarray_in_and_out(mesh, rng):
     want_gx, want_gw = ref.dense_vjp(x, wq, 2 * yq)
     np.testing.assert_allclose(gx, want_gx, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(gqw, want_gw, rtol=RTOL, atol=ATOL)
+
+
+# --- linear_q: weights stored (out, in); rows of qw are the output channels
+
+
+def test_linear_q_propagates_shardings(mesh, rng):
+    x, w = normal(rng, (8, 3)), normal(rng, (4, 3))
+    qw = qa.quantize(jnp.asarray(w))
+    for activations in ("float32", "int8"):
+        y = qa.linear_q(put(x, "i"), qw, activations)
+        assert str(jax.typeof(y)) == "float32[8@i,4]"
+        want = ref.linear_q(x, *ref.quantize(w), activations=activations)
+        np.testing.assert_allclose(y, want, rtol=RTOL, atol=ATOL)
+
+    # output channels sharded: the rows of qw, and the columns of y
+    qw_rows = qa.quantize(put(w, "i"))
+    assert str(jax.typeof(qw_rows)) == "q8[4@i,3]"
+    for activations in ("float32", "int8"):
+        y = jax.jit(qa.linear_q, static_argnums=2)(
+            jnp.asarray(x[:2]), qw_rows, activations
+        )
+        assert str(jax.typeof(y)) == "float32[2,4@i]"
+        want = ref.linear_q(x[:2], *ref.quantize(w), activations=activations)
+        np.testing.assert_allclose(y, want, rtol=RTOL, atol=ATOL)
+    jaxpr = jax.make_jaxpr(qa.linear_q)(jnp.asarray(x[:2]), qw_rows)
+    assert ref.equations(jaxpr) == [
+        ("LinearQ", ["float32[2,3]", "q8[4@i,3]"], ["float32[2,4@i]"])
+    ]
+
+
+def test_linear_q_sharded_contraction_axis_is_a_type_error(mesh):
+    xk = put(np.ones((2, 8), np.float32), None, "i")
+    qk = qa.quantize(put(np.ones((3, 8), np.float32), None, "i"))
+    message = (
+        "linear_q requires an unsharded contraction axis (x's last, qw's last), "
+        "got f32[2,8@i] @ q8[3,8@i]^T."
+    )
+    with pytest.raises(TypeError, match=re.escape(message)):
+        jax.jit(qa.linear_q).trace(xk, qk)
+    # either operand alone is enough
+    with pytest.raises(TypeError, match="unsharded contraction axis"):
+        qa.linear_q(put(np.ones((2, 8), np.float32)), qk)
+    with pytest.raises(TypeError, match="unsharded contraction axis"):
+        qa.linear_q(xk, qa.quantize(jnp.ones((3, 8), jnp.float32)))
+    message = (
+        "linear_q cannot shard x's rows and qw's rows over the same mesh axis, "
+        "got f32[8@i,3] @ q8[4@i,3]^T."
+    )
+    with pytest.raises(TypeError, match=re.escape(message)):
+        qa.linear_q(
+            put(np.ones((8, 3), np.float32), "i"),
+            qa.quantize(put(np.ones((4, 3), np.float32), "i")),
+        )
+
+
+@pytest.mark.parametrize("w_spec", [(None, None), ("i", None)])
+def test_linear_q_grad_keeps_primal_shardings(mesh, rng, w_spec):
+    x, w = normal(rng, (8, 3)), normal(rng, (4, 3))
+    xs, ws = put(x, "i"), put(w, *w_spec)
+    if w_spec[0] is not None:  # x's rows and w's rows can't share axis i
+        xs = put(x)
+
+    def loss(x, w):
+        return jnp.sum(jnp.sin(qa.linear_q(x, qa.quantize(w))))
+
+    gx, gw = jax.jit(jax.grad(loss, (0, 1)))(xs, ws)
+    assert spec_of(gx) == spec_of(xs) and spec_of(gw) == spec_of(ws)
+    wq = ref.roundtrip(w)
+    want_gx, want_gw = ref.dense_vjp(x, wq.T, np.cos(x.astype(np.float64) @ wq.T))
+    np.testing.assert_allclose(gx, want_gx, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(gw, want_gw.T, rtol=RTOL, atol=ATOL)
+
+    # with respect to a sharded QArray operand, and forward mode
+    def qloss(x, qw):
+        return jnp.sum(jnp.sin(qa.linear_q(x, qw)))
+
+    qw = qa.quantize(ws)
+    gx, gqw = jax.grad(qloss, (0, 1))(xs, qw)
+    assert spec_of(gqw) == spec_of(ws)
+    np.testing.assert_allclose(gqw, want_gw.T, rtol=RTOL, atol=ATOL)
+    tx, tw = normal(rng, (8, 3)), normal(rng, (4, 3))
+    _, tangent = jax.jit(jax.jvp, static_argnums=0)(
+        qloss, (xs, qw), (jax.device_put(tx, xs.sharding), put(tw, *w_spec))
+    )
+    y = x.astype(np.float64) @ wq.T
+    want = np.sum(np.cos(y) * ref.dense_jvp(x, wq.T, tx, tw.T))
+    np.testing.assert_allclose(tangent, want, rtol=RTOL, atol=ATOL)
+
+
+def test_linear_q_inside_shard_map(mesh, rng):
+    x, w = normal(rng, (8, 3)), normal(rng, (5, 3))
+
+    @jax.jit
+    @jax.shard_map(in_specs=(P("i"), QArrayP(P())), out_specs=P("i"))
+    def f(x, qw):
+        return qa.linear_q(x, qw)
+
+    y = f(put(x, "i"), qa.quantize(jnp.asarray(w)))
+    np.testing.assert_allclose(
+        y, ref.linear_q(x, *ref.quantize(w)), rtol=RTOL, atol=ATOL
+    )
+
+    # output channels split across devices: each computes its columns of y
+    @jax.jit
+    @jax.shard_map(in_specs=(P(), QArrayP(P("i"))), out_specs=P(None, "i"))
+    def by_channel(x, qw):
+        assert str(jax.typeof(qw)).startswith("q8[2,3]")
+        return qa.linear_q(x, qw, "int8")
+
+    w8 = normal(rng, (8, 3))
+    y = by_channel(put(x), qa.quantize(put(w8, "i")))
+    want = ref.linear_q(x, *ref.quantize(w8), activations="int8")
+    np.testing.assert_allclose(y, want, rtol=RTOL, atol=ATOL)
+
+
+def test_linear_q_grad_through_shard_map(mesh, rng):
+    x, w = normal(rng, (8, 3)), normal(rng, (5, 3))
+
+    def loss(x, w):
+        @jax.shard_map(in_specs=(P("i"), P()), out_specs=P())  # check_vma=True
+        def per_device(x, w):
+            y = qa.linear_q(qa.dequantize(qa.quantize(x)), qa.quantize(w))
+            return jax.lax.psum(jnp.sum(jnp.sin(y)), "i")
+
+        return per_device(x, w)
+
+    gx, gw = jax.jit(jax.grad(loss, (0, 1)))(put(x, "i"), put(w))
+    xq, wq = ref.roundtrip(x), ref.roundtrip(w)
+    want_gx, want_gw = ref.dense_vjp(xq, wq.T, np.cos(xq.astype(np.float64) @ wq.T))
+    np.testing.assert_allclose(gx, want_gx, rtol=RTOL, atol=ATOL)
+    # w is replicated while x varies over i: its cotangent is summed over i
+    np.testing.assert_allclose(gw, want_gw.T, rtol=RTOL, atol=ATOL)
+
+
+def test_linear_q_grad_through_shard_map_with_qarray_in_and_out(mesh, rng):
+    x, w = normal(rng, (8, 3)), normal(rng, (5, 3))
+
+    def loss(x, qw):
+        @jax.shard_map(in_specs=(P("i"), QArrayP(P())), out_specs=QArrayP(P("i")))
+        def layer(x, qw):
+            return qa.quantize(qa.linear_q(x, qw))
+
+        return jnp.sum(qa.dequantize(layer(x, qw)) ** 2)
+
+    gx, gqw = jax.jit(jax.grad(loss, (0, 1)))(put(x, "i"), qa.quantize(jnp.asarray(w)))
+    wq = ref.roundtrip(w)
+    yq = ref.roundtrip((x.astype(np.float64) @ wq.T).astype(np.float32))
+    want_gx, want_gw = ref.dense_vjp(x, wq.T, 2 * yq)
+    np.testing.assert_allclose(gx, want_gx, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(gqw, want_gw.T, rtol=RTOL, atol=ATOL)

@@ -1,4 +1,5 @@
-"""Each matmul_q formulation against the NumPy reference, and the choice rule."""
+"""Each matmul_q and linear_q formulation against the NumPy reference, and the
+choice rules."""
 
 import jax
 import jax.numpy as jnp
@@ -109,15 +110,103 @@ def test_unknown_strategy_is_refused():
         )
 
 
+# --- linear_q: weights stored (n, k), one scale per output channel
+
+
+def linear_data(rng, m, k, n):
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    return x, *ref.quantize(w)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("strategy", _kernels.LINEAR_WEIGHT_ONLY_STRATEGIES)
+def test_linear_weight_only_strategies(rng, shape, strategy):
+    x, qvalue, scale = linear_data(rng, *shape)
+    f = jax.jit(lambda x, q, s: _kernels.linear(x, q, s, "float32", strategy))
+    got = f(x, qvalue, scale)
+    want = ref.linear_q(x, qvalue, scale)
+    assert got.shape == want.shape and got.dtype == np.float32
+    assert rel_err(got, want) <= TOLERANCE[strategy]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("strategy", _kernels.LINEAR_INT8_STRATEGIES)
+def test_linear_int8_activation_strategies(rng, shape, strategy):
+    x, qvalue, scale = linear_data(rng, *shape)
+    f = jax.jit(lambda x, q, s: _kernels.linear(x, q, s, "int8", strategy))
+    got = f(x, qvalue, scale)
+    want = ref.linear_q(x, qvalue, scale, activations="int8")
+    assert got.shape == want.shape
+    assert rel_err(got, want) <= TOLERANCE[strategy]
+
+
+def test_linear_leading_axes_and_vectors(rng):
+    x = rng.standard_normal((2, 3, 64)).astype(np.float32)
+    _, qvalue, scale = linear_data(rng, 1, 64, 16)
+    for strategy in _kernels.LINEAR_WEIGHT_ONLY_STRATEGIES:
+        got = _kernels.linear(jnp.asarray(x), qvalue, scale, "float32", strategy)
+        assert rel_err(got, ref.linear_q(x, qvalue, scale)) <= TOLERANCE[strategy]
+        got = _kernels.linear(jnp.asarray(x[0, 0]), qvalue, scale, "float32", strategy)
+        assert got.shape == (16,)
+
+
+@pytest.mark.parametrize(
+    ("m", "kn", "activations", "platform", "expected"),
+    [
+        (1, 4096, "float32", "cpu", "split_int8"),
+        (512, 1024, "float32", "cpu", "split_int8"),
+        (1, 4096, "int8", "cpu", "int8_dot"),
+        (64, 1024, "int8", "cpu", "int8_dot"),
+        (1, 4096, "float32", "gpu", "dequantize"),
+        (512, 4096, "float32", "tpu", "dequantize"),
+        (1, 4096, "int8", "gpu", "int8_dot"),
+    ],
+)
+def test_choose_linear_strategy(m, kn, activations, platform, expected):
+    assert _kernels.choose_linear_strategy(m, kn, kn, activations, platform) == expected
+
+
+@pytest.mark.parametrize(
+    ("m", "activations"),
+    [(1, "float32"), (8, "float32"), (256, "float32"), (1, "int8"), (8, "int8")],
+)
+def test_linear_q_runs_the_chosen_strategy_on_cpu(rng, m, activations):
+    x, qvalue, scale = linear_data(rng, m, 64, 32)
+    chosen = _kernels.choose_linear_strategy(m, 64, 32, activations, "cpu")
+    forced = jax.jit(lambda x, q, s: _kernels.linear(x, q, s, activations, chosen))
+    auto = jax.jit(lambda x, q, s: qa.linear_q(x, qa.pack(q, s), activations))
+    np.testing.assert_array_equal(auto(x, qvalue, scale), forced(x, qvalue, scale))
+
+
+def test_unknown_linear_strategy_is_refused():
+    args = (jnp.ones((2, 4)), jnp.ones((3, 4), jnp.int8), jnp.ones(3))
+    with pytest.raises(ValueError, match="unknown weight-only strategy 'chunked'"):
+        _kernels.linear(*args, "float32", "chunked")
+    with pytest.raises(ValueError, match="unknown int8-activation strategy 'fast'"):
+        _kernels.linear(*args, "int8", "fast")
+
+
 @pytest.mark.parametrize("shape", [(1, 64, 48), (5, 300, 7), (64, 96, 130), (0, 8, 4)])
-def test_transposed_product(rng, shape):
-    """g @ W^T, matmul_q's backward for x: float32-exact for any number of rows."""
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_backward_for_x_is_float32_exact(rng, shape, activations):
+    """Each product's backward for x is the other's weight-only product, on the
+    int8 payload: g @ W^T (matmul_q, W stored (k, n)) and g @ W (linear_q, W
+    stored (n, k)) stay float32-exact for any number of rows, whatever the
+    forward's activations."""
     m, k, n = shape
-    _, qvalue, scale = data(rng, 1, k, n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
     g = rng.standard_normal((m, n)).astype(np.float32)
-    got = jax.jit(_kernels.matmul_transposed)(g, qvalue, scale)
-    want = g.astype(np.float64) @ ref.dequantize(qvalue, scale).T.astype(np.float64)
-    assert got.shape == (m, k)
-    assert rel_err(got, want) <= (
-        TOLERANCE["chunked"] if m < 2 else TOLERANCE["split_int8"]
-    )
+    for product, w_shape in ((qa.matmul_q, (k, n)), (qa.linear_q, (n, k))):
+        qvalue, scale = ref.quantize(rng.standard_normal(w_shape).astype(np.float32))
+        w = ref.dequantize(qvalue, scale).astype(np.float64)
+        w_kn = w if product is qa.matmul_q else w.T
+
+        @jax.jit
+        def ct_x(x, g, qvalue, scale, product=product):
+            qw = qa.pack(qvalue, scale)
+            return jax.vjp(lambda x: product(x, qw, activations), x)[1](g)[0]
+
+        got = ct_x(x, g, qvalue, scale)
+        assert got.shape == (m, k)
+        assert rel_err(got, g.astype(np.float64) @ w_kn.T) <= TOLERANCE["split_int8"]

@@ -75,24 +75,46 @@ QUANTIZE = Case(
 )
 
 
-# --- matmul_q: F(x, w) = sin(matmul_q(x, quantize(w)))
+# --- matmul_q and linear_q: F(x, w) = sin(product(x, quantize(w)))
+#
+# matmul_q stores w as (k, n), linear_q as (n, k) (torch's (out, in)); both
+# compute x @ W for the dense (k, n) matrix W, which is what the references use.
+
+PRODUCTS = {
+    "matmul_q": (qa.matmul_q, ref.matmul_q, lambda k, n: (k, n)),
+    "linear_q": (qa.linear_q, ref.linear_q, lambda k, n: (n, k)),
+}
 
 
-def _mm_case(name, x_shape, activations):
+def dense_kn(product, w):
+    """The dense (k, n) weights that product(x, quantize(w)) multiplies x by."""
+    wq = ref.roundtrip(w)
+    return wq if product == "matmul_q" else wq.T
+
+
+def cotangent_w(product, ct_kn):
+    """A (k, n) weight cotangent laid out like the stored weights."""
+    return ct_kn if product == "matmul_q" else ct_kn.T
+
+
+def _mm_case(name, x_shape, activations, product="matmul_q"):
+    fn, ref_fn, w_shape = PRODUCTS[product]
+
     def F(x, w):
-        return jnp.sin(qa.matmul_q(x, qa.quantize(w), activations))
+        return jnp.sin(fn(x, qa.quantize(w), activations))
 
     def y(x, w):
-        return ref.matmul_q(x, *ref.quantize(w), activations=activations)
+        return ref_fn(x, *ref.quantize(w), activations=activations)
 
     def ref_vjp(args, g):
         x, w = args
-        return ref.dense_vjp(x, ref.roundtrip(w), g * np.cos(y(x, w)))
+        gx, gw = ref.dense_vjp(x, dense_kn(product, w), g * np.cos(y(x, w)))
+        return gx, cotangent_w(product, gw)
 
     def ref_hessian(args):
         # d2/dx2 sum(sin(x @ W)): -sum_n sin(y_in) W_an W_bn, block-diagonal in rows
         x, w = args
-        wq = ref.roundtrip(w).astype(np.float64)
+        wq = dense_kn(product, w).astype(np.float64)
         s = np.sin(y(x, w)).reshape(-1, wq.shape[1])
         m, k = s.shape[0], wq.shape[0]
         hess = np.zeros((m, k, m, k))
@@ -106,7 +128,7 @@ def _mm_case(name, x_shape, activations):
         lambda x, w: np.sin(y(x, w)),
         ref_vjp,
         ref_hessian,
-        (x_shape, (x_shape[-1], 5)),
+        (x_shape, w_shape(x_shape[-1], 5)),
     )
 
 
@@ -116,6 +138,10 @@ CASES = [
     _mm_case("matmul_q-vector-x", (4,), "float32"),
     _mm_case("matmul_q-rank3-x", (2, 2, 4), "float32"),
     _mm_case("matmul_q-int8", (3, 4), "int8"),
+    _mm_case("linear_q", (3, 4), "float32", "linear_q"),
+    _mm_case("linear_q-vector-x", (4,), "float32", "linear_q"),
+    _mm_case("linear_q-rank3-x", (2, 2, 4), "float32", "linear_q"),
+    _mm_case("linear_q-int8", (3, 4), "int8", "linear_q"),
 ]
 
 
@@ -222,25 +248,76 @@ def test_grad_vjp_jvp_wrt_qarray_argument(rng):
     want_gx, want_gw = ref.dense_vjp(x, wq, np.cos(y))
     np.testing.assert_allclose(gx, want_gx, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(gqw, want_gw, rtol=RTOL, atol=ATOL)
+    _check_derivatives_wrt_qarray(rng, qw, wq)
 
-    # dequantize alone: the tangent of a q8[4,5] is an f32[4,5]
+
+def test_linear_q_derivatives_wrt_qarray_argument(rng):
+    x, w = normal(rng, (3, 4)), normal(rng, (5, 4))  # (out, in)
+    qw = qa.quantize(jnp.asarray(w))
+    wq = ref.dequantize(np.asarray(qw.qvalue), np.asarray(qw.scale))
+    y = x.astype(np.float64) @ wq.T
+
+    def loss(x, qw):
+        return jnp.sum(jnp.sin(qa.linear_q(x, qw)))
+
+    gx, gqw = jax.jit(jax.grad(loss, (0, 1)))(x, qw)
+    assert jax.typeof(gqw) == jax.typeof(jnp.zeros((5, 4), jnp.float32))
+    want_gx, want_gw = ref.dense_vjp(x, wq.T, np.cos(y))
+    np.testing.assert_allclose(gx, want_gx, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(gqw, want_gw.T, rtol=RTOL, atol=ATOL)
+    # jvp and linearize in both arguments: tx @ W^T + x @ tW^T
+    tx, tw = normal(rng, (3, 4)), normal(rng, (5, 4))
+    want = np.cos(y) * ref.dense_jvp(x, wq.T, tx, tw.T)
+    _, got = jax.jvp(
+        lambda x, qw: jnp.sin(qa.linear_q(x, qw)), (x, qw), (tx, jnp.asarray(tw))
+    )
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+    _, f_lin = jax.linearize(lambda x, qw: jnp.sin(qa.linear_q(x, qw)), x, qw)
+    np.testing.assert_allclose(f_lin(tx, jnp.asarray(tw)), want, rtol=RTOL, atol=ATOL)
+    _check_derivatives_wrt_qarray(rng, qw, wq)
+
+
+def _check_derivatives_wrt_qarray(rng, qw, wq):
+
+    # dequantize alone: the tangent of a q8[a,b] is an f32[a,b]
     def sum_sin(q):
         return jnp.sum(jnp.sin(qa.dequantize(q)))
 
     np.testing.assert_allclose(jax.grad(sum_sin)(qw), np.cos(wq), rtol=RTOL)
-    t = normal(rng, (4, 5))
+    t = normal(rng, wq.shape)
     _, tangent = jax.jvp(sum_sin, (qw,), (jnp.asarray(t),))
     np.testing.assert_allclose(tangent, np.sum(np.cos(wq) * t), rtol=RTOL)
     _, f_lin = jax.linearize(sum_sin, qw)
     np.testing.assert_allclose(f_lin(jnp.asarray(t)), np.sum(np.cos(wq) * t), rtol=RTOL)
     _, pullback = jax.vjp(qa.dequantize, qw)
-    g = normal(rng, (4, 5))
+    g = normal(rng, wq.shape)
     np.testing.assert_allclose(pullback(g)[0], g)  # straight-through
     # jacobian with respect to a QArray: jax.jacrev reads input dtypes, which
     # a hi type lacks, so map the pullback over the basis instead
-    basis = jnp.eye(20, dtype=jnp.float32).reshape(20, 4, 5)
+    size = wq.size
+    basis = jnp.eye(size, dtype=jnp.float32).reshape(size, *wq.shape)
     jac = jax.vmap(lambda e: jax.vjp(qa.dequantize, qw)[1](e)[0])(basis)
-    np.testing.assert_allclose(jac.reshape(20, 20), np.eye(20))
+    np.testing.assert_allclose(jac.reshape(size, size), np.eye(size))
+
+
+@pytest.mark.parametrize("product", PRODUCTS)
+def test_linear_transpose_of_the_linearized_product(rng, product):
+    """The tangent products are themselves the primitives (weight-only), so
+    transposing a linearized product goes through their transpose rule."""
+    fn, _, w_shape = PRODUCTS[product]
+    x, w = normal(rng, (3, 4)), normal(rng, w_shape(4, 5))
+    qw = qa.quantize(jnp.asarray(w))
+    wq = dense_kn(product, w)
+    for activations in ("float32", "int8"):
+        _, f_lin = jax.linearize(lambda x, a=activations: fn(x, qw, a), x)
+        g = normal(rng, (3, 5))
+        (ct,) = jax.linear_transpose(f_lin, x)(g)
+        np.testing.assert_allclose(ct, g @ wq.T, rtol=RTOL, atol=ATOL)
+    # the weight-only product is linear in x: transposable directly
+    (ct,) = jax.linear_transpose(lambda x: fn(x, qw), x)(g)
+    np.testing.assert_allclose(ct, g @ wq.T, rtol=RTOL, atol=ATOL)
+    with pytest.raises(TypeError, match="is not linear in x"):
+        jax.linear_transpose(lambda x: fn(x, qw, "int8"), x)(g)
 
 
 # --- vmap
@@ -280,46 +357,84 @@ def test_vmap_of_grad(rng):
     )
 
 
+@pytest.mark.parametrize("product", PRODUCTS)
 @pytest.mark.parametrize("activations", ["float32", "int8"])
-@pytest.mark.parametrize("in_axis", [0, 1])
-def test_vmap_of_matmul_q_over_a_batch_of_x(rng, activations, in_axis):
-    xs, w = normal(rng, (6, 3, 4)), normal(rng, (4, 5))
+@pytest.mark.parametrize("in_axis", [0, 1, 2])
+def test_vmap_over_a_batch_of_x(rng, product, activations, in_axis):
+    fn, ref_fn, w_shape = PRODUCTS[product]
+    xs, w = normal(rng, (6, 3, 4)), normal(rng, w_shape(4, 5))
     qw = qa.quantize(jnp.asarray(w))
-    f = jax.jit(jax.vmap(lambda x: qa.matmul_q(x, qw, activations), in_axes=in_axis))
+    f = jax.jit(jax.vmap(lambda x: fn(x, qw, activations), in_axes=in_axis))
     got = f(np.moveaxis(xs, 0, in_axis))
-    want = ref.matmul_q(xs, *ref.quantize(w), activations=activations)
+    want = ref_fn(xs, *ref.quantize(w), activations=activations)
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
 
 
-def test_vmap_of_grad_of_matmul_q(rng):
-    xs, w = normal(rng, (6, 3, 4)), normal(rng, (4, 5))
+@pytest.mark.parametrize("product", PRODUCTS)
+def test_vmap_of_grad_of_the_product(rng, product):
+    fn, _, w_shape = PRODUCTS[product]
+    xs, w = normal(rng, (6, 3, 4)), normal(rng, w_shape(4, 5))
 
     def loss(x, w):
-        return jnp.sum(jnp.sin(qa.matmul_q(x, qa.quantize(w))))
+        return jnp.sum(jnp.sin(fn(x, qa.quantize(w))))
 
     gxs, gws = jax.vmap(jax.grad(loss, (0, 1)), in_axes=(0, None))(xs, w)
-    wq = ref.roundtrip(w)
+    wq = dense_kn(product, w)
     for x, gx, gw in zip(xs, gxs, gws, strict=True):
         want_gx, want_gw = ref.dense_vjp(x, wq, np.cos(x.astype(np.float64) @ wq))
         np.testing.assert_allclose(gx, want_gx, rtol=RTOL, atol=ATOL)
-        np.testing.assert_allclose(gw, want_gw, rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(
+            gw, cotangent_w(product, want_gw), rtol=RTOL, atol=ATOL
+        )
 
 
+@pytest.mark.parametrize("product", PRODUCTS)
 @pytest.mark.parametrize("x_batched", [True, False])
-def test_vmap_over_stacked_quantized_weights(rng, x_batched):
-    xs, ws = normal(rng, (4, 3, 6)), normal(rng, (4, 6, 5))
+def test_vmap_over_stacked_quantized_weights(rng, product, x_batched):
+    fn, ref_fn, w_shape = PRODUCTS[product]
+    xs, ws = normal(rng, (4, 3, 6)), normal(rng, (4, *w_shape(6, 5)))
     qws = jax.vmap(qa.quantize, out_axes=qa.QArraySpec())(jnp.asarray(ws))
-    if x_batched:
-        got = jax.vmap(qa.matmul_q, in_axes=(0, qa.QArraySpec()))(xs, qws)
-        want = np.stack(
-            [ref.matmul_q(x, *ref.quantize(w)) for x, w in zip(xs, ws, strict=True)]
+    for activations in ("float32", "int8"):
+        prod = lambda x, q, a=activations: fn(x, q, a)  # noqa: E731
+        if x_batched:
+            got = jax.vmap(prod, in_axes=(0, qa.QArraySpec()))(xs, qws)
+            want = np.stack(
+                [
+                    ref_fn(x, *ref.quantize(w), activations=activations)
+                    for x, w in zip(xs, ws, strict=True)
+                ]
+            )
+        else:
+            got = jax.vmap(prod, in_axes=(None, qa.QArraySpec()), axis_size=4)(
+                xs[0], qws
+            )
+            want = np.stack(
+                [ref_fn(xs[0], *ref.quantize(w), activations=activations) for w in ws]
+            )
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("product", PRODUCTS)
+def test_vmap_of_grad_over_stacked_weights(rng, product):
+    """Per-example weights under vmap of grad: the backward products batch
+    over a stack of QArrays too."""
+    fn, _, w_shape = PRODUCTS[product]
+    xs, ws = normal(rng, (4, 3, 6)), normal(rng, (4, *w_shape(6, 5)))
+    qws = jax.vmap(qa.quantize, out_axes=qa.QArraySpec())(jnp.asarray(ws))
+
+    def loss(x, qw):
+        return jnp.sum(jnp.sin(fn(x, qw)))
+
+    gxs, gqws = jax.jit(jax.vmap(jax.grad(loss, (0, 1)), in_axes=(0, qa.QArraySpec())))(
+        xs, qws
+    )
+    for x, w, gx, gqw in zip(xs, ws, gxs, gqws, strict=True):
+        wq = dense_kn(product, w)
+        want_gx, want_gw = ref.dense_vjp(x, wq, np.cos(x.astype(np.float64) @ wq))
+        np.testing.assert_allclose(gx, want_gx, rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(
+            gqw, cotangent_w(product, want_gw), rtol=RTOL, atol=ATOL
         )
-    else:
-        got = jax.vmap(qa.matmul_q, in_axes=(None, qa.QArraySpec()), axis_size=4)(
-            xs[0], qws
-        )
-        want = np.stack([ref.matmul_q(xs[0], *ref.quantize(w)) for w in ws])
-    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
 
 
 def test_vmap_requires_a_qarray_spec():
@@ -375,45 +490,74 @@ def test_scan_with_qarray_carry_and_stacked_outputs(rng, jit):
     )
 
 
-def test_grad_through_scan_over_quantized_layers(rng):
+@pytest.mark.parametrize("product", PRODUCTS)
+def test_grad_through_scan_over_quantized_layers(rng, product):
     """A 3-layer quantized MLP as a scan over stacked weights, differentiated."""
+    fn, _, _ = PRODUCTS[product]
     x0, ws = normal(rng, (2, 4)), normal(rng, (3, 4, 4)) * 0.5
 
     def net(x0, ws):
         def layer(x, w):
-            return jnp.tanh(qa.matmul_q(x, qa.quantize(w))), None
+            return jnp.tanh(fn(x, qa.quantize(w))), None
 
         return jnp.sum(jax.lax.scan(layer, x0, ws)[0])
 
     gx, gws = jax.jit(jax.grad(net, (0, 1)))(x0, ws)
     # NumPy forward/backward with straight-through weights
-    wqs = [ref.roundtrip(w).astype(np.float64) for w in ws]
+    wqs = [dense_kn(product, w).astype(np.float64) for w in ws]
     acts = [x0.astype(np.float64)]
     for wq in wqs:
         acts.append(np.tanh(acts[-1] @ wq))
     g, want_gws = np.ones_like(acts[-1]), []
     for i in reversed(range(3)):
         g = g * (1 - acts[i + 1] ** 2)
-        want_gws.insert(0, acts[i].T @ g)
+        want_gws.insert(0, cotangent_w(product, acts[i].T @ g))
         g = g @ wqs[i].T
     np.testing.assert_allclose(gx, g, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(gws, np.stack(want_gws), rtol=RTOL, atol=ATOL)
 
 
-def test_full_hessian_over_x_and_w(rng):
-    """Second derivatives through matmul_q's backward rule, mixed terms included,
-    against central differences of the float64 straight-through gradient."""
-    x, w = normal(rng, (2, 3)), normal(rng, (3, 2))
+@pytest.mark.parametrize("product", PRODUCTS)
+@pytest.mark.parametrize("jit", [False, True])
+def test_scan_over_stacked_qarray_weights(rng, product, jit):
+    """Quantized layers as a scan over a stacked QArray (one q8 per layer)."""
+    fn, ref_fn, w_shape = PRODUCTS[product]
+    x0, ws = normal(rng, (2, 4)), normal(rng, (3, *w_shape(4, 4))) * 0.5
+    qws = qa.quantize(jnp.asarray(ws))  # per-row scales: one q8[3,4,4] stack
+
+    def net(x0, qws):
+        def layer(x, qw):
+            assert str(jax.typeof(qw)) == "q8[4,4]"
+            return jnp.tanh(fn(x, qw)), None
+
+        return jax.lax.scan(layer, x0, qws, length=3)[0]
+
+    got = (jax.jit(net) if jit else net)(x0, qws)
+    want = x0.astype(np.float64)
+    for w in ws:
+        want = np.tanh(ref_fn(want.astype(np.float32), *ref.quantize(w)))
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("product", PRODUCTS)
+def test_full_hessian_over_x_and_w(rng, product):
+    """Second derivatives through the backward rules (each product's backward
+    is the other product), mixed terms included, against central differences
+    of the float64 straight-through gradient."""
+    fn, _, w_shape = PRODUCTS[product]
+    x, w = normal(rng, (2, 3)), normal(rng, w_shape(3, 2))
 
     def f(x, w):
-        return jnp.sum(jnp.sin(qa.matmul_q(x, qa.quantize(w))))
+        return jnp.sum(jnp.sin(fn(x, qa.quantize(w))))
 
     hess = jax.jit(jax.hessian(f, (0, 1)))(x, w)
 
     def grad_ref(flat):  # STE: the gradient of sum(sin(x @ W)) at W = roundtrip(w)
-        xx, ww = flat[:6].reshape(2, 3), flat[6:].reshape(3, 2)
-        g = np.cos(xx @ ww)
-        return np.concatenate([(g @ ww.T).ravel(), (xx.T @ g).ravel()])
+        xx, ww = flat[:6].reshape(2, 3), flat[6:].reshape(w.shape)
+        w_kn = ww if product == "matmul_q" else ww.T
+        g = np.cos(xx @ w_kn)
+        gw = cotangent_w(product, xx.T @ g)
+        return np.concatenate([(g @ w_kn.T).ravel(), gw.ravel()])
 
     point = np.concatenate([x.ravel(), ref.roundtrip(w).ravel()]).astype(np.float64)
     eps = 1e-6
