@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import qarray as qa
+from qarray.doc_types import TupSpec
 from tests import reference as ref
 
 RTOL = ATOL = 2e-4
@@ -442,7 +443,7 @@ def test_vmap_requires_a_qarray_spec():
     with pytest.raises(ValueError, match="mapping spec"):  # JAX's own check
         jax.vmap(qa.dequantize, in_axes=0, axis_size=4)(q)
     with pytest.raises(TypeError, match=r"mapped with qarray\.QArraySpec\(\)"):
-        jax.vmap(qa.dequantize, in_axes=qa.TupSpec((0,)), axis_size=4)(q)
+        jax.vmap(qa.dequantize, in_axes=TupSpec((0,)), axis_size=4)(q)
     with pytest.raises(TypeError, match="leading axis of that size"):
         jax.vmap(qa.dequantize, in_axes=qa.QArraySpec(), axis_size=3)(q)
 
