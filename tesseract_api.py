@@ -1,28 +1,40 @@
-"""qarray Tesseract: an int8-quantized linear layer as differentiable endpoints.
+"""qarray Tesseract: an int8-quantized network as differentiable endpoints.
 
-``y = x @ W + bias`` with ``W`` quantized per row (one float32 scale per K row),
-served through tesseract-core's JAX recipes. Gradients are exact for ``x``,
-``bias`` and ``w_q.scale`` and straight-through for ``w`` (quantization acts as
-the identity for derivatives). This module is thin on purpose: request
-validation here, everything numeric in ``qarray``.
+A network is a list of layers, each ``h = act(h @ W_i + bias_i)`` with ``W_i``
+quantized to int8: stored ``(K, N)`` with one scale per input row (layout
+"kn", ``qarray.matmul_q``) or ``(N, K)`` with one scale per output channel
+(layout "nk", PyTorch's ``nn.Linear.weight``, ``qarray.linear_q``). Served
+through tesseract-core's JAX recipes. Gradients are exact for ``x``, biases
+and ``w_q.scale`` and straight-through for dense ``w`` (quantization acts as
+the identity for derivatives). Any array may carry leading batch axes that
+index x's leading axes (vmap semantics, see ``network_shape``). This module is
+thin on purpose: request validation here, everything numeric in ``qarray``.
 
 Environment:
-    QARRAY_MAX_ELEMENTS    largest array (declared shape, any field) and largest
-                           result accepted, in elements (default 33554432)
+    QARRAY_MAX_ELEMENTS    largest array (declared shape, any field), largest
+                           result and largest Jacobian accepted, in elements
+                           (default 33554432)
+    QARRAY_MAX_LAYERS      most layers in one request (default 64)
     QARRAY_VJP_CACHE_SIZE  entries in the VJP residual cache (default 8; 0 = off)
     QARRAY_VJP_CACHE_MIN_INTENSITY
-                           apply stores its pullback in the cache only when the
-                           product costs at least this many flops per input
-                           element, 2*M*K*N / (M*K + K*N + N) (default 2**20,
-                           i.e. not for any shape QARRAY_MAX_ELEMENTS admits:
-                           see _cache_pays); 0 caches every apply
+                           apply stores its pullback in the cache when the
+                           network has a nonlinearity (its backward pass needs
+                           the forward activations), or when its products cost
+                           at least this many flops per input element (default
+                           2**20, i.e. never for a linear network of the sizes
+                           QARRAY_MAX_ELEMENTS admits: see _cache_pays); 0
+                           caches every apply
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Self
 
 import equinox as eqx
@@ -49,25 +61,42 @@ def _env_int(name: str, default: int, minimum: int) -> int:
 
 
 MAX_ELEMENTS = _env_int("QARRAY_MAX_ELEMENTS", 2**25, minimum=1)
+MAX_LAYERS = _env_int("QARRAY_MAX_LAYERS", 64, minimum=1)
 VJP_CACHE_SIZE = _env_int("QARRAY_VJP_CACHE_SIZE", 8, minimum=0)
 VJP_CACHE_MIN_INTENSITY = _env_int("QARRAY_VJP_CACHE_MIN_INTENSITY", 2**20, minimum=0)
 set_jax_vjp_cache_size(VJP_CACHE_SIZE)
+
+LAYOUTS = ("kn", "nk")
+Layout = Literal["kn", "nk"]
+# applied after the bias; gelu is the exact (erf) form, PyTorch's nn.GELU default
+ACTIVATIONS: dict[str, Callable] = {
+    "none": lambda h: h,
+    "relu": jax.nn.relu,
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),
+    "tanh": jnp.tanh,
+    "sigmoid": jax.nn.sigmoid,
+    "silu": jax.nn.silu,
+}
+Activation = Literal["none", "relu", "gelu", "tanh", "sigmoid", "silu"]
 
 
 # --- size limits, checked on the declared shape before any array is decoded
 
 
 def _declared_shape(value: Any) -> tuple[int, ...] | None:
-    """The shape a raw field value declares, without decoding it."""
+    """The shape a raw field value declares, without decoding it (None when
+    it declares none that can be read: the array validator names the problem)."""
     if isinstance(value, dict) and "shape" in value:
         shape = value["shape"]
         if isinstance(shape, list | tuple) and all(
             isinstance(d, int) and not isinstance(d, bool) for d in shape
         ):
             return tuple(shape)
-        return None  # malformed: the array validator names the problem
+        return None
     if hasattr(value, "shape"):
         return tuple(value.shape)
+    if not isinstance(value, list | tuple):
+        return None
     shape = []
     while isinstance(value, list | tuple):  # nested JSON lists
         shape.append(len(value))
@@ -90,11 +119,6 @@ def _limit_size(value: Any) -> Any:
 SizeLimited = BeforeValidator(_limit_size)
 
 
-def _shape(value: Any) -> tuple[int, ...] | None:
-    """Shape of a decoded array or of an abstract ShapeDType (abstract_eval)."""
-    return None if value is None else tuple(value.shape)
-
-
 def _concrete(value: Any) -> bool:
     return isinstance(value, np.ndarray)
 
@@ -108,177 +132,453 @@ def _require_finite(name: str, value: Any) -> None:
         )
 
 
+# --- the network's shapes: one function for declared and decoded shapes
+
+
+@dataclass(frozen=True)
+class LayerShapes:
+    """The shapes one layer gives (None for absent arrays), for network_shape."""
+
+    weights: tuple[int, ...] | None  # w, or w_q.qvalue
+    scale: tuple[int, ...] | None  # w_q.scale (None for w)
+    bias: tuple[int, ...] | None
+    layout: str
+    dense: bool  # w given (else w_q)
+
+
+@dataclass(frozen=True)
+class NetworkShape:
+    batch: tuple[int, ...]  # the batch axes every output carries
+    y: tuple[int, ...]
+    widths: tuple[int, ...]  # K0, N0, N1, ...
+
+
+def _weights_name(i: int, layer: LayerShapes) -> str:
+    return f"layers.[{i}].{'w' if layer.dense else 'w_q.qvalue'}"
+
+
+def _broadcast_batch(batch, shape, what, sources) -> tuple[int, ...]:
+    """``batch`` and ``shape`` broadcast (both aligned on the left, axes of size
+    1 broadcast), or a ValueError naming ``what`` and the axes it met."""
+    out = list(batch) + [1] * (len(shape) - len(batch))
+    for axis, size in enumerate(shape):
+        if size != 1 and out[axis] not in (1, size):
+            raise ValueError(
+                f"{what} has batch axes {shape}, which do not match {tuple(batch)} "
+                f"(from {', '.join(sources)}): batch axes index x's leading axes, "
+                "and must be equal or 1"
+            )
+        out[axis] = max(out[axis], size) if size != 0 else 0
+    return tuple(out)
+
+
+def network_shape(x: tuple[int, ...], layers: list[LayerShapes]) -> NetworkShape:
+    """Check that a network's shapes chain, and give its output shapes.
+
+    Layer i maps width K_i to N_i (K_0 = x.shape[-1], K_{i+1} = N_i). Its
+    weights are ``(*B, K, N)`` ("kn") or ``(*B, N, K)`` ("nk"), w_q.scale is
+    ``qvalue.shape[:-1]`` and bias ``(*B', N)``. Leading axes ``B`` are batch
+    axes: they index x's leading axes from the left, ``y[b] = net(x[b],
+    params[b])``, and axes of size 1 broadcast. The network's batch axes are
+    all of them broadcast together with x's, and every output carries them.
+    Raises ValueError naming the field and the shapes.
+    """
+    if len(x) < 1:
+        raise ValueError("x must have shape (..., K) with at least one axis, got ()")
+    width, source = x[-1], f"x {x}"
+    batch: tuple[int, ...] = ()
+    sources: list[str] = []
+    widths = [width]
+    for i, layer in enumerate(layers):
+        name = _weights_name(i, layer)
+        axes = "(..., K, N)" if layer.layout == "kn" else "(..., N, K)"
+        shape = layer.weights
+        if len(shape) < 2:
+            raise ValueError(
+                f"{name} must have shape {axes} (layout {layer.layout!r}), got {shape}"
+            )
+        k, n = shape[-2:] if layer.layout == "kn" else shape[:-3:-1]
+        if k != width:
+            raise ValueError(
+                f"{name} {shape} has K = {k} (layout {layer.layout!r}: {axes}), but "
+                f"its input is {source} of width {width}"
+            )
+        if layer.scale is not None and layer.scale != shape[:-1]:
+            raise ValueError(
+                f"layers.[{i}].w_q.scale must have shape {shape[:-1]} (one scale per "
+                f"row of {name} {shape}), got {layer.scale}"
+            )
+        if layer.bias is not None and (not layer.bias or layer.bias[-1] != n):
+            raise ValueError(
+                f"layers.[{i}].bias must have shape (..., N) with N = {n} to match "
+                f"{name} {shape} (layout {layer.layout!r}), got {layer.bias}"
+            )
+        for what, array_batch in (
+            (name, shape[:-2]),
+            (f"layers.[{i}].bias", (layer.bias or (0,))[:-1]),
+        ):
+            if array_batch:
+                batch = _broadcast_batch(batch, array_batch, what, sources)
+                sources.append(f"{what} {array_batch}")
+        width, source = n, f"the output of layers.[{i}]"
+        widths.append(n)
+    lead = x[:-1]
+    if len(batch) > len(lead):
+        raise ValueError(
+            f"the layers' batch axes {batch} (from {', '.join(sources)}) are more "
+            f"than x {x} has leading axes: batch axes index x's leading axes"
+        )
+    if batch:
+        batch = _broadcast_batch(batch, lead[: len(batch)], f"x {x}", sources)
+    y = (*batch, *lead[len(batch) :], width)
+    return NetworkShape(batch, y, tuple(widths))
+
+
+def _raw_layer_shapes(layer: Any) -> LayerShapes | None:
+    """LayerShapes from a raw (undecoded) layer, or None if it is malformed in
+    a way the field validators will name."""
+    if not isinstance(layer, dict):
+        return None
+    layout = layer.get("layout", "kn")
+    w, w_q = layer.get("w"), layer.get("w_q")
+    if layout not in LAYOUTS or (w is None) == (w_q is None):
+        return None
+    if w is None and not isinstance(w_q, dict):
+        return None
+    weights = _declared_shape(w if w is not None else w_q.get("qvalue"))
+    scale = None if w is not None else _declared_shape(w_q.get("scale"))
+    bias = layer.get("bias")
+    bias_shape = None if bias is None else _declared_shape(bias)
+    if weights is None or (w is None and scale is None):
+        return None
+    if bias is not None and bias_shape is None:
+        return None
+    return LayerShapes(weights, scale, bias_shape, layout, dense=w is not None)
+
+
+def _check_y_size(shape: NetworkShape) -> None:
+    size = math.prod(shape.y)
+    if size > MAX_ELEMENTS:
+        raise ValueError(
+            f"y would have shape {shape.y} ({size} elements), over the limit of "
+            f"{MAX_ELEMENTS} (QARRAY_MAX_ELEMENTS)"
+        )
+
+
 # --- schemas
 
 
 class QuantizedWeights(BaseModel):
-    """Weights already quantized per row: ``W = qvalue * scale[:, None]``."""
+    """Weights already quantized per row: ``W = qvalue * scale[..., None]``."""
 
-    qvalue: Annotated[Array[(None, None), Int8], SizeLimited] = Field(
-        description="int8 payload, shape (K, N), values in [-127, 127]."
+    qvalue: Annotated[Array[..., Int8], SizeLimited] = Field(
+        description="int8 payload, (..., K, N) for layout 'kn' or (..., N, K) for "
+        "'nk'; values in [-127, 127]."
     )
-    scale: Annotated[Differentiable[Array[(None,), Float32]], SizeLimited] = Field(
-        description="One float32 scale per row, shape (K,), finite and >= 0."
+    scale: Annotated[Differentiable[Array[..., Float32]], SizeLimited] = Field(
+        description="One float32 scale per row of qvalue, shape qvalue.shape[:-1]; "
+        "finite and >= 0."
     )
 
     model_config = ConfigDict(extra="forbid")
 
-    @model_validator(mode="after")
-    def _check(self) -> Self:
-        k = _shape(self.qvalue)[0]
-        if _shape(self.scale) != (k,):
-            raise ValueError(
-                f"w_q.scale must have shape (K,) = ({k},) to match w_q.qvalue "
-                f"{_shape(self.qvalue)}, got {_shape(self.scale)}"
-            )
-        if _concrete(self.qvalue) and self.qvalue.size and self.qvalue.min() < -127:
-            raise ValueError(
-                "w_q.qvalue must lie in [-127, 127] (symmetric int8), got -128"
-            )
-        _require_finite("w_q.scale", self.scale)
-        if _concrete(self.scale) and (self.scale < 0).any():
-            raise ValueError("w_q.scale must be >= 0, got a negative scale")
-        return self
+
+class Layer(BaseModel):
+    """One layer: ``h -> activation(h @ W + bias)`` with W quantized to int8."""
+
+    w: Annotated[Differentiable[Array[..., Float32]], SizeLimited] | None = Field(
+        default=None,
+        description="Dense weights, (..., K, N) for layout 'kn' or (..., N, K) for "
+        "'nk', quantized per row on every call; straight-through gradient. Give "
+        "exactly one of w, w_q.",
+    )
+    w_q: QuantizedWeights | None = Field(
+        default=None,
+        description="Pre-quantized weights {qvalue, scale} (e.g. an earlier "
+        "apply's w_q output). Give exactly one of w, w_q.",
+    )
+    layout: Layout = Field(
+        default="kn",
+        description="'kn': stored (K, N), one scale per input row (qarray.matmul_q). "
+        "'nk': stored (N, K) like PyTorch's nn.Linear.weight, one scale per output "
+        "channel (qarray.linear_q).",
+    )
+    bias: Annotated[Differentiable[Array[..., Float32]], SizeLimited] | None = Field(
+        default=None, description="Optional bias, shape (..., N)."
+    )
+    activation: Activation = Field(
+        default="none",
+        description="Nonlinearity applied after the bias ('gelu' is the exact, erf "
+        "form).",
+    )
+
+    model_config = ConfigDict(extra="forbid")
+
+    def shapes(self) -> LayerShapes:
+        weights = self.w if self.w is not None else self.w_q.qvalue
+        return LayerShapes(
+            tuple(weights.shape),
+            None if self.w_q is None else tuple(self.w_q.scale.shape),
+            None if self.bias is None else tuple(self.bias.shape),
+            self.layout,
+            dense=self.w is not None,
+        )
 
 
 class InputSchema(BaseModel):
     x: Annotated[Differentiable[Array[..., Float32]], SizeLimited] = Field(
-        description="Activations, float32 of shape (..., K): any leading axes."
+        description="Input activations, float32 (..., K0): any leading axes."
     )
-    w: Annotated[Differentiable[Array[(None, None), Float32]], SizeLimited] | None = (
-        Field(
-            default=None,
-            description=(
-                "Dense weights (K, N), quantized per row (one scale per K row) on "
-                "every call; straight-through gradient. Give exactly one of w, w_q."
-            ),
-        )
+    layers: list[Layer] = Field(
+        min_length=1,
+        max_length=MAX_LAYERS,
+        description=f"The network, 1 to {MAX_LAYERS} layers (QARRAY_MAX_LAYERS); "
+        "layer i maps width K_i to N_i, K_{i+1} = N_i.",
     )
-    w_q: QuantizedWeights | None = Field(
-        default=None,
-        description="Pre-quantized weights {qvalue (K, N), scale (K,)}. Give "
-        "exactly one of w, w_q.",
+    quantize_activations: bool = Field(
+        default=False,
+        description="False: weight-only quantization (activations stay float32). "
+        "True: each layer's input is quantized per row too, for an int8 x int8 "
+        "product; gradients stay those of the dense product (straight-through).",
     )
-    bias: Annotated[Differentiable[Array[(None,), Float32]], SizeLimited] | None = (
-        Field(default=None, description="Optional bias, shape (N,).")
-    )
-    activations: Literal["float32", "int8"] = Field(
-        default="float32",
-        description='"float32": weight-only quantization (default). "int8": the '
-        "activations are quantized per row too, for an int8 x int8 product; "
-        "gradients stay those of the dense product (straight-through).",
+    return_w_q: bool = Field(
+        default=False,
+        description="Return the quantized weights of the layers given as dense w "
+        "(they cost wire bytes on every call).",
     )
 
     model_config = ConfigDict(extra="forbid")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _bound_before_decoding(cls, data: Any) -> Any:
+        """Bound the work from the declared shapes, before any array is decoded."""
+        if not isinstance(data, dict) or not isinstance(data.get("layers"), list):
+            return data
+        layers = data["layers"]
+        if len(layers) > MAX_LAYERS:
+            raise ValueError(
+                f"layers has {len(layers)} layers, over the limit of {MAX_LAYERS} "
+                "(QARRAY_MAX_LAYERS)"
+            )
+        x = _declared_shape(data.get("x"))
+        shapes = [_raw_layer_shapes(layer) for layer in layers]
+        if x is not None and layers and None not in shapes:
+            _check_y_size(network_shape(x, shapes))
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> Self:
-        if (self.w is None) == (self.w_q is None):
-            got = "both" if self.w is not None else "neither"
-            raise ValueError(f"give exactly one of w and w_q, got {got}")
-        x_shape = _shape(self.x)
-        if not x_shape:
-            raise ValueError(
-                "x must have shape (..., K) with at least one axis, got ()"
-            )
-        name, w_shape = (
-            ("w", _shape(self.w))
-            if self.w is not None
-            else ("w_q.qvalue", _shape(self.w_q.qvalue))
-        )
-        k, n = w_shape
-        if x_shape[-1] != k:
-            raise ValueError(
-                f"x.shape[-1] must equal {name}.shape[0] (K), got x {x_shape} and "
-                f"{name} {w_shape}"
-            )
-        if self.bias is not None and _shape(self.bias) != (n,):
-            raise ValueError(
-                f"bias must have shape (N,) = ({n},) to match {name} {w_shape}, got "
-                f"{_shape(self.bias)}"
-            )
-        y_size = math.prod(x_shape[:-1]) * n
-        if y_size > MAX_ELEMENTS:
-            raise ValueError(
-                f"y would have shape {(*x_shape[:-1], n)} ({y_size} elements), over "
-                f"the limit of {MAX_ELEMENTS} (QARRAY_MAX_ELEMENTS)"
-            )
+        for i, layer in enumerate(self.layers):
+            if (layer.w is None) == (layer.w_q is None):
+                got = "both" if layer.w is not None else "neither"
+                raise ValueError(
+                    f"layers.[{i}] must give exactly one of w and w_q, got {got}"
+                )
+        _check_y_size(network_shape(tuple(self.x.shape), self.shapes()))
         _require_finite("x", self.x)
-        _require_finite("w", self.w)
-        _require_finite("bias", self.bias)
+        for i, layer in enumerate(self.layers):
+            name = f"layers.[{i}]"
+            _require_finite(f"{name}.w", layer.w)
+            _require_finite(f"{name}.bias", layer.bias)
+            if layer.w_q is not None:
+                qvalue, scale = layer.w_q.qvalue, layer.w_q.scale
+                if _concrete(qvalue) and qvalue.size and qvalue.min() < -127:
+                    raise ValueError(
+                        f"{name}.w_q.qvalue must lie in [-127, 127] (symmetric "
+                        "int8), got -128"
+                    )
+                _require_finite(f"{name}.w_q.scale", scale)
+                if _concrete(scale) and (scale < 0).any():
+                    raise ValueError(
+                        f"{name}.w_q.scale must be >= 0, got a negative scale"
+                    )
         return self
+
+    def shapes(self) -> list[LayerShapes]:
+        return [layer.shapes() for layer in self.layers]
+
+    def network_shape(self) -> NetworkShape:
+        return network_shape(tuple(self.x.shape), self.shapes())
 
 
 class QuantizedWeightsOut(BaseModel):
-    qvalue: Array[(None, None), Int8] = Field(description="int8 payload (K, N).")
-    scale: Array[(None,), Float32] = Field(description="One scale per row (K,).")
+    qvalue: Array[..., Int8] = Field(
+        description="int8 payload, shaped like the layer's w (batch axes included)."
+    )
+    scale: Array[..., Float32] = Field(description="One scale per row of qvalue.")
+
+
+class LayerOut(BaseModel):
+    weight_error: Array[..., Float32] = Field(
+        description="Relative quantization error ||w - W|| / ||w|| of the layer's "
+        "dense weights (0 for w_q layers or zero w); one per batch element: shape "
+        "the network's batch axes (a scalar without them)."
+    )
+    w_q: QuantizedWeightsOut | None = Field(
+        description="The quantized weights of a w layer when return_w_q is set "
+        "(reuse them as w_q), else null."
+    )
 
 
 class OutputSchema(BaseModel):
     y: Differentiable[Array[..., Float32]] = Field(
-        description="x @ W + bias, float32 of shape (..., N)."
+        description="The network's output, float32 (*batch, ..., N_last)."
     )
-    w_q: QuantizedWeightsOut | None = Field(
-        description="The quantized weights when w was given (reuse them as w_q), "
-        "else null."
-    )
-    weight_error: Float32 = Field(
-        description="Relative quantization error ||w - W|| / ||w|| of the weights "
-        "used (0 when w_q was given or w is zero)."
-    )
+    layers: list[LayerOut] = Field(description="Per layer diagnostics, in order.")
 
 
 # --- the computation
+
+
+@dataclass(frozen=True)
+class _Config:
+    """What the compiled network depends on besides array shapes (jit-static)."""
+
+    layers: tuple[tuple[str, str], ...]  # (layout, activation) per layer
+    quantize_activations: bool
+    return_w_q: bool
 
 
 def apply_jit(inputs: dict) -> dict:
     """inputs (as InputSchema.model_dump()) -> outputs (as OutputSchema), compiled.
 
     What tesseract-core's jax_recipes differentiate. A plain function over one
-    jax.jit (activations static) rather than eqx.filter_jit: filter_jit's
+    jax.jit (the structure static) rather than eqx.filter_jit: filter_jit's
     per-call partitioning measured ~50 us, a third of a small apply's latency.
     """
-    arrays = {k: v for k, v in inputs.items() if k != "activations"}
-    return _compute(arrays, activations=inputs["activations"])
+    config, arrays = _split(inputs)
+    return _compute(arrays, config)
 
 
-@functools.partial(jax.jit, static_argnames="activations")
-def _compute(inputs: dict, activations: str) -> dict:
-    x = jnp.asarray(inputs["x"])
-    w_q_out, weight_error = None, jnp.float32(0.0)
-    if inputs["w"] is not None:
-        w = jnp.asarray(inputs["w"])
-        qw = qa.quantize(w)
-        qvalue, scale = qa.unpack(qw)
-        w_q_out = {"qvalue": qvalue, "scale": scale}
-        w_norm = jnp.linalg.norm(w)
-        error = jnp.linalg.norm(w - qa.dequantize(qw)) / jnp.where(
-            w_norm > 0, w_norm, 1
-        )
-        # a diagnostic output: it carries no derivative
-        weight_error = jax.lax.stop_gradient(error)
-    else:
-        parts = inputs["w_q"]
-        qw = qa.pack(jnp.asarray(parts["qvalue"]), jnp.asarray(parts["scale"]))
-    y = qa.matmul_q(x, qw, activations)
-    if inputs["bias"] is not None:
-        y = y + jnp.asarray(inputs["bias"])
-    return {"y": y, "w_q": w_q_out, "weight_error": weight_error}
+def _split(inputs: dict) -> tuple[_Config, dict]:
+    layers = inputs["layers"]
+    config = _Config(
+        tuple((layer["layout"], layer["activation"]) for layer in layers),
+        bool(inputs["quantize_activations"]),
+        bool(inputs["return_w_q"]),
+    )
+    arrays = {
+        "x": inputs["x"],
+        "layers": [
+            {"w": layer["w"], "w_q": layer["w_q"], "bias": layer["bias"]}
+            for layer in layers
+        ],
+    }
+    return config, arrays
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def _compute(arrays: dict, config: _Config) -> dict:
+    arrays = jax.tree.map(jnp.asarray, arrays)
+    x, layers = arrays["x"], arrays["layers"]
+    shape = network_shape(
+        tuple(x.shape),
+        [_traced_shapes(p, c) for p, c in zip(layers, config.layers, strict=True)],
+    )
+    rank = len(shape.batch)
+    # give every array exactly `rank` leading batch axes: batch axes index x's
+    # leading axes from the left, so shorter ones are padded on their right
+    layers = [
+        {
+            "w": _pad_batch(p["w"], rank, 2),
+            "w_q": None
+            if p["w_q"] is None
+            else {
+                "qvalue": _pad_batch(p["w_q"]["qvalue"], rank, 2),
+                "scale": _pad_batch(p["w_q"]["scale"], rank, 1),
+            },
+            "bias": _pad_batch(p["bias"], rank, 1),
+        }
+        for p in layers
+    ]
+    y, per_layer = _map_batch(
+        functools.partial(_network, config=config), shape.batch, (x, layers)
+    )
+    return {"y": y, "layers": per_layer}
+
+
+def _traced_shapes(params: dict, layer_config: tuple[str, str]) -> LayerShapes:
+    weights = params["w"] if params["w"] is not None else params["w_q"]["qvalue"]
+    return LayerShapes(
+        tuple(weights.shape),
+        None if params["w_q"] is None else tuple(params["w_q"]["scale"].shape),
+        None if params["bias"] is None else tuple(params["bias"].shape),
+        layer_config[0],
+        dense=params["w"] is not None,
+    )
+
+
+def _pad_batch(a, rank: int, core: int):
+    """``a`` with size-1 axes after its batch axes, up to ``rank`` of them."""
+    if a is None:
+        return None
+    lead = a.ndim - core
+    return a.reshape(*a.shape[:lead], *(1,) * (rank - lead), *a.shape[lead:])
+
+
+def _map_batch(fn, batch: tuple[int, ...], args):
+    """``fn`` mapped over the leading ``len(batch)`` axes of every array in
+    ``args`` (each of size ``batch[i]`` or 1: size 1 broadcasts without a
+    copy); every output gets those axes, at full size."""
+    if not batch:
+        return fn(args)
+    size, rest = batch[0], batch[1:]
+    inner = functools.partial(_map_batch, fn, rest)
+    axes = jax.tree.map(lambda a: 0 if a.shape[0] == size and size != 1 else None, args)
+    args = jax.tree.map(lambda a, ax: a if ax == 0 else a[0], args, axes)
+    if size == 1:
+        return jax.tree.map(lambda out: out[None], inner(args))
+    return jax.vmap(inner, in_axes=(axes,), axis_size=size)(args)
+
+
+def _network(args, config: _Config):
+    """One example: x (..., K0) through unbatched layers -> (y, per-layer outputs)."""
+    h, layers = args
+    precision = "int8" if config.quantize_activations else "float32"
+    outputs = []
+    for params, (layout, activation) in zip(layers, config.layers, strict=True):
+        w_q_out, weight_error = None, jnp.float32(0.0)
+        if params["w"] is not None:
+            w = params["w"]
+            qw = qa.quantize(w)
+            if config.return_w_q:
+                qvalue, scale = qa.unpack(qw)
+                w_q_out = {"qvalue": qvalue, "scale": scale}
+            w_norm = jnp.linalg.norm(w)
+            error = jnp.linalg.norm(w - qa.dequantize(qw)) / jnp.where(
+                w_norm > 0, w_norm, 1
+            )
+            # a diagnostic output: it carries no derivative
+            weight_error = jax.lax.stop_gradient(error)
+        else:
+            qw = qa.pack(params["w_q"]["qvalue"], params["w_q"]["scale"])
+        product = qa.matmul_q if layout == "kn" else qa.linear_q
+        h = product(h, qw, precision)
+        if params["bias"] is not None:
+            h = h + params["bias"]
+        h = ACTIVATIONS[activation](h)
+        outputs.append({"weight_error": weight_error, "w_q": w_q_out})
+    return h, outputs
 
 
 def _as_dict(inputs: InputSchema) -> dict:
     """inputs.model_dump(), without its cost (~50 us on small requests)."""
     out = dict(inputs)
-    if inputs.w_q is not None:
-        out["w_q"] = dict(inputs.w_q)
+    out["layers"] = []
+    for layer in inputs.layers:
+        fields = dict(layer)
+        if layer.w_q is not None:
+            fields["w_q"] = dict(layer.w_q)
+        out["layers"].append(fields)
     return out
 
 
 def apply(inputs: InputSchema) -> OutputSchema:
-    """y = x @ W + bias with int8 per-row quantized W."""
+    """The network's output y and per-layer diagnostics."""
     if jax_recipes._jax_vjp_cache is None or not _cache_pays(inputs):
         # NumPy straight into the compiled call: converting each input to a jax
-        # array first (as_jax_arrays) costs more than the whole small product
+        # array first (as_jax_arrays) costs more than a whole small product
         return apply_jit(_as_dict(inputs))
     return _apply_and_cache_pullback(inputs)
 
@@ -298,28 +598,33 @@ def apply(inputs: InputSchema) -> OutputSchema:
 def _cache_pays(inputs: InputSchema) -> bool:
     """Whether apply should store its pullback (see QARRAY_VJP_CACHE_MIN_INTENSITY).
 
-    Measured (benchmarks/bench_cache.py): a hit saves less than it costs here.
-    y = x @ W + b is linear, so the VJP never needs y and XLA drops the product
-    from the recomputed forward pass: a miss recomputes only quantize(w). A hit
-    instead pays tesseract-core's key, a device fingerprint of every input,
-    computed on apply and again on vjp, plus a bitwise compare. So by default
-    apply does not cache; the threshold is there for hardware where hashing is
-    cheap relative to the product, or to force caching (0).
+    A nonlinearity's backward pass needs the forward activations, so a miss
+    recomputes the whole forward pass: caching pays. A linear network's VJP
+    never needs y, and XLA drops the products from a recomputed forward pass;
+    a hit instead pays tesseract-core's key, a device fingerprint of every
+    input computed on apply and again on vjp (measured: slower than a miss for
+    a linear layer, benchmarks/bench_cache.py). So a linear network caches
+    only above the intensity threshold.
     """
-    k, n = _weights_shape(inputs)
-    m = math.prod(inputs.x.shape[:-1])
-    flops, elements = 2 * m * k * n, m * k + k * n + n
+    if any(layer.activation != "none" for layer in inputs.layers):
+        return True
+    shape = inputs.network_shape()
+    m = math.prod(shape.y[:-1])
+    flops = sum(2 * m * k * n for k, n in itertools.pairwise(shape.widths))
+    elements = inputs.x.size + sum(
+        math.prod(s.weights) + math.prod(s.bias or ()) for s in inputs.shapes()
+    )
     return flops >= VJP_CACHE_MIN_INTENSITY * max(elements, 1)
 
 
 # plain jax.jit, not eqx.filter_jit: the pullback's residuals include QArray
 # values, which filter_jit would take for static (non-array) outputs
-@functools.partial(jax.jit, static_argnames="activations")
-def _forward_with_pullback(arrays: dict, activations: str):
+@functools.partial(jax.jit, static_argnames="config")
+def _forward_with_pullback(arrays: dict, config: _Config):
     diff, nondiff = eqx.partition(arrays, eqx.is_inexact_array)
 
     def forward(diff):
-        out = _compute(eqx.combine(diff, nondiff), activations=activations)
+        out = _compute(eqx.combine(diff, nondiff), config=config)
         return {"y": out["y"]}, out
 
     _, pullback, out = jax.vjp(forward, diff, has_aux=True)
@@ -333,10 +638,12 @@ def _run_pullback(pullback, cotangent):
 
 def _apply_and_cache_pullback(inputs: InputSchema) -> dict:
     inputs_dict = jax_recipes.as_jax_arrays(inputs.model_dump())
-    arrays = {k: v for k, v in inputs_dict.items() if k != "activations"}
-    out, pullback = _forward_with_pullback(arrays, inputs_dict["activations"])
-    # jax_vjp looks the same key up and calls vjp_func(cotangent shaped like
-    # the template)
+    config, arrays = _split(inputs_dict)
+    out, pullback = _forward_with_pullback(arrays, config)
+    # jax_vjp looks the same key up, calls vjp_func(cotangent shaped like the
+    # template) and reads the cotangents at the request's paths
+    # (layers.[0].w_q.scale): the pullback's input tree has the request's
+    # array fields, so the paths read the same there
     jax_recipes._jax_vjp_cache.put(
         jax_recipes._cache_key(inputs_dict),
         (functools.partial(_run_pullback, pullback), {"y": out["y"]}),
@@ -357,44 +664,51 @@ def _bad_request(message: str) -> HTTPException:
     return HTTPException(status_code=422, detail=message)
 
 
+_PATH_PART = re.compile(r"\[(\d+)\]")
+
+
+def _lookup(inputs: InputSchema, path: str) -> Any:
+    """The value at a differentiable path (``layers.[1].w_q.scale``), or a 422
+    naming the path when the request did not give it."""
+    value: Any = inputs
+    for part in path.split("."):
+        index = _PATH_PART.fullmatch(part)
+        if index is not None:
+            i = int(index.group(1))
+            if not isinstance(value, list) or i >= len(value):
+                raise _bad_request(
+                    f"{path!r} names layer {i}, but the request has "
+                    f"{len(inputs.layers)} layers"
+                )
+            value = value[i]
+        else:
+            value = getattr(value, part, None)
+        if value is None:
+            raise _bad_request(f"{path!r} names an array this request did not give")
+    return value
+
+
 def _require_given(inputs: InputSchema, paths: set[str], field: str) -> None:
     for path in sorted(paths):
-        head, _, _ = path.partition(".")
-        if getattr(inputs, head) is None:
-            other = "w_q" if head == "w" else "w"
-            raise _bad_request(
-                f"{field} names {path!r}, which this request did not give "
-                f"(it gave {other})"
-                if head in ("w", "w_q")
-                else f"{field} names {path!r}, which this request did not give"
-            )
-
-
-def _weights_shape(inputs: InputSchema) -> tuple[int, int]:
-    """(K, N) of whichever weights the request gave."""
-    return (inputs.w if inputs.w is not None else inputs.w_q.qvalue).shape
-
-
-def _y_shape(inputs: InputSchema) -> tuple[int, ...]:
-    return (*inputs.x.shape[:-1], _weights_shape(inputs)[1])
+        try:
+            _lookup(inputs, path)
+        except HTTPException as error:
+            raise _bad_request(f"{field}: {error.detail}") from None
 
 
 def _input_shape(inputs: InputSchema, path: str) -> tuple[int, ...]:
-    value = inputs
-    for part in path.split("."):
-        value = getattr(value, part)
-    return tuple(value.shape)
+    return tuple(_lookup(inputs, path).shape)
 
 
 def jacobian(inputs: InputSchema, jac_inputs: set[str], jac_outputs: set[str]):
     """d y / d (jac_inputs), each of shape y.shape + input.shape."""
     _require_given(inputs, jac_inputs, "jac_inputs")
-    y_size = math.prod(_y_shape(inputs))
+    y_shape = inputs.network_shape().y
     for path in jac_inputs:
-        size = y_size * math.prod(_input_shape(inputs, path))
+        size = math.prod(y_shape) * math.prod(_input_shape(inputs, path))
         if size > MAX_ELEMENTS:
             raise _bad_request(
-                f"the Jacobian of y {_y_shape(inputs)} with respect to {path} "
+                f"the Jacobian of y {y_shape} with respect to {path} "
                 f"{_input_shape(inputs, path)} has {size} elements, over the limit "
                 f"of {MAX_ELEMENTS} (QARRAY_MAX_ELEMENTS): use "
                 "vector_jacobian_product or jacobian_vector_product"
@@ -424,8 +738,9 @@ def vector_jacobian_product(
 ):
     """Cotangents of vjp_inputs for a cotangent of y (shaped like y)."""
     _require_given(inputs, vjp_inputs, "vjp_inputs")
+    y_shape = inputs.network_shape().y
     cotangents = _checked_vectors(
-        "cotangent_vector", cotangent_vector, lambda p: ("y", _y_shape(inputs))
+        "cotangent_vector", cotangent_vector, lambda p: ("y", y_shape)
     )
     return jax_recipes.jax_vjp(apply_jit, inputs, vjp_inputs, vjp_outputs, cotangents)
 

@@ -1,10 +1,12 @@
-"""Every endpoint in-process (tesseract_core.Tesseract.from_tesseract_api)."""
+"""Every endpoint in-process (tesseract_core.Tesseract.from_tesseract_api),
+against the NumPy reference network (tests/tesseract/network.py)."""
 
 import numpy as np
 import pytest
 from tesseract_core import Tesseract
 
 from tests import reference as ref
+from tests.tesseract import network as net
 from tests.tesseract.server import ROOT
 
 RTOL = ATOL = 2e-4
@@ -16,177 +18,187 @@ def tess():
         yield t
 
 
-def normal(rng, shape):
-    return rng.standard_normal(shape).astype(np.float32)
+def single(rng, x_shape=(3, 4), n=5, kind="w", layout="kn", bias=True, **extra):
+    """The v0.1 case: one linear layer."""
+    layer = net.make_layer(rng, x_shape[-1], n, layout, kind, bias)
+    return {"x": net.normal(rng, x_shape), "layers": [layer], **extra}
 
 
-def dense_weights(inputs):
-    """The W the Tesseract multiplies by, from the reference quantizer."""
-    if "w" in inputs:
-        return ref.roundtrip(inputs["w"])
-    return ref.dequantize(inputs["w_q"]["qvalue"], inputs["w_q"]["scale"])
-
-
-def reference_y(inputs):
-    w = inputs.get("w")
-    qvalue, scale = (
-        ref.quantize(w)
-        if w is not None
-        else (inputs["w_q"]["qvalue"], inputs["w_q"]["scale"])
-    )
-    y = ref.matmul_q(inputs["x"], qvalue, scale, inputs.get("activations", "float32"))
-    return y + inputs.get("bias", 0)
-
-
-def reference_vjp(inputs, g):
-    """Cotangents of every differentiable input for output cotangent g."""
-    x, w = inputs["x"], dense_weights(inputs)
-    gx, gw = ref.dense_vjp(x, w, g)
-    out = {"x": gx}
-    if "w" in inputs:
-        out["w"] = gw  # straight-through
-    else:
-        out["w_q.scale"] = np.sum(gw * inputs["w_q"]["qvalue"], axis=1)
-    if "bias" in inputs:
-        out["bias"] = g.reshape(-1, g.shape[-1]).sum(axis=0)
-    return out
-
-
-def make_inputs(rng, kind, x_shape=(3, 4), n=5, bias=True, activations="float32"):
-    k = x_shape[-1]
-    inputs = {"x": normal(rng, x_shape), "activations": activations}
-    w = normal(rng, (k, n))
-    if kind == "w":
-        inputs["w"] = w
-    else:
-        qvalue, scale = ref.quantize(w)
-        inputs["w_q"] = {"qvalue": qvalue, "scale": scale}
-    if bias:
-        inputs["bias"] = normal(rng, (n,))
-    return inputs
-
-
-def diff_paths(inputs):
-    return ["x", "w" if "w" in inputs else "w_q.scale"] + (
-        ["bias"] if "bias" in inputs else []
-    )
+def _config(name, rng):
+    if name == "single-w":
+        return single(rng)
+    if name == "single-w_q-vector":
+        return single(rng, x_shape=(4,), kind="w_q", bias=False)
+    if name == "single-nk-rank3":
+        return single(rng, x_shape=(2, 3, 4), layout="nk")
+    if name == "single-int8":
+        return single(rng, quantize_activations=True)
+    if name == "three-kn":
+        return net.three_layer(rng, "kn")
+    if name == "three-nk":
+        return net.three_layer(rng, "nk", kinds=("w_q", "w", "w_q"))
+    if name == "three-smooth":  # every nonlinearity, mixed layouts
+        inputs = net.three_layer(rng, "kn", activations=("gelu", "sigmoid", "silu"))
+        inputs["layers"][1] = net.make_layer(rng, 5, 4, "nk", "w", True, "sigmoid")
+        return inputs
+    if name == "three-int8":
+        return net.three_layer(rng, "nk", quantize_activations=True)
+    if name == "ensemble":  # per-example weights: batch axis on every array
+        inputs = {"x": net.normal(rng, (2, 3, 4)), "layers": []}
+        inputs["layers"].append(
+            net.make_layer(rng, 4, 5, "kn", "w", True, "relu", (2,))
+        )
+        inputs["layers"].append(
+            net.make_layer(rng, 5, 3, "nk", "w_q", True, "none", (2,))
+        )
+        return inputs
+    if name == "broadcast":  # size-1 batch axes (tesseract-jax's expand_dims)
+        inputs = {"x": net.normal(rng, (3, 2, 4)), "layers": []}
+        inputs["layers"].append(
+            net.make_layer(rng, 4, 5, "kn", "w", True, "tanh", (1,))
+        )
+        inputs["layers"].append(
+            net.make_layer(rng, 5, 3, "nk", "w", False, "none", (3,))
+        )
+        return inputs
+    raise ValueError(name)
 
 
 CONFIGS = [
-    ("w", (3, 4), True, "float32"),
-    ("w_q", (3, 4), True, "float32"),
-    ("w", (4,), False, "float32"),
-    ("w", (2, 3, 4), True, "float32"),
-    ("w", (3, 4), True, "int8"),
-    ("w_q", (2, 4), False, "int8"),
+    "single-w",
+    "single-w_q-vector",
+    "single-nk-rank3",
+    "single-int8",
+    "three-kn",
+    "three-nk",
+    "three-smooth",
+    "three-int8",
+    "ensemble",
+    "broadcast",
 ]
 
 
-@pytest.fixture(params=CONFIGS, ids=lambda c: f"{c[0]}-x{c[1]}-bias{c[2]}-{c[3]}")
+@pytest.fixture(params=CONFIGS)
 def inputs(request, rng):
-    kind, x_shape, bias, activations = request.param
-    return make_inputs(rng, kind, x_shape, bias=bias, activations=activations)
+    return _config(request.param, rng)
 
 
 def test_apply(tess, inputs):
-    out = tess.apply(inputs)
-    np.testing.assert_allclose(out["y"], reference_y(inputs), rtol=RTOL, atol=ATOL)
-    if "w" in inputs:
-        qvalue, scale = ref.quantize(inputs["w"])
-        np.testing.assert_array_equal(out["w_q"]["qvalue"], qvalue)
-        np.testing.assert_allclose(out["w_q"]["scale"], scale, rtol=1.2e-7)
-        w = inputs["w"].astype(np.float64)
-        want = np.linalg.norm(w - ref.roundtrip(inputs["w"])) / np.linalg.norm(w)
-        np.testing.assert_allclose(out["weight_error"], want, rtol=1e-4)
-    else:
-        assert out["w_q"] is None
-        assert out["weight_error"] == 0
+    out = tess.apply({**inputs, "return_w_q": True})
+    np.testing.assert_allclose(out["y"], net.forward(inputs), rtol=RTOL, atol=ATOL)
+    batch = net.batch_shape(inputs)
+    assert len(out["layers"]) == len(inputs["layers"])
+    for layer, got in zip(inputs["layers"], out["layers"], strict=True):
+        # every output carries the network's batch axes
+        assert got["weight_error"].shape == batch
+        if "w" not in layer:
+            assert got["w_q"] is None
+            np.testing.assert_array_equal(got["weight_error"], 0)
+            continue
+        qvalue, scale = ref.quantize(layer["w"])
+        lead = batch + qvalue.shape[qvalue.ndim - 2 :]
+        np.testing.assert_array_equal(
+            got["w_q"]["qvalue"], np.broadcast_to(_pad(qvalue, batch, 2), lead)
+        )
+        np.testing.assert_allclose(
+            got["w_q"]["scale"],
+            np.broadcast_to(_pad(scale, batch, 1), lead[:-1]),
+            rtol=1.2e-7,
+        )
+        if not batch:
+            np.testing.assert_allclose(
+                got["weight_error"], net.weight_error(layer["w"]), rtol=1e-4
+            )
+
+
+def _pad(a, batch, core):
+    """``a`` with size-1 axes after its batch axes, up to len(batch) of them."""
+    lead = a.ndim - core
+    return a.reshape(*a.shape[:lead], *(1,) * (len(batch) - lead), *a.shape[lead:])
+
+
+def test_w_q_not_returned_unless_asked(tess, rng):
+    out = tess.apply(net.three_layer(rng))
+    assert all(layer["w_q"] is None for layer in out["layers"])
 
 
 def test_quantized_weights_round_trip_through_w_q(tess, rng):
-    inputs = make_inputs(rng, "w")
-    first = tess.apply(inputs)
-    again = tess.apply({"x": inputs["x"], "bias": inputs["bias"], "w_q": first["w_q"]})
-    np.testing.assert_allclose(again["y"], first["y"], rtol=1e-6, atol=1e-6)
+    inputs = net.three_layer(rng, "nk", kinds=("w", "w", "w"))
+    first = tess.apply({**inputs, "return_w_q": True})
+    again = dict(inputs)
+    again["layers"] = [
+        {k: v for k, v in layer.items() if k != "w"} | {"w_q": out["w_q"]}
+        for layer, out in zip(inputs["layers"], first["layers"], strict=True)
+    ]
+    np.testing.assert_allclose(tess.apply(again)["y"], first["y"], rtol=1e-6)
 
 
 def test_vector_jacobian_product(tess, inputs, rng):
-    g = normal(rng, reference_y(inputs).shape)
-    paths = diff_paths(inputs)
+    g = net.normal(rng, net.forward(inputs).shape)
+    paths = net.diff_paths(inputs)
     out = tess.vector_jacobian_product(inputs, paths, ["y"], {"y": g})
-    want = reference_vjp(inputs, g)
+    want = net.vjp(inputs, g)
     assert set(out) == set(paths)
     for path in paths:
-        np.testing.assert_allclose(out[path], want[path], rtol=RTOL, atol=ATOL)
-
-
-def test_jacobian_vector_product_and_jacobian_agree_with_vjp(tess, inputs, rng):
-    """Dot-product test: <J u, v> = <u, J^T v>, and J matches both."""
-    paths = diff_paths(inputs)
-    y_shape = reference_y(inputs).shape
-    tangents = {p: normal(rng, np.shape(_at(inputs, p))) for p in paths}
-    v = normal(rng, y_shape)
-    jvp = tess.jacobian_vector_product(inputs, paths, ["y"], tangents)["y"]
-    vjp = tess.vector_jacobian_product(inputs, paths, ["y"], {"y": v})
-    lhs = np.sum(jvp.astype(np.float64) * v)
-    rhs = sum(np.sum(tangents[p].astype(np.float64) * vjp[p]) for p in paths)
-    np.testing.assert_allclose(lhs, rhs, rtol=1e-4, atol=1e-4)
-
-    # float32 weights: the JVP follows the dense product, as the VJP does
-    want_jvp = sum(
-        np.tensordot(_jacobian_ref(inputs, p), tangents[p], axes=tangents[p].ndim)
-        for p in paths
-    )
-    np.testing.assert_allclose(jvp, want_jvp, rtol=RTOL, atol=ATOL)
-
-    jac = tess.jacobian(inputs, paths, ["y"])["y"]
-    for p in paths:
-        assert jac[p].shape == y_shape + np.shape(_at(inputs, p))
         np.testing.assert_allclose(
-            jac[p], _jacobian_ref(inputs, p), rtol=RTOL, atol=ATOL
+            out[path], want[path], rtol=RTOL, atol=ATOL, err_msg=path
         )
 
 
-def _at(inputs, path):
-    value = inputs
-    for part in path.split("."):
-        value = value[part]
-    return value
-
-
-def _jacobian_ref(inputs, path):
-    """Reference Jacobian of y w.r.t. ``path``, assembled from the reference VJP."""
-    y_shape = reference_y(inputs).shape
-    size = int(np.prod(y_shape))
-    rows = []
-    for i in range(size):
-        g = np.zeros(size, np.float32)
-        g[i] = 1
-        rows.append(reference_vjp(inputs, g.reshape(y_shape))[path])
-    return np.stack(rows).reshape(y_shape + np.shape(_at(inputs, path)))
+def test_jacobian_vector_product_and_jacobian_agree_with_reference(tess, inputs, rng):
+    """J from the reference VJP; jvp = J t; the jacobian endpoint gives J."""
+    paths = net.diff_paths(inputs)
+    y_shape = net.forward(inputs).shape
+    tangents = {p: net.normal(rng, np.shape(net.at(inputs, p))) for p in paths}
+    jvp = tess.jacobian_vector_product(inputs, paths, ["y"], tangents)["y"]
+    jacobians = {p: net.jacobian(inputs, p) for p in paths}
+    want = sum(
+        np.tensordot(jacobians[p], tangents[p], axes=tangents[p].ndim) for p in paths
+    )
+    np.testing.assert_allclose(jvp, want, rtol=RTOL, atol=ATOL)
+    jac = tess.jacobian(inputs, paths, ["y"])["y"]
+    for p in paths:
+        assert jac[p].shape == y_shape + np.shape(net.at(inputs, p))
+        np.testing.assert_allclose(
+            jac[p], jacobians[p], rtol=RTOL, atol=ATOL, err_msg=p
+        )
 
 
 def test_abstract_eval(tess):
+    def spec(*shape, dtype="float32"):
+        return {"shape": list(shape), "dtype": dtype}
+
     out = tess.abstract_eval(
         {
-            "x": {"shape": [2, 7, 4], "dtype": "float32"},
-            "w_q": {
-                "qvalue": {"shape": [4, 5], "dtype": "int8"},
-                "scale": {"shape": [4], "dtype": "float32"},
-            },
+            "x": spec(2, 7, 4),
+            "layers": [
+                {
+                    "w_q": {"qvalue": spec(2, 4, 5, dtype="int8"), "scale": spec(2, 4)},
+                    "activation": "relu",
+                },
+                {"w": spec(3, 5), "layout": "nk", "bias": spec(3)},
+            ],
+            "return_w_q": True,
         }
     )
-    assert out["y"] == {"shape": (2, 7, 5), "dtype": "float32"}
-    assert out["w_q"] is None
-    assert out["weight_error"] == {"shape": (), "dtype": "float32"}
+    assert out["y"] == {"shape": (2, 7, 3), "dtype": "float32"}
+    first, second = out["layers"]
+    assert first["w_q"] is None
+    assert first["weight_error"] == {"shape": (2,), "dtype": "float32"}
+    assert second["w_q"]["qvalue"] == {"shape": (2, 3, 5), "dtype": "int8"}
+    assert second["w_q"]["scale"] == {"shape": (2, 3), "dtype": "float32"}
 
 
 def test_zero_weights_give_zero_error_and_output(tess, rng):
-    inputs = {"x": normal(rng, (2, 3)), "w": np.zeros((3, 4), np.float32)}
+    inputs = {
+        "x": net.normal(rng, (2, 3)),
+        "layers": [{"w": np.zeros((3, 4), np.float32)}],
+        "return_w_q": True,
+    }
     out = tess.apply(inputs)
     np.testing.assert_array_equal(out["y"], 0)
-    assert out["weight_error"] == 0
-    np.testing.assert_array_equal(out["w_q"]["qvalue"], 0)
+    assert out["layers"][0]["weight_error"] == 0
+    np.testing.assert_array_equal(out["layers"][0]["w_q"]["qvalue"], 0)
 
 
 @pytest.fixture
@@ -209,16 +221,26 @@ def test_vjp_after_apply_comes_from_the_cached_pullback(
 
     model = api_module.InputSchema.model_validate(inputs)
     out = api_module.apply(model)
-    np.testing.assert_allclose(out["y"], reference_y(inputs), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(out["y"], net.forward(inputs), rtol=RTOL, atol=ATOL)
 
     def recompute(*args, **kwargs):
         raise AssertionError("the VJP recomputed instead of using the cache")
 
     monkeypatch.setattr(jax_recipes, "_vjp_jit", recompute)
-    g = normal(rng, out["y"].shape)
-    paths = diff_paths(inputs)
+    g = net.normal(rng, out["y"].shape)
+    paths = net.diff_paths(inputs)
+    want = net.vjp(inputs, g)
     for _ in range(2):  # the cached pullback serves repeated VJPs
         got = api_module.vector_jacobian_product(model, set(paths), {"y"}, {"y": g})
-        want = reference_vjp(inputs, g)
         for path in paths:
             np.testing.assert_allclose(got[path], want[path], rtol=RTOL, atol=ATOL)
+
+
+def test_cache_policy_caches_nonlinear_networks_only(api_module, rng, monkeypatch):
+    monkeypatch.setattr(api_module, "VJP_CACHE_MIN_INTENSITY", 2**20)
+    relu = api_module.InputSchema.model_validate(net.three_layer(rng))
+    linear = api_module.InputSchema.model_validate(
+        net.three_layer(rng, activations=("none", "none", "none"))
+    )
+    assert api_module._cache_pays(relu)
+    assert not api_module._cache_pays(linear)
