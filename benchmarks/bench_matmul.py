@@ -1,4 +1,4 @@
-"""matmul_q and quantize against dense float32, side by side (XLA:CPU)."""
+"""matmul_q, linear_q and quantize against dense float32, side by side (XLA:CPU)."""
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +26,9 @@ TARGETS = {
     ("int8", (512, 1024, 1024)): 2.0,
 }
 FLOOR = 1.0  # any path, any shape measured
+# linear_q (weights stored (N, K)) at these shapes, against the same targets as
+# matmul_q: the layout changes how the product runs, not what it is for
+LINEAR_SHAPES = [(1, 4096, 4096), (64, 1024, 1024), (512, 1024, 1024)]
 
 
 def _data(m, k, n, seed=0):
@@ -71,6 +74,62 @@ def matmul_rows(reps):
                     "unit": "x faster",
                     "ms": 1e3 * times[activations],
                     "baseline_ms": 1e3 * times["dense"],
+                }
+            )
+    return rows
+
+
+def _quantized_linear(x, qvalue, scale, activations):
+    # as _quantized_matmul: the QArray is built inside the compiled function
+    return qa.linear_q(x, qa.pack(qvalue, scale), activations)
+
+
+def linear_rows(reps):
+    """linear_q against dense f32 ``x @ w.T`` with the same (N, K) weights.
+
+    The baseline is the faster of two spellings of that product, ``x @ w.T``
+    and ``(w @ x.T).T``: XLA:CPU runs the first ~10x slower for a single row
+    (a strided matrix-vector product), so taking it alone would flatter
+    linear_q. The baseline column says which won, and by how much.
+    """
+    spellings = {
+        "x @ w.T": jax.jit(lambda x, w: x @ w.T),
+        "(w @ x.T).T": jax.jit(lambda x, w: (w @ x.T).T),
+    }
+    quantized = jax.jit(_quantized_linear, static_argnums=3)
+    rows = []
+    for m, k, n in LINEAR_SHAPES:
+        x, w_kn = _data(m, k, n)
+        w = jnp.asarray(w_kn.T)  # (N, K), contiguous: a PyTorch nn.Linear.weight
+        q, s = jax.block_until_ready(qa.unpack(qa.quantize(w)))
+        times = interleaved(
+            {
+                **{
+                    name: lambda f=f, x=x, w=w: f(x, w) for name, f in spellings.items()
+                },
+                "float32": lambda x=x, q=q, s=s: quantized(x, q, s, "float32"),
+                "int8": lambda x=x, q=q, s=s: quantized(x, q, s, "int8"),
+            },
+            reps=reps if m * k * n < 2**28 else max(5, reps // 3),
+        )
+        best, other = sorted(spellings, key=times.get)
+        baseline = (
+            f"jitted dense f32 x @ w.T, w (N, K): {best} "
+            f"({times[other] / times[best]:.2f}x faster than {other})"
+        )
+        for activations in ("float32", "int8"):
+            label = "weight-only" if activations == "float32" else "int8 activations"
+            strategy = _kernels.choose_strategy(m, k, n, activations, "cpu")
+            rows.append(
+                {
+                    "row": f"{label} linear_q ({strategy})",
+                    "shape": (m, k, n),
+                    "baseline": baseline,
+                    "ratio": times[best] / times[activations],
+                    "target": TARGETS.get((activations, (m, k, n)), FLOOR),
+                    "unit": "x faster",
+                    "ms": 1e3 * times[activations],
+                    "baseline_ms": 1e3 * times[best],
                 }
             )
     return rows
@@ -182,46 +241,54 @@ def error_rows(k=4096, n=4096, rows=512):
     Each CPU strategy (M = 1, 8, 64, 512) computes the same 512 rows of x, in
     calls of M rows; the error is taken over all 512 (a single row's error
     varies by a few percent with its own maximum). Reported: the worst strategy.
+    Both products multiply by the same Gaussian weights, stored (K, N) for
+    matmul_q and (N, K) for linear_q (per-row scales in each layout).
     """
     out = []
     rng = np.random.default_rng(3)
     w = rng.standard_normal((k, n)).astype(np.float32)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     exact = x.astype(np.float64) @ w.astype(np.float64)
-    q, s = qa.unpack(qa.quantize(jnp.asarray(w)))
-    product = jax.jit(_quantized_matmul, static_argnums=3)
-    for activations, target in (("float32", 9.0e-3), ("int8", 1.25e-2)):
-        worst, where = 0.0, None
-        for m in (1, 8, 64, 512):
-            y = np.concatenate(
-                [
-                    np.asarray(product(x[i : i + m], q, s, activations), np.float64)
-                    for i in range(0, rows, m)
-                ]
+    products = {
+        "matmul_q": (_quantized_matmul, w),
+        "linear_q": (_quantized_linear, w.T),
+    }
+    for name, (fn, stored) in products.items():
+        q, s = qa.unpack(qa.quantize(jnp.asarray(stored)))
+        product = jax.jit(fn, static_argnums=3)
+        for activations, target in (("float32", 9.0e-3), ("int8", 1.25e-2)):
+            worst, where = 0.0, None
+            for m in (1, 8, 64, 512):
+                y = np.concatenate(
+                    [
+                        np.asarray(product(x[i : i + m], q, s, activations), np.float64)
+                        for i in range(0, rows, m)
+                    ]
+                )
+                err = np.linalg.norm(y - exact) / np.linalg.norm(exact)
+                if err > worst:
+                    worst, where = err, m
+            label = "weight-only" if activations == "float32" else "int8 activations"
+            strategy = _kernels.choose_strategy(where, k, n, activations, "cpu")
+            out.append(
+                {
+                    "row": f"relative error, {name}, {label}, Gaussian, K = {k}",
+                    "shape": (where, k, n),
+                    "baseline": f"dense float64 x @ w over {rows} rows; worst "
+                    f"strategy ({strategy}, M = {where})",
+                    "ratio": worst,
+                    "target": target,
+                    "unit": "relative error",
+                    "lower_is_better": True,
+                }
             )
-            err = np.linalg.norm(y - exact) / np.linalg.norm(exact)
-            if err > worst:
-                worst, where = err, m
-        label = "weight-only" if activations == "float32" else "int8 activations"
-        strategy = _kernels.choose_strategy(where, k, n, activations, "cpu")
-        out.append(
-            {
-                "row": f"relative error, {label}, Gaussian, K = {k}",
-                "shape": (where, k, n),
-                "baseline": f"dense float64 x @ w over {rows} rows; worst strategy "
-                f"({strategy}, M = {where})",
-                "ratio": worst,
-                "target": target,
-                "unit": "relative error",
-                "lower_is_better": True,
-            }
-        )
     return out
 
 
 def run(reps=15):
     return [
         *matmul_rows(reps),
+        *linear_rows(reps),
         dispatch_row(reps),
         grad_row(reps),
         quantize_row(reps),

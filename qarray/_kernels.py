@@ -48,33 +48,19 @@ How ``linear_q`` computes ``x[m, k] @ (qvalue[n, k] * scale[n, None])^T``
 ------------------------------------------------------------------------
 Weights stored ``(out, in)`` with one scale per output channel: the scales run
 along the *output* axis and factor out of the product, ``y = (x @ qvalue^T) *
-scale``, so nothing folds into ``x`` (``choose_linear_strategy``):
+scale``, so nothing folds into ``x``. With ``activations="int8"``, ``x`` is
+quantized per row as it is (``y = int32(xq @ qvalue^T) * sx * scale``): its
+error is the size of the weights' own, sqrt(2) of weight-only in all.
 
-========== ================================ =========================================
-strategy   what                             why / accuracy
-========== ================================ =========================================
-split_int8 ``x`` split per row into three   As for matmul_q: float32 precision. One
-           int8 parts, one int8 x int8      int8 dot contracting both operands' last
-           product contracting both last    axes, rows padded to 8: the int8 rows are
-           axes, then ``* scale``           read once and never converted, which
-                                            also serves a single row (1.5-1.7x of
-                                            f32 ``x @ w`` at M = 1, K = N = 4096,
-                                            where converting weights costs 0.1x).
-int8_dot   (``activations="int8"``) ``x``   ``int32(xq @ qvalue^T) * sx * scale``:
-           quantized per row, one int8 dot  ``x`` is quantized as it is (nothing
-                                            folded in), so its error is the
-                                            weights' own: sqrt(2) of weight-only.
-dequantize ``(x @ qvalue.astype(f32)^T)``   Backends that fuse the convert (GPU).
-           ``* scale``
-========== ================================ =========================================
-
-On CPU: ``split_int8`` (weight-only) and ``int8_dot`` at every shape. Measured
-against ``dequantize`` and a scan over 64-256-row chunks of the output channels
-at M = 1 to 512, K, N = 1024 and 4096, ``split_int8`` was best or within noise
-(1.0-1.3x of f32 at K = N = 1024, M = 64 and 512); where the f32 weights fit
-in cache (M = 1, K = N <= 1024) no form reliably beats float32.
-Elsewhere: ``dequantize`` and ``int8_dot``. Explicitly sharded operands take
-the plain forms, rank kept.
+The same strategies, chosen by the same rule (``choose_strategy``), each
+contracting both operands' last axes: ``chunked`` converts chunks of ~128
+output channels (rows of ``qvalue``), each giving a block of output columns;
+``split_int8`` and ``int8_dot`` run one int8 dot; ``dequantize`` converts the
+whole payload. Measured at M = 1, K = N = 4096 against the faster f32 spelling
+of ``x @ w.T`` (``(w @ x.T).T``; ``x @ w.T`` itself runs ~15x slower there):
+chunks 1.1-1.3x, steady; the int8 dots 0.6-2x, swinging with the load on this
+shared 2-core machine (an int8 product padded to 8 rows is compute-bound).
+From M = 8 up the int8 dots win, as for matmul_q.
 
 The two products are each other's transposes (``g @ W`` for W stored ``(n, k)``
 is matmul_q's product): each primitive's backward for ``x`` is the other's
@@ -84,6 +70,7 @@ weight-only forward, so both backwards also run on the int8 payload.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -98,8 +85,6 @@ _LAST_BY_LAST = (((1,), (1,)), ((), ()))
 
 WEIGHT_ONLY_STRATEGIES = ("chunked", "split_int8", "dequantize")
 INT8_STRATEGIES = ("chunked", "int8_dot")
-LINEAR_WEIGHT_ONLY_STRATEGIES = ("split_int8", "dequantize")
-LINEAR_INT8_STRATEGIES = ("int8_dot",)
 
 # rows of int8 weights converted to f32 at a time by the chunked formulation
 CHUNK_ROWS = 128
@@ -132,23 +117,14 @@ def dequantize_rows(qvalue, scale):
 
 
 def choose_strategy(m: int, k: int, n: int, activations: str, platform: str) -> str:
-    """The formulation ``matmul`` uses for x[m, k] @ q8[k, n] (see module doc)."""
+    """The formulation ``matmul`` (x[m, k] @ q8[k, n]) and ``linear``
+    (x[m, k] @ q8[n, k]^T) use (see module doc): measured alike for both."""
     del k, n  # measured so far: the best choice depends on M alone
     if platform != "cpu":
         return "int8_dot" if activations == "int8" else "dequantize"
     if m == 1:
         return "chunked"
     return "int8_dot" if activations == "int8" else "split_int8"
-
-
-def choose_linear_strategy(
-    m: int, k: int, n: int, activations: str, platform: str
-) -> str:
-    """The formulation ``linear`` uses for x[m, k] @ q8[n, k]^T (see module doc)."""
-    del m, k, n  # measured so far: one choice per backend and mode
-    if activations == "int8":
-        return "int8_dot"
-    return "split_int8" if platform == "cpu" else "dequantize"
 
 
 def matmul(x, qvalue, scale, activations="float32", strategy=None):
@@ -165,11 +141,11 @@ def matmul(x, qvalue, scale, activations="float32", strategy=None):
         return _sharded(x * scale, qvalue, activations, w_axis=0)
     v = (x * scale).reshape(m, k)  # per-row weight scales fold into x
     if activations == "int8":
-        xq, xscale = quantize_rows(v)
-        run = lambda s: _int8_activations(xq, xscale, qvalue, s)  # noqa: E731
+        xq, xs = quantize_rows(v)
+        run = partial(_int8_activations, xq, xs, qvalue)
     else:
-        run = lambda s: _weight_only(v, qvalue, s)  # noqa: E731
-    y = _by_platform(run, choose_strategy, (m, k, n, activations), strategy)
+        run = partial(_weight_only, v, qvalue)
+    y = _by_platform(run, (m, k, n, activations), strategy)
     return y.reshape(*lead, n)
 
 
@@ -179,29 +155,29 @@ def linear(x, qvalue, scale, activations="float32", strategy=None):
     The per-output-channel scales factor out: ``(x @ qvalue^T) * scale``.
     ``activations="int8"`` quantizes ``x`` per row first (``sx``):
     ``int32(xq @ qvalue^T) * sx[:, None] * scale``. ``strategy`` forces a
-    formulation; by default ``choose_linear_strategy`` picks one per backend.
+    formulation; by default ``choose_strategy`` picks one per backend.
     """
     lead, k = x.shape[:-1], x.shape[-1]
     n = qvalue.shape[0]
     m = math.prod(lead)
     if _explicitly_sharded(x) or _explicitly_sharded(qvalue):
         return _sharded(x, qvalue, activations, w_axis=1) * scale
-    x2 = x.reshape(m, k)
+    x2 = x.reshape(m, k)  # nothing folds in: the scales multiply the output
     if activations == "int8":
-        xq, xscale = quantize_rows(x2)
-        run = lambda s: _linear_int8(xq, xscale, qvalue, s)  # noqa: E731
+        xq, xs = quantize_rows(x2)
+        run = partial(_int8_activations, xq, xs, qvalue, dims=_LAST_BY_LAST)
     else:
-        run = lambda s: _linear_weight_only(x2, qvalue, s)  # noqa: E731
-    y = _by_platform(run, choose_linear_strategy, (m, k, n, activations), strategy)
+        run = partial(_weight_only, x2, qvalue, dims=_LAST_BY_LAST)
+    y = _by_platform(run, (m, k, n, activations), strategy)
     return (y * scale).reshape(*lead, n)
 
 
-def _by_platform(run, choose, problem, strategy):
-    """``run(strategy)``, or the strategy ``choose(*problem, platform)`` picks
-    per backend, resolved when the computation is lowered."""
+def _by_platform(run, problem, strategy):
+    """``run(strategy)``, or the strategy ``choose_strategy(*problem, platform)``
+    picks per backend, resolved when the computation is lowered."""
     if strategy is not None:
         return run(strategy)
-    cpu, other = (choose(*problem, p) for p in ("cpu", "gpu"))
+    cpu, other = (choose_strategy(*problem, p) for p in ("cpu", "gpu"))
     if cpu == other:
         return run(cpu)
     return lax.platform_dependent(cpu=lambda: run(cpu), default=lambda: run(other))
@@ -225,39 +201,27 @@ def _sharded(v, qvalue, activations, w_axis):
     return lax.dot_general(v, qvalue.astype(jnp.float32), dims)
 
 
-def _weight_only(v, qvalue, strategy):
+def _weight_only(v, qvalue, strategy, dims=_ROWS_BY_COLS):
+    """v f32[m, k] contracted with the int8 payload (layout given by ``dims``)."""
     if strategy == "chunked":
-        return _chunked(v, qvalue)
+        return _chunked(v, qvalue) if dims == _ROWS_BY_COLS else _chunked_nk(v, qvalue)
     if strategy == "split_int8":
-        return _split_int8(v, qvalue)
+        return _split_product(v, qvalue, dims, levels=SPLIT_LEVELS)
     if strategy == "dequantize":
-        return _dot(v, qvalue.astype(jnp.float32))
+        return lax.dot_general(v, qvalue.astype(jnp.float32), dims)
     raise ValueError(f"unknown weight-only strategy {strategy!r}")
 
 
-def _int8_activations(xq, xscale, qvalue, strategy):
+def _int8_activations(xq, xscale, qvalue, strategy, dims=_ROWS_BY_COLS):
+    """Quantized rows ``xq * xscale`` contracted with the int8 payload."""
     if strategy == "chunked":
-        acc = _chunked(xq.astype(jnp.float32), qvalue)  # integer sums, in f32
+        # integer sums, in f32
+        acc = _weight_only(xq.astype(jnp.float32), qvalue, strategy, dims)
     elif strategy == "int8_dot":
-        acc = _int8_dot(xq, qvalue).astype(jnp.float32)
+        acc = _int8_dot(xq, qvalue, dims).astype(jnp.float32)
     else:
         raise ValueError(f"unknown int8-activation strategy {strategy!r}")
     return acc * xscale[:, None]
-
-
-def _linear_weight_only(x, qvalue, strategy):
-    if strategy == "split_int8":
-        return _split_product(x, qvalue, _LAST_BY_LAST, levels=SPLIT_LEVELS)
-    if strategy == "dequantize":
-        return lax.dot_general(x, qvalue.astype(jnp.float32), _LAST_BY_LAST)
-    raise ValueError(f"unknown weight-only strategy {strategy!r}")
-
-
-def _linear_int8(xq, xscale, qvalue, strategy):
-    if strategy == "int8_dot":
-        acc = _int8_dot(xq, qvalue, _LAST_BY_LAST).astype(jnp.float32)
-        return acc * xscale[:, None]
-    raise ValueError(f"unknown int8-activation strategy {strategy!r}")
 
 
 def _dot(lhs, rhs, preferred_element_type=None):
@@ -274,11 +238,6 @@ def _int8_dot(lhs_q, qvalue, dims=_ROWS_BY_COLS):
     padded = jnp.pad(lhs_q, ((0, -m % 8), (0, 0)))
     acc = lax.dot_general(padded, qvalue, dims, preferred_element_type=jnp.int32)
     return acc[:m]
-
-
-def _split_int8(v, qvalue):
-    """v f32[m, k] @ int8[k, n] as one int8 product of v's three int8 parts."""
-    return _split_product(v, qvalue, _ROWS_BY_COLS, levels=SPLIT_LEVELS)
 
 
 def _split_product(v, qvalue, dims, levels):
@@ -332,3 +291,25 @@ def _chunked(v, qvalue):
     if main < k:  # the last partial chunk
         acc = acc + _dot(v[:, main:], qvalue[main:].astype(jnp.float32))
     return acc
+
+
+def _chunked_nk(v, qvalue):
+    """v f32[m, k] . int8[n, k] over k -> f32[m, n], converting chunks of the
+    weights' rows (output channels): each chunk gives a block of columns."""
+    m, k = v.shape
+    n = qvalue.shape[0]
+    chunk = min(_chunk_rows(n), n)
+    full = n // chunk if chunk else 0
+    main = full * chunk
+    blocks = []
+    if full:
+
+        def step(_, rows):
+            return None, lax.dot_general(v, rows.astype(jnp.float32), _LAST_BY_LAST)
+
+        _, ys = lax.scan(step, None, qvalue[:main].reshape(full, chunk, k))
+        blocks.append(jnp.moveaxis(ys, 0, 1).reshape(m, main))
+    if main < n or not blocks:  # the last partial chunk (or no rows at all)
+        rows = qvalue[main:].astype(jnp.float32)
+        blocks.append(lax.dot_general(v, rows, _LAST_BY_LAST))
+    return jnp.concatenate(blocks, axis=1) if len(blocks) > 1 else blocks[0]

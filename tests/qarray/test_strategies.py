@@ -120,7 +120,7 @@ def linear_data(rng, m, k, n):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("strategy", _kernels.LINEAR_WEIGHT_ONLY_STRATEGIES)
+@pytest.mark.parametrize("strategy", _kernels.WEIGHT_ONLY_STRATEGIES)
 def test_linear_weight_only_strategies(rng, shape, strategy):
     x, qvalue, scale = linear_data(rng, *shape)
     f = jax.jit(lambda x, q, s: _kernels.linear(x, q, s, "float32", strategy))
@@ -131,7 +131,7 @@ def test_linear_weight_only_strategies(rng, shape, strategy):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("strategy", _kernels.LINEAR_INT8_STRATEGIES)
+@pytest.mark.parametrize("strategy", _kernels.INT8_STRATEGIES)
 def test_linear_int8_activation_strategies(rng, shape, strategy):
     x, qvalue, scale = linear_data(rng, *shape)
     f = jax.jit(lambda x, q, s: _kernels.linear(x, q, s, "int8", strategy))
@@ -144,27 +144,11 @@ def test_linear_int8_activation_strategies(rng, shape, strategy):
 def test_linear_leading_axes_and_vectors(rng):
     x = rng.standard_normal((2, 3, 64)).astype(np.float32)
     _, qvalue, scale = linear_data(rng, 1, 64, 16)
-    for strategy in _kernels.LINEAR_WEIGHT_ONLY_STRATEGIES:
+    for strategy in _kernels.WEIGHT_ONLY_STRATEGIES:
         got = _kernels.linear(jnp.asarray(x), qvalue, scale, "float32", strategy)
         assert rel_err(got, ref.linear_q(x, qvalue, scale)) <= TOLERANCE[strategy]
         got = _kernels.linear(jnp.asarray(x[0, 0]), qvalue, scale, "float32", strategy)
         assert got.shape == (16,)
-
-
-@pytest.mark.parametrize(
-    ("m", "kn", "activations", "platform", "expected"),
-    [
-        (1, 4096, "float32", "cpu", "split_int8"),
-        (512, 1024, "float32", "cpu", "split_int8"),
-        (1, 4096, "int8", "cpu", "int8_dot"),
-        (64, 1024, "int8", "cpu", "int8_dot"),
-        (1, 4096, "float32", "gpu", "dequantize"),
-        (512, 4096, "float32", "tpu", "dequantize"),
-        (1, 4096, "int8", "gpu", "int8_dot"),
-    ],
-)
-def test_choose_linear_strategy(m, kn, activations, platform, expected):
-    assert _kernels.choose_linear_strategy(m, kn, kn, activations, platform) == expected
 
 
 @pytest.mark.parametrize(
@@ -173,7 +157,7 @@ def test_choose_linear_strategy(m, kn, activations, platform, expected):
 )
 def test_linear_q_runs_the_chosen_strategy_on_cpu(rng, m, activations):
     x, qvalue, scale = linear_data(rng, m, 64, 32)
-    chosen = _kernels.choose_linear_strategy(m, 64, 32, activations, "cpu")
+    chosen = _kernels.choose_strategy(m, 64, 32, activations, "cpu")
     forced = jax.jit(lambda x, q, s: _kernels.linear(x, q, s, activations, chosen))
     auto = jax.jit(lambda x, q, s: qa.linear_q(x, qa.pack(q, s), activations))
     np.testing.assert_array_equal(auto(x, qvalue, scale), forced(x, qvalue, scale))
@@ -181,8 +165,8 @@ def test_linear_q_runs_the_chosen_strategy_on_cpu(rng, m, activations):
 
 def test_unknown_linear_strategy_is_refused():
     args = (jnp.ones((2, 4)), jnp.ones((3, 4), jnp.int8), jnp.ones(3))
-    with pytest.raises(ValueError, match="unknown weight-only strategy 'chunked'"):
-        _kernels.linear(*args, "float32", "chunked")
+    with pytest.raises(ValueError, match="unknown weight-only strategy 'int8_dot'"):
+        _kernels.linear(*args, "float32", "int8_dot")
     with pytest.raises(ValueError, match="unknown int8-activation strategy 'fast'"):
         _kernels.linear(*args, "int8", "fast")
 
