@@ -16,14 +16,19 @@ Environment:
                            (default 33554432)
     QARRAY_MAX_LAYERS      most layers in one request (default 64)
     QARRAY_VJP_CACHE_SIZE  entries in the VJP residual cache (default 8; 0 = off)
-    QARRAY_VJP_CACHE_MIN_INTENSITY
+    QARRAY_VJP_CACHE_MIN_FLOPS
                            apply stores its pullback in the cache when the
                            network has a nonlinearity (its backward pass needs
-                           the forward activations), or when its products cost
-                           at least this many flops per input element (default
-                           2**20, i.e. never for a linear network of the sizes
-                           QARRAY_MAX_ELEMENTS admits: see _cache_pays); 0
-                           caches every apply
+                           the forward activations) and its products cost at
+                           least this many flops (default 2**29: below it,
+                           keying and storing cost more than a recomputed
+                           forward pass; see _cache_pays)
+    QARRAY_VJP_CACHE_MIN_INTENSITY
+                           a linear network's apply stores its pullback only
+                           when its products cost at least this many flops per
+                           input element (default 2**20, i.e. never for the
+                           sizes QARRAY_MAX_ELEMENTS admits); 0 caches every
+                           apply, linear or not, whatever its size
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import numpy as np
 from fastapi import HTTPException
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from tesseract_core.runtime import Array, Differentiable, Float32, Int8, jax_recipes
+from tesseract_core.runtime.array_encoding import ALLOWED_DTYPE_NAMES
 from tesseract_core.runtime.experimental import set_jax_vjp_cache_size
 
 import qarray as qa
@@ -63,6 +69,7 @@ def _env_int(name: str, default: int, minimum: int) -> int:
 MAX_ELEMENTS = _env_int("QARRAY_MAX_ELEMENTS", 2**25, minimum=1)
 MAX_LAYERS = _env_int("QARRAY_MAX_LAYERS", 64, minimum=1)
 VJP_CACHE_SIZE = _env_int("QARRAY_VJP_CACHE_SIZE", 8, minimum=0)
+VJP_CACHE_MIN_FLOPS = _env_int("QARRAY_VJP_CACHE_MIN_FLOPS", 2**29, minimum=0)
 VJP_CACHE_MIN_INTENSITY = _env_int("QARRAY_VJP_CACHE_MIN_INTENSITY", 2**20, minimum=0)
 set_jax_vjp_cache_size(VJP_CACHE_SIZE)
 
@@ -116,16 +123,52 @@ def _limit_size(value: Any) -> Any:
     return value
 
 
-SizeLimited = BeforeValidator(_limit_size)
+def _castable(declared: Any, dtype: str) -> bool:
+    """Whether tesseract-core decodes an array of ``declared`` dtype into a
+    ``dtype`` field (its rule: a same-kind cast, or integer to integer)."""
+    if declared not in ALLOWED_DTYPE_NAMES:
+        return False
+    if np.can_cast(declared, dtype, casting="same_kind"):
+        return True
+    return np.issubdtype(declared, np.integer) and np.issubdtype(dtype, np.integer)
+
+
+def _limited(dtype: str) -> BeforeValidator:
+    """Size limits, and the dtype of an encoded array (``{object_type: "array",
+    dtype, ...}``): tesseract-core answers a dtype it cannot cast with "Could
+    not parse value as a numeric array (contains non-numeric data)"."""
+
+    def check(value: Any) -> Any:
+        _limit_size(value)
+        if isinstance(value, dict) and value.get("object_type") == "array":
+            declared = value.get("dtype")
+            if not _castable(declared, dtype):
+                raise ValueError(
+                    f"the array (declared shape {_declared_shape(value)}) has dtype "
+                    f"{declared!r}, which does not cast to {dtype} without loss: "
+                    f"send {dtype}"
+                )
+        return value
+
+    return BeforeValidator(check)
+
+
+SizeLimited = _limited("float32")
+SizeLimitedInt8 = _limited("int8")
 
 
 def _concrete(value: Any) -> bool:
     return isinstance(value, np.ndarray)
 
 
+def _first(mask: np.ndarray) -> tuple[int, ...]:
+    """The index of the first true element of ``mask``."""
+    return tuple(int(i) for i in np.argwhere(mask)[0])
+
+
 def _require_finite(name: str, value: Any) -> None:
     if _concrete(value) and not np.isfinite(value).all():
-        index = tuple(int(i) for i in np.argwhere(~np.isfinite(value))[0])
+        index = _first(~np.isfinite(value))
         raise ValueError(
             f"{name} must be finite, got {value[index]} at index {index} of "
             f"{name} {value.shape}"
@@ -271,7 +314,7 @@ def _check_y_size(shape: NetworkShape) -> None:
 class QuantizedWeights(BaseModel):
     """Weights already quantized per row: ``W = qvalue * scale[..., None]``."""
 
-    qvalue: Annotated[Array[..., Int8], SizeLimited] = Field(
+    qvalue: Annotated[Array[..., Int8], SizeLimitedInt8] = Field(
         description="int8 payload, (..., K, N) for layout 'kn' or (..., N, K) for "
         "'nk'; values in [-127, 127]."
     )
@@ -386,12 +429,15 @@ class InputSchema(BaseModel):
                 if _concrete(qvalue) and qvalue.size and qvalue.min() < -127:
                     raise ValueError(
                         f"{name}.w_q.qvalue must lie in [-127, 127] (symmetric "
-                        "int8), got -128"
+                        f"int8), got -128 at index {_first(qvalue < -127)} of "
+                        f"{name}.w_q.qvalue {qvalue.shape}"
                     )
                 _require_finite(f"{name}.w_q.scale", scale)
                 if _concrete(scale) and (scale < 0).any():
+                    index = _first(scale < 0)
                     raise ValueError(
-                        f"{name}.w_q.scale must be >= 0, got a negative scale"
+                        f"{name}.w_q.scale must be >= 0, got {scale[index]} at "
+                        f"index {index} of {name}.w_q.scale {scale.shape}"
                     )
         return self
 
@@ -596,21 +642,26 @@ def apply(inputs: InputSchema) -> OutputSchema:
 
 
 def _cache_pays(inputs: InputSchema) -> bool:
-    """Whether apply should store its pullback (see QARRAY_VJP_CACHE_MIN_INTENSITY).
+    """Whether apply should store its pullback (QARRAY_VJP_CACHE_MIN_FLOPS,
+    QARRAY_VJP_CACHE_MIN_INTENSITY).
 
-    A nonlinearity's backward pass needs the forward activations, so a miss
-    recomputes the whole forward pass: caching pays. A linear network's VJP
-    never needs y, and XLA drops the products from a recomputed forward pass;
-    a hit instead pays tesseract-core's key, a device fingerprint of every
-    input computed on apply and again on vjp (measured: slower than a miss for
-    a linear layer, benchmarks/bench_cache.py). So a linear network caches
-    only above the intensity threshold.
+    A hit saves the forward pass a miss recomputes, and costs tesseract-core's
+    key (a device fingerprint of every input, on apply and again on vjp), the
+    pullback's residuals and more dispatch. A nonlinearity's backward pass
+    needs the forward activations, so a miss recomputes the whole forward pass:
+    caching pays once the products are big enough (measured, 3 relu layers:
+    on / off 2.1x at 1e8 flops, 0.93x at 8e8, 0.87x at 3.2e9;
+    benchmarks/bench_cache.py). A linear network's VJP never needs y, and XLA
+    drops the products from a recomputed forward pass: a hit saves only the
+    quantization, so it caches only above the intensity threshold.
     """
-    if any(layer.activation != "none" for layer in inputs.layers):
+    if VJP_CACHE_MIN_INTENSITY == 0:
         return True
     shape = inputs.network_shape()
     m = math.prod(shape.y[:-1])
     flops = sum(2 * m * k * n for k, n in itertools.pairwise(shape.widths))
+    if any(layer.activation != "none" for layer in inputs.layers):
+        return flops >= VJP_CACHE_MIN_FLOPS
     elements = inputs.x.size + sum(
         math.prod(s.weights) + math.prod(s.bias or ()) for s in inputs.shapes()
     )
@@ -637,7 +688,8 @@ def _run_pullback(pullback, cotangent):
 
 
 def _apply_and_cache_pullback(inputs: InputSchema) -> dict:
-    inputs_dict = jax_recipes.as_jax_arrays(inputs.model_dump())
+    # the tree jax_vjp keys its lookup on: as_jax_arrays(inputs.model_dump())
+    inputs_dict = jax_recipes.as_jax_arrays(_as_dict(inputs))
     config, arrays = _split(inputs_dict)
     out, pullback = _forward_with_pullback(arrays, config)
     # jax_vjp looks the same key up, calls vjp_func(cotangent shaped like the
@@ -682,7 +734,13 @@ def _lookup(inputs: InputSchema, path: str) -> Any:
                 )
             value = value[i]
         else:
-            value = getattr(value, part, None)
+            parent, value = value, getattr(value, part, None)
+            if value is None and isinstance(parent, Layer) and part in ("w", "w_q"):
+                other = "w_q" if part == "w" else "w"
+                raise _bad_request(
+                    f"{path!r} names an array this request did not give "
+                    f"(layers.[{i}] gave {other})"
+                )
         if value is None:
             raise _bad_request(f"{path!r} names an array this request did not give")
     return value

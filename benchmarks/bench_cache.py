@@ -2,9 +2,12 @@
 
 In-process endpoints (tesseract_api.apply / vector_jacobian_product), the same
 inputs for both calls, side by side: the cache off; what ships (apply caches its
-compiled pullback only where that pays, which for this linear layer is nowhere:
-see tesseract_api._cache_pays); the compiled pullback forced on every apply; and
-tesseract-core's stock jax_apply filling the same LRU.
+compiled pullback where that pays: networks with a nonlinearity, whose backward
+pass needs the forward activations, see tesseract_api._cache_pays); the
+compiled pullback forced on every apply; and tesseract-core's stock jax_apply
+filling the same LRU. Two networks: one linear layer (a miss recomputes only
+quantize(w): caching cannot pay) and three relu layers (a miss recomputes the
+whole forward pass).
 """
 
 import numpy as np
@@ -13,7 +16,13 @@ from tesseract_core.runtime.experimental import set_jax_vjp_cache_size
 
 from benchmarks._timing import interleaved
 
-TARGETS = {(512, 2048, 2048): 0.85, (4, 64, 32): 1.05}
+# (network, (M, K, N) with every layer N x N after the first), target for what ships
+CASES = (
+    ("linear layer", 1, "none", (512, 2048, 2048), 0.85),
+    ("linear layer", 1, "none", (4, 64, 32), 1.05),
+    ("3-layer relu network", 3, "relu", (256, 1024, 1024), 0.8),
+    ("3-layer relu network", 3, "relu", (16, 256, 256), 0.8),
+)
 
 
 def _api():
@@ -26,21 +35,37 @@ def _api():
     return tesseract_api
 
 
+def _inputs(api, rng, depth, activation, shape):
+    m, k, n = shape
+    layers, width = [], k
+    for i in range(depth):
+        last = i == depth - 1
+        layers.append(
+            {
+                "w": rng.standard_normal((width, n)).astype(np.float32)
+                / np.sqrt(width),
+                "bias": rng.standard_normal(n).astype(np.float32),
+                "activation": "none" if last else activation,
+            }
+        )
+        width = n
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    return api.InputSchema.model_validate({"x": x, "layers": layers})
+
+
 def run(reps=15):
     api = _api()
     rows = []
-    for shape, target in TARGETS.items():
-        m, k, n = shape
+    for network, depth, activation, shape, target in CASES:
+        m, _, n = shape
         rng = np.random.default_rng(0)
-        inputs = api.InputSchema(
-            x=rng.standard_normal((m, k)).astype(np.float32),
-            w=rng.standard_normal((k, n)).astype(np.float32),
-        )
+        inputs = _inputs(api, rng, depth, activation, shape)
         g = {"y": rng.standard_normal((m, n)).astype(np.float32)}
+        paths = {"x"} | {f"layers.[{i}].w" for i in range(depth)}
 
-        def apply_then_vjp(apply, inputs=inputs, g=g):
+        def apply_then_vjp(apply, inputs=inputs, g=g, paths=paths):
             apply(inputs)
-            return api.vector_jacobian_product(inputs, {"x", "w"}, {"y"}, g)
+            return api.vector_jacobian_product(inputs, paths, {"y"}, g)
 
         def off():
             set_jax_vjp_cache_size(0)
@@ -56,10 +81,17 @@ def run(reps=15):
 
         def stock():
             set_jax_vjp_cache_size(8)
-            return apply_then_vjp(lambda i: jax_recipes.jax_apply(api.apply_jit, i))
+            return apply_then_vjp(
+                lambda request: jax_recipes.jax_apply(api.apply_jit, request)
+            )
 
+        cached = api._cache_pays(inputs)
         variants = {
-            "ours": ("default policy, ships: caches only where it pays", target),
+            "ours": (
+                "default policy, ships: "
+                + ("caches (nonlinear)" if cached else "does not cache (linear)"),
+                target,
+            ),
             "forced": ("compiled pullback, caching every apply", None),
             "stock": ("tesseract-core's jax_apply", None),
         }
@@ -71,7 +103,7 @@ def run(reps=15):
         for name, (label, row_target) in variants.items():
             rows.append(
                 {
-                    "row": f"apply + vjp, cache on ({label}) / cache off",
+                    "row": f"{network}: apply + vjp, cache on ({label}) / cache off",
                     "shape": shape,
                     "baseline": "same in-process endpoints, cache off",
                     "ratio": times[name] / times["off"],

@@ -41,8 +41,8 @@ def run(reps=200):
             ):
                 x = rng.standard_normal((m, k)).astype(np.float32)
                 w = rng.standard_normal((k, n)).astype(np.float32)
-                ours_payload = {"inputs": {"x": b64(x), "w": b64(w)}}
-                floor_payload = {"inputs": {"x": b64(x), "w": b64(w)}}
+                ours_payload = {"inputs": {"x": b64(x), "layers": [{"w": b64(w)}]}}
+                floor_payload = ours_payload
                 for _ in range(20):  # warm-up: compile, connections
                     session.post(f"{ours}/apply", json=ours_payload, timeout=60)
                     session.post(f"{floor}/apply", json=floor_payload, timeout=60)

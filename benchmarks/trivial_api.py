@@ -1,6 +1,6 @@
 """A trivial Tesseract: the HTTP floor of tesseract-runtime serve.
 
-It takes the same request as qarray's apply (x and w) and answers with x, so
+It takes the same request as qarray's apply (x and one layer's w) and answers with x, so
 the comparison isolates what qarray adds on top of the framework: validation,
 the computation, and its extra outputs.
 """
@@ -9,9 +9,13 @@ from pydantic import BaseModel, Field
 from tesseract_core.runtime import Array, Float32
 
 
+class Layer(BaseModel):
+    w: Array[..., Float32] = Field(description="Any float32 array (ignored).")
+
+
 class InputSchema(BaseModel):
     x: Array[..., Float32] = Field(description="Any float32 array.")
-    w: Array[..., Float32] = Field(description="Any float32 array (ignored).")
+    layers: list[Layer] = Field(description="Layers (ignored).")
 
 
 class OutputSchema(BaseModel):

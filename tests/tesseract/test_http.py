@@ -21,11 +21,16 @@ TIMEOUT = 60
 @pytest.fixture(scope="module")
 def counted_server(tmp_path_factory):
     """The Tesseract behind a forward-pass counter (tests/tesseract/counting_api.py),
-    with the default cache policy."""
+    with the default cache policy for linear networks and nonlinear ones cached
+    at any size (by default only from QARRAY_VJP_CACHE_MIN_FLOPS)."""
     tmp = tmp_path_factory.mktemp("counted")
     counter = tmp / "forward_passes"
     counter.touch()
-    env = {"QARRAY_TEST_FORWARD_COUNTER": str(counter), "QARRAY_VJP_CACHE_SIZE": "8"}
+    env = {
+        "QARRAY_TEST_FORWARD_COUNTER": str(counter),
+        "QARRAY_VJP_CACHE_SIZE": "8",
+        "QARRAY_VJP_CACHE_MIN_FLOPS": "0",
+    }
     with serve(tmp, api_path=ROOT / "tests/tesseract/counting_api.py", env=env) as url:
         yield url, counter
 

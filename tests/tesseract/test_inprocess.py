@@ -236,11 +236,21 @@ def test_vjp_after_apply_comes_from_the_cached_pullback(
             np.testing.assert_allclose(got[path], want[path], rtol=RTOL, atol=ATOL)
 
 
-def test_cache_policy_caches_nonlinear_networks_only(api_module, rng, monkeypatch):
+def test_cache_policy(api_module, rng, monkeypatch):
+    """Nonlinear networks cache from QARRAY_VJP_CACHE_MIN_FLOPS on; linear ones
+    only by the intensity rule (never at these sizes); intensity 0 forces all."""
     monkeypatch.setattr(api_module, "VJP_CACHE_MIN_INTENSITY", 2**20)
     relu = api_module.InputSchema.model_validate(net.three_layer(rng))
     linear = api_module.InputSchema.model_validate(
         net.three_layer(rng, activations=("none", "none", "none"))
     )
+    big_relu = api_module.InputSchema.model_validate(
+        net.three_layer(rng, x_shape=(256, 1024), widths=(1024, 1024, 8))
+    )
+    assert not api_module._cache_pays(relu)  # 6 x 3 -> too small to pay
+    assert api_module._cache_pays(big_relu)
+    monkeypatch.setattr(api_module, "VJP_CACHE_MIN_FLOPS", 0)
     assert api_module._cache_pays(relu)
     assert not api_module._cache_pays(linear)
+    monkeypatch.setattr(api_module, "VJP_CACHE_MIN_INTENSITY", 0)
+    assert api_module._cache_pays(linear)
