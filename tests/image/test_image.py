@@ -18,7 +18,6 @@ import pytest
 import requests
 from tesseract_core import Tesseract
 
-from tests import reference as ref
 from tests.image.docker import (
     docker,
     final_instruction,
@@ -26,6 +25,7 @@ from tests.image.docker import (
     offline_dockerfile,
     running,
 )
+from tests.tesseract import network as net
 from tests.tesseract.server import ROOT, b64, decode, free_port
 
 IMAGE = os.environ["QARRAY_TEST_IMAGE"]
@@ -41,20 +41,29 @@ SECRET_VALUE = 4321.5
 
 
 def request_inputs(rng):
-    """A request and its NumPy reference: y and the VJP for x."""
-    x = rng.standard_normal((3, 4)).astype(np.float32)
-    w = rng.standard_normal((4, 5)).astype(np.float32)
-    bias = rng.standard_normal(5).astype(np.float32)
-    qvalue, scale = ref.quantize(w)
-    y = ref.matmul_q(x, qvalue, scale) + bias
-    g = rng.standard_normal(y.shape).astype(np.float32)
-    gx, _ = ref.dense_vjp(x, ref.dequantize(qvalue, scale), g)
-    inputs = {"x": x, "w": w, "bias": bias}
-    return inputs, y, g, gx
+    """A 2-layer request (both layouts, a nonlinearity) and its NumPy reference:
+    y and the VJP for x."""
+    inputs = {
+        "x": net.normal(rng, (3, 4)),
+        "layers": [
+            net.make_layer(rng, 4, 5, "kn", "w", True, "relu"),
+            net.make_layer(rng, 5, 2, "nk", "w_q", True, "none"),
+        ],
+    }
+    y = net.forward(inputs)
+    g = net.normal(rng, y.shape)
+    return inputs, y, g, net.vjp(inputs, g)["x"]
 
 
-def encoded(inputs):
-    return {k: b64(v) for k, v in inputs.items()}
+def encoded(tree):
+    """A request's arrays in tesseract's base64 encoding, everything else as is."""
+    if isinstance(tree, np.ndarray):
+        return b64(tree)
+    if isinstance(tree, dict):
+        return {k: encoded(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [encoded(v) for v in tree]
+    return tree
 
 
 def post(url, endpoint, payload):
@@ -148,10 +157,10 @@ def test_bad_input_is_a_4xx_naming_the_field(served, rng):
     url, _ = served
     inputs, *_ = request_inputs(rng)
     payload = encoded(inputs)
-    payload["bias"] = b64(np.zeros(7, np.float32))
+    payload["layers"][1]["bias"] = b64(np.zeros(7, np.float32))
     response = post(url, "apply", {"inputs": payload})
     assert 400 <= response.status_code < 500, response.text[:2000]
-    assert "bias" in response.text and "(7,)" in response.text
+    assert "layers.[1].bias" in response.text and "(7,)" in response.text
     assert requests.get(f"{url}/health", timeout=10).status_code == 200
 
 
