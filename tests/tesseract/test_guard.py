@@ -1,6 +1,7 @@
 """qarray-serve's request guard: no file or network access on a client's say-so,
 bounded request bodies, safe run ids."""
 
+import re
 import socket
 import time
 
@@ -9,10 +10,19 @@ import pytest
 import requests
 
 from qarray.serve import binref_problem
-from tests.tesseract.server import b64, serve
+from tests import reference as ref
+from tests.tesseract.server import b64, decode, serve
 
 X = np.arange(6, dtype=np.float32).reshape(2, 3)
 W = np.arange(12, dtype=np.float32).reshape(3, 4) / 12
+QV, SCALE = ref.quantize(W)
+
+
+def inputs(x=None, **layer):
+    """x (2, 3) through one layer {"w": W (3, 4)}; ``layer`` changes its fields
+    (None removes one)."""
+    fields = {k: v for k, v in {"w": b64(W), **layer}.items() if v is not None}
+    return {"x": b64(X) if x is None else x, "layers": [fields]}
 
 
 def binref(buffer, shape=(2, 3), dtype="float32"):
@@ -30,6 +40,8 @@ def guarded(tmp_path_factory):
     inputs = tmp / "inputs"
     inputs.mkdir()
     (inputs / "x.bin").write_bytes(X.tobytes())
+    (inputs / "layers").mkdir()
+    (inputs / "layers" / "w.bin").write_bytes(W.tobytes())
     secret = tmp / "secret.bin"
     secret.write_bytes(np.full(6, 4321.5, np.float32).tobytes())
     (inputs / "link.bin").symlink_to(secret)
@@ -57,30 +69,55 @@ HOSTILE = [
 def test_hostile_binref_is_refused_before_reading(guarded, name, buffer):
     url, _, secret = guarded
     buffer = buffer.format(secret=secret)
-    payload = {"inputs": {"x": binref(buffer), "w": b64(W)}}
+    payload = {"inputs": inputs(x=binref(buffer))}
     response = requests.post(f"{url}/apply", json=payload, timeout=30)
     assert response.status_code == 422, response.text
-    assert "x: binref buffer" in response.text or "binref" in response.text
+    assert "x: binref buffer" in response.text or "x: a binref buffer" in response.text
     # nothing of the secret came back
+    assert "4321" not in response.text
+    assert requests.get(f"{url}/health", timeout=10).status_code == 200
+
+
+# where a layer's arrays sit in a request: the guard walks the whole body
+NESTED = {
+    "w": lambda array: inputs(w=array),
+    "bias": lambda array: inputs(bias=array),
+    "w_q.qvalue": lambda array: inputs(
+        w=None, w_q={"qvalue": array, "scale": b64(SCALE)}
+    ),
+    "w_q.scale": lambda array: inputs(w=None, w_q={"qvalue": b64(QV), "scale": array}),
+}
+
+
+@pytest.mark.parametrize("field", NESTED)
+def test_hostile_binref_in_a_layer_is_refused(guarded, field):
+    url, _, secret = guarded
+    payload = {"inputs": NESTED[field](binref(f"{secret}:0", shape=(3, 4)))}
+    response = requests.post(f"{url}/apply", json=payload, timeout=30)
+    assert response.status_code == 422, response.text
+    # the field by its path (the guard writes layers[0], the contract layers.[0])
+    assert re.search(
+        rf"layers\.?\[0\]\.{re.escape(field)}: binref buffer", response.text
+    ), response.text
     assert "4321" not in response.text
     assert requests.get(f"{url}/health", timeout=10).status_code == 200
 
 
 def test_binref_inside_the_input_folder_works(guarded):
     url, _, _ = guarded
-    payload = {"inputs": {"x": binref("x.bin:0"), "w": b64(W)}}
-    response = requests.post(
-        f"{url}/apply", json=payload, timeout=30, headers={"Accept": "application/json"}
-    )
+    payload = {
+        "inputs": inputs(x=binref("x.bin:0"), w=binref("layers/w.bin:0", shape=(3, 4)))
+    }
+    response = requests.post(f"{url}/apply", json=payload, timeout=30)
     assert response.status_code == 200, response.text
-    y = np.asarray(response.json()["y"]["data"]["buffer"], np.float32)
-    assert y.shape == (2, 4)
+    y = decode(response.json())["y"]
+    np.testing.assert_allclose(y, X @ ref.roundtrip(W), rtol=1e-5, atol=1e-6)
 
 
 def test_binref_in_a_cotangent_is_checked_too(guarded):
     url, _, secret = guarded
     payload = {
-        "inputs": {"x": b64(X), "w": b64(W)},
+        "inputs": inputs(),
         "vjp_inputs": ["x"],
         "vjp_outputs": ["y"],
         "cotangent_vector": {"y": binref(f"{secret}:0", shape=(2, 4))},
@@ -92,10 +129,16 @@ def test_binref_in_a_cotangent_is_checked_too(guarded):
 
 def test_binref_declaring_a_huge_shape_is_refused(guarded):
     url, _, _ = guarded
-    payload = {"inputs": {"x": binref("x.bin:0", shape=(100000, 100000)), "w": b64(W)}}
+    payload = {"inputs": inputs(x=binref("x.bin:0", shape=(100000, 100000)))}
     response = requests.post(f"{url}/apply", json=payload, timeout=30)
     assert response.status_code == 413
+    assert "x: declared shape (100000, 100000)" in response.text
     assert "QARRAY_MAX_ELEMENTS" in response.text
+    # in a layer too
+    payload = {"inputs": inputs(w=binref("layers/w.bin:0", shape=(3, 10**8)))}
+    response = requests.post(f"{url}/apply", json=payload, timeout=30)
+    assert response.status_code == 413
+    assert "declared shape (3, 100000000)" in response.text
 
 
 def test_body_over_the_limit_is_refused_by_its_length(guarded):
@@ -137,9 +180,8 @@ def test_streamed_body_over_the_limit_is_refused(guarded):
 @pytest.mark.parametrize("run_id", ["../../escape", "a/b", "x" * 200, "%2e%2e"])
 def test_run_id_must_be_a_plain_name(guarded, run_id):
     url, tmp, _ = guarded
-    payload = {"inputs": {"x": b64(X), "w": b64(W)}}
     response = requests.post(
-        f"{url}/apply", params={"run_id": run_id}, json=payload, timeout=30
+        f"{url}/apply", params={"run_id": run_id}, json={"inputs": inputs()}, timeout=30
     )
     assert response.status_code == 400
     assert not (tmp / "escape").exists()
@@ -158,8 +200,19 @@ def test_binref_problem_unit():
 def test_validation_errors_do_not_echo_large_inputs(guarded):
     url, _, _ = guarded
     x = np.ones((100, 300), np.float32)  # ~160 kB of base64, under the body limit
-    payload = {"inputs": {"x": b64(x)}}  # neither w nor w_q
+    payload = {"inputs": {"x": b64(x), "layers": [{}]}}  # neither w nor w_q
     response = requests.post(f"{url}/apply", json=payload, timeout=30)
     assert response.status_code == 422
-    assert "give exactly one of w and w_q, got neither" in response.text
+    assert "layers.[0] must give exactly one of w and w_q, got neither" in (
+        response.text
+    )
+    assert len(response.content) < 2000
+    # a field error (FastAPI's 422 would echo the whole value back): ~60 kB of
+    # JSON lists with one string in them
+    w = np.ones((300, 40)).tolist()
+    w[-1][-1] = "a"
+    payload = {"inputs": {"x": b64(x[:2]), "layers": [{"w": w}]}}
+    response = requests.post(f"{url}/apply", json=payload, timeout=30)
+    assert response.status_code == 422
+    assert '"loc":["body","inputs","layers",0,"w"]' in response.text
     assert len(response.content) < 2000
