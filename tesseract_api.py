@@ -15,6 +15,9 @@ Environment:
                            result and largest Jacobian accepted, in elements
                            (default 33554432)
     QARRAY_MAX_LAYERS      most layers in one request (default 64)
+    QARRAY_MODEL           a model file (safetensors, qarray.checkpoint's
+                           layout) loaded at start-up and kept on the device
+                           quantized: requests that omit `layers` run it
     QARRAY_VJP_CACHE_SIZE  entries in the VJP residual cache (default 8; 0 = off)
     QARRAY_VJP_CACHE_MIN_FLOPS
                            apply stores its pullback in the cache when the
@@ -48,11 +51,19 @@ import jax.numpy as jnp
 import numpy as np
 from fastapi import HTTPException
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
-from tesseract_core.runtime import Array, Differentiable, Float32, Int8, jax_recipes
+from tesseract_core.runtime import (
+    Array,
+    Differentiable,
+    Float32,
+    Int8,
+    jax_recipes,
+    schema_generation,
+)
 from tesseract_core.runtime.array_encoding import ALLOWED_DTYPE_NAMES
 from tesseract_core.runtime.experimental import set_jax_vjp_cache_size
 
 import qarray as qa
+from qarray.checkpoint import ModelFileError, load_model
 
 
 def _env_int(name: str, default: int, minimum: int) -> int:
@@ -72,6 +83,33 @@ VJP_CACHE_SIZE = _env_int("QARRAY_VJP_CACHE_SIZE", 8, minimum=0)
 VJP_CACHE_MIN_FLOPS = _env_int("QARRAY_VJP_CACHE_MIN_FLOPS", 2**29, minimum=0)
 VJP_CACHE_MIN_INTENSITY = _env_int("QARRAY_VJP_CACHE_MIN_INTENSITY", 2**20, minimum=0)
 set_jax_vjp_cache_size(VJP_CACHE_SIZE)
+MODEL_PATH = os.environ.get("QARRAY_MODEL", "").strip() or None
+
+
+def _checked_input_path(path: str, info) -> str:
+    """tesseract-core 1.15's check of a gradient path, with the 500 it can
+    raise turned into the 422 it means: a path through a field the request left
+    null (``layers.[0].w_q.scale`` for a layer that gave w; any layer when the
+    request omits layers) makes its lookup raise TypeError, which it does not
+    catch. Installed before the runtime builds the gradient schemas."""
+    try:
+        return _input_path_validator(path, info)
+    except TypeError:
+        if getattr(info.data.get("inputs"), "layers", ()) is None:
+            raise ValueError(
+                f"{info.field_name} names {path!r}, but this request gave no layers: "
+                "it runs the resident model (QARRAY_MODEL), whose weights are not "
+                "inputs (differentiate with respect to x)"
+            ) from None
+        raise ValueError(
+            f"{info.field_name} names {path!r}, which runs through a field this "
+            "request did not give"
+        ) from None
+
+
+_input_path_validator = schema_generation.input_path_validator
+if schema_generation.input_path_validator.__name__ != _checked_input_path.__name__:
+    schema_generation.input_path_validator = _checked_input_path
 
 LAYOUTS = ("kn", "nk")
 Layout = Literal["kn", "nk"]
@@ -372,11 +410,18 @@ class InputSchema(BaseModel):
     x: Annotated[Differentiable[Array[..., Float32]], SizeLimited] = Field(
         description="Input activations, float32 (..., K0): any leading axes."
     )
-    layers: list[Layer] = Field(
+    # required unless a resident model is loaded (QARRAY_MODEL), which then runs
+    layers: list[Layer] | None = Field(
+        default=None if MODEL_PATH else ...,
         min_length=1,
         max_length=MAX_LAYERS,
         description=f"The network, 1 to {MAX_LAYERS} layers (QARRAY_MAX_LAYERS); "
-        "layer i maps width K_i to N_i, K_{i+1} = N_i.",
+        "layer i maps width K_i to N_i, K_{i+1} = N_i."
+        + (
+            f" Optional: without it the resident model ({MODEL_PATH}) runs."
+            if MODEL_PATH
+            else ""
+        ),
     )
     quantize_activations: bool = Field(
         default=False,
@@ -412,6 +457,19 @@ class InputSchema(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> Self:
+        if self.layers is None:
+            if RESIDENT is None:
+                raise ValueError(
+                    "layers is required: no resident model is loaded (QARRAY_MODEL)"
+                )
+            _require_finite("x", self.x)
+            try:
+                _check_y_size(self.network_shape())
+            except ValueError as error:
+                raise ValueError(
+                    f"x does not fit the resident model ({MODEL_PATH}): {error}"
+                ) from None
+            return self
         for i, layer in enumerate(self.layers):
             if (layer.w is None) == (layer.w_q is None):
                 got = "both" if layer.w is not None else "neither"
@@ -442,7 +500,14 @@ class InputSchema(BaseModel):
         return self
 
     def shapes(self) -> list[LayerShapes]:
+        if self.layers is None:
+            return RESIDENT.shapes
         return [layer.shapes() for layer in self.layers]
+
+    def activations(self) -> tuple[str, ...]:
+        if self.layers is None:
+            return tuple(activation for _, activation in RESIDENT.config)
+        return tuple(layer.activation for layer in self.layers)
 
     def network_shape(self) -> NetworkShape:
         return network_shape(tuple(self.x.shape), self.shapes())
@@ -474,6 +539,60 @@ class OutputSchema(BaseModel):
     layers: list[LayerOut] = Field(description="Per layer diagnostics, in order.")
 
 
+# --- the resident model (QARRAY_MODEL)
+
+
+@dataclass(frozen=True)
+class _Resident:
+    """A model file's network on the device, quantized once at load."""
+
+    config: tuple[tuple[str, str], ...]  # (layout, activation) per layer
+    arrays: list[dict]  # per layer {"w": None, "w_q": {qvalue, scale}, "bias"}
+    shapes: list[LayerShapes]
+    weight_errors: tuple[float, ...]  # of dense w quantized at load (0 for w_q)
+
+
+def _load_resident(path: str) -> _Resident:
+    """Load, check and quantize a model file; fail start-up naming the tensor."""
+    try:
+        layers = load_model(path)
+    except ModelFileError as error:
+        raise RuntimeError(f"QARRAY_MODEL: {error}") from None
+    config, arrays, shapes, errors = [], [], [], []
+    for layer in layers:
+        if layer.w is not None:
+            w = jnp.asarray(layer.w)
+            qvalue, scale = qa.unpack(qa.quantize(w))
+            errors.append(
+                float(jnp.linalg.norm(w - qvalue * scale[:, None]))
+                / max(float(jnp.linalg.norm(w)), 1e-30)
+                if layer.w.any()
+                else 0.0
+            )
+            del w  # only the int8 payload and the scales stay resident
+        else:
+            qvalue, scale = jnp.asarray(layer.qvalue), jnp.asarray(layer.scale)
+            errors.append(0.0)
+        bias = None if layer.bias is None else jnp.asarray(layer.bias)
+        config.append((layer.layout, layer.activation))
+        arrays.append(
+            {"w": None, "w_q": {"qvalue": qvalue, "scale": scale}, "bias": bias}
+        )
+        shapes.append(
+            LayerShapes(
+                tuple(qvalue.shape),
+                tuple(scale.shape),
+                None if bias is None else tuple(bias.shape),
+                layer.layout,
+                dense=False,
+            )
+        )
+    return _Resident(tuple(config), arrays, shapes, tuple(errors))
+
+
+RESIDENT = _load_resident(MODEL_PATH) if MODEL_PATH else None
+
+
 # --- the computation
 
 
@@ -484,6 +603,7 @@ class _Config:
     layers: tuple[tuple[str, str], ...]  # (layout, activation) per layer
     quantize_activations: bool
     return_w_q: bool
+    resident: bool = False  # the resident model's layers (constants, not inputs)
 
 
 def apply_jit(inputs: dict) -> dict:
@@ -499,6 +619,14 @@ def apply_jit(inputs: dict) -> dict:
 
 def _split(inputs: dict) -> tuple[_Config, dict]:
     layers = inputs["layers"]
+    if layers is None:  # the resident model
+        config = _Config(
+            RESIDENT.config,
+            bool(inputs["quantize_activations"]),
+            bool(inputs["return_w_q"]),
+            resident=True,
+        )
+        return config, {"x": inputs["x"], "layers": RESIDENT.arrays}
     config = _Config(
         tuple((layer["layout"], layer["activation"]) for layer in layers),
         bool(inputs["quantize_activations"]),
@@ -611,6 +739,8 @@ def _network(args, config: _Config):
 def _as_dict(inputs: InputSchema) -> dict:
     """inputs.model_dump(), without its cost (~50 us on small requests)."""
     out = dict(inputs)
+    if inputs.layers is None:
+        return out
     out["layers"] = []
     for layer in inputs.layers:
         fields = dict(layer)
@@ -660,7 +790,7 @@ def _cache_pays(inputs: InputSchema) -> bool:
     shape = inputs.network_shape()
     m = math.prod(shape.y[:-1])
     flops = sum(2 * m * k * n for k, n in itertools.pairwise(shape.widths))
-    if any(layer.activation != "none" for layer in inputs.layers):
+    if any(activation != "none" for activation in inputs.activations()):
         return flops >= VJP_CACHE_MIN_FLOPS
     elements = inputs.x.size + sum(
         math.prod(s.weights) + math.prod(s.bias or ()) for s in inputs.shapes()
@@ -672,7 +802,11 @@ def _cache_pays(inputs: InputSchema) -> bool:
 # values, which filter_jit would take for static (non-array) outputs
 @functools.partial(jax.jit, static_argnames="config")
 def _forward_with_pullback(arrays: dict, config: _Config):
-    diff, nondiff = eqx.partition(arrays, eqx.is_inexact_array)
+    # a resident model's weights are constants: only x is differentiated
+    layers_spec = False if config.resident else eqx.is_inexact_array
+    diff, nondiff = eqx.partition(
+        arrays, {"x": eqx.is_inexact_array, "layers": layers_spec}
+    )
 
     def forward(diff):
         out = _compute(eqx.combine(diff, nondiff), config=config)
@@ -722,6 +856,12 @@ _PATH_PART = re.compile(r"\[(\d+)\]")
 def _lookup(inputs: InputSchema, path: str) -> Any:
     """The value at a differentiable path (``layers.[1].w_q.scale``), or a 422
     naming the path when the request did not give it."""
+    if inputs.layers is None and path.startswith("layers."):
+        raise _bad_request(
+            f"{path!r} names a layer of the resident model ({MODEL_PATH}), whose "
+            "weights are not inputs: this request gave no layers (differentiate "
+            "with respect to x)"
+        )
     value: Any = inputs
     for part in path.split("."):
         index = _PATH_PART.fullmatch(part)

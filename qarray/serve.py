@@ -228,11 +228,17 @@ def create_app():
 
 
 def main(argv=None) -> None:
-    """``qarray-serve serve [--host H] [--port P] [--num-workers N]``; any other
-    command runs as ``tesseract-runtime`` would run it."""
+    """``qarray-serve serve [--host H] [--port P] [--num-workers N]``;
+    ``qarray-serve convert ...`` converts a PyTorch state dict to a model file
+    (qarray.checkpoint); any other command runs as ``tesseract-runtime`` would
+    run it."""
     import argparse
 
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "convert":
+        from .checkpoint import main as convert_main
+
+        return convert_main(argv[1:])
     if not argv or argv[0] != "serve":
         from tesseract_core.runtime.cli import main as runtime_main
 

@@ -1,0 +1,329 @@
+"""Model files: a quantized network in safetensors, and a converter from PyTorch.
+
+A qarray model file is laid out like the Tesseract's ``layers`` field:
+
+- tensors ``layers.{i}.w`` (float32, dense: quantized when loaded) or
+  ``layers.{i}.w_q.qvalue`` (int8) with ``layers.{i}.w_q.scale`` (float32, one
+  per row), and an optional ``layers.{i}.bias`` (float32, ``(N,)``);
+- string metadata ``layers.{i}.layout`` (``"kn"``: weights ``(K, N)``, the
+  default; ``"nk"``: ``(N, K)``, PyTorch's ``nn.Linear.weight``) and
+  ``layers.{i}.activation`` (default ``"none"``).
+
+Layers are numbered from 0 without gaps and their widths chain. ``load_model``
+checks all of it and names the tensor at fault; ``convert_state_dict`` turns
+a PyTorch-style state dict (``fc1.weight`` ``(out, in)``, ``fc1.bias``, ...)
+into a model file of int8 "nk" layers with one scale per output channel::
+
+    qarray-serve convert state_dict.safetensors model.safetensors \\
+        --layers fc1:relu,fc2:none
+
+Needs the ``safetensors`` package (installed with ``qarray[tesseract]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+LAYOUTS = ("kn", "nk")
+ACTIVATIONS = ("none", "relu", "gelu", "tanh", "sigmoid", "silu")
+
+_TENSOR = re.compile(r"layers\.(\d+)\.(w|w_q\.qvalue|w_q\.scale|bias)")
+_METADATA = re.compile(r"layers\.(\d+)\.(layout|activation)")
+
+
+class ModelFileError(ValueError):
+    """A model file that cannot be served; the message names the tensor."""
+
+
+@dataclass(frozen=True)
+class ModelLayer:
+    """One layer of a model file, as stored (NumPy arrays)."""
+
+    layout: str
+    activation: str
+    w: np.ndarray | None  # dense float32, or None for w_q
+    qvalue: np.ndarray | None  # int8
+    scale: np.ndarray | None  # float32, qvalue.shape[:-1]
+    bias: np.ndarray | None
+
+    @property
+    def weights(self) -> np.ndarray:
+        return self.w if self.w is not None else self.qvalue
+
+    @property
+    def widths(self) -> tuple[int, int]:
+        """(K, N): input and output width."""
+        a, b = self.weights.shape
+        return (a, b) if self.layout == "kn" else (b, a)
+
+
+def load_model(path: str | Path) -> list[ModelLayer]:
+    """The network in a model file, checked (ModelFileError names the tensor)."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ModelFileError(f"model file {str(path)!r} does not exist")
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            metadata = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError, ValueError) as error:
+        raise ModelFileError(
+            f"{path}: not a readable safetensors file ({error})"
+        ) from None
+    return _layers(path, tensors, metadata)
+
+
+def _layers(path, tensors: dict, metadata: dict) -> list[ModelLayer]:
+    found: dict[int, dict] = {}
+    for name, array in tensors.items():
+        match = _TENSOR.fullmatch(name)
+        if not match:
+            raise ModelFileError(
+                f"{path}: unexpected tensor {name!r} (expected layers.{{i}}.w, "
+                "layers.{i}.w_q.qvalue, layers.{i}.w_q.scale, layers.{i}.bias)"
+            )
+        found.setdefault(int(match.group(1)), {})[match.group(2)] = array
+    for key in metadata:
+        if key != "format" and not _METADATA.fullmatch(key):
+            raise ModelFileError(
+                f"{path}: unexpected metadata {key!r} (expected layers.{{i}}.layout, "
+                "layers.{i}.activation)"
+            )
+    if not found:
+        raise ModelFileError(f"{path}: no layers (no layers.0.w or layers.0.w_q.*)")
+    count = max(found) + 1
+    layers, width = [], None
+    for i in range(count):
+        prefix = f"layers.{i}"
+        parts = found.get(i)
+        if parts is None:
+            raise ModelFileError(
+                f"{path}: {prefix}.w is missing (layers are 0..{count - 1})"
+            )
+        layer = _layer(path, prefix, parts, metadata)
+        k, n = layer.widths
+        if width is not None and k != width:
+            raise ModelFileError(
+                f"{path}: {prefix} has input width {k} ({_weights_name(prefix, layer)} "
+                f"{layer.weights.shape}, layout {layer.layout!r}), but layers.{i - 1} "
+                f"outputs width {width}"
+            )
+        width = n
+        layers.append(layer)
+    return layers
+
+
+def _weights_name(prefix: str, layer: ModelLayer) -> str:
+    return f"{prefix}.w" if layer.w is not None else f"{prefix}.w_q.qvalue"
+
+
+def _layer(path, prefix: str, parts: dict, metadata: dict) -> ModelLayer:
+    layout = metadata.get(f"{prefix}.layout", "kn")
+    if layout not in LAYOUTS:
+        raise ModelFileError(
+            f"{path}: metadata {prefix}.layout must be one of {LAYOUTS}, got {layout!r}"
+        )
+    activation = metadata.get(f"{prefix}.activation", "none")
+    if activation not in ACTIVATIONS:
+        raise ModelFileError(
+            f"{path}: metadata {prefix}.activation must be one of {ACTIVATIONS}, "
+            f"got {activation!r}"
+        )
+    w, qvalue, scale = parts.get("w"), parts.get("w_q.qvalue"), parts.get("w_q.scale")
+    if (w is None) == (qvalue is None and scale is None):
+        got = "both" if w is not None else "neither"
+        raise ModelFileError(
+            f"{path}: {prefix} needs exactly one of {prefix}.w and "
+            f"{prefix}.w_q.qvalue + {prefix}.w_q.scale, got {got}"
+        )
+    if w is None and (qvalue is None or scale is None):
+        missing = "qvalue" if qvalue is None else "scale"
+        raise ModelFileError(f"{path}: {prefix}.w_q.{missing} is missing")
+    bias = parts.get("bias")
+    for name, array, dtype, ndim in (
+        ("w", w, np.float32, 2),
+        ("w_q.qvalue", qvalue, np.int8, 2),
+        ("w_q.scale", scale, np.float32, 1),
+        ("bias", bias, np.float32, 1),
+    ):
+        if array is None:
+            continue
+        if array.dtype != dtype or array.ndim != ndim:
+            raise ModelFileError(
+                f"{path}: {prefix}.{name} must be {np.dtype(dtype).name} of rank "
+                f"{ndim}, got {array.dtype.name} {array.shape}"
+            )
+        if array.dtype == np.float32 and not np.isfinite(array).all():
+            raise ModelFileError(f"{path}: {prefix}.{name} has NaN or Inf entries")
+    if qvalue is not None:
+        if scale.shape != qvalue.shape[:-1]:
+            raise ModelFileError(
+                f"{path}: {prefix}.w_q.scale must have shape {qvalue.shape[:-1]} (one "
+                f"per row of {prefix}.w_q.qvalue {qvalue.shape}), got {scale.shape}"
+            )
+        if qvalue.size and qvalue.min() < -127:
+            raise ModelFileError(f"{path}: {prefix}.w_q.qvalue must lie in [-127, 127]")
+        if (scale < 0).any():
+            raise ModelFileError(f"{path}: {prefix}.w_q.scale must be >= 0")
+    layer = ModelLayer(layout, activation, w, qvalue, scale, bias)
+    n = layer.widths[1]
+    if bias is not None and bias.shape != (n,):
+        raise ModelFileError(
+            f"{path}: {prefix}.bias must have shape ({n},) to match "
+            f"{_weights_name(prefix, layer)} {layer.weights.shape} (layout "
+            f"{layout!r}), got {bias.shape}"
+        )
+    return layer
+
+
+def save_model(path: str | Path, layers: list[dict]) -> None:
+    """Write a model file from layers given like the Tesseract's ``layers``:
+    dicts with ``w`` or ``w_q`` ({qvalue, scale}), optional ``bias``, ``layout``
+    and ``activation`` (NumPy arrays)."""
+    from safetensors.numpy import save_file
+
+    tensors, metadata = {}, {}
+    for i, layer in enumerate(layers):
+        prefix = f"layers.{i}"
+        if layer.get("w") is not None:
+            tensors[f"{prefix}.w"] = np.ascontiguousarray(layer["w"], np.float32)
+        else:
+            tensors[f"{prefix}.w_q.qvalue"] = np.ascontiguousarray(
+                layer["w_q"]["qvalue"], np.int8
+            )
+            tensors[f"{prefix}.w_q.scale"] = np.ascontiguousarray(
+                layer["w_q"]["scale"], np.float32
+            )
+        if layer.get("bias") is not None:
+            tensors[f"{prefix}.bias"] = np.ascontiguousarray(layer["bias"], np.float32)
+        metadata[f"{prefix}.layout"] = layer.get("layout", "kn")
+        metadata[f"{prefix}.activation"] = layer.get("activation", "none")
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row absmax int8 with qarray's numerics (``qarray.quantize``)."""
+    import jax.numpy as jnp
+
+    from ._ops import quantize, unpack
+
+    qvalue, scale = unpack(quantize(jnp.asarray(w, jnp.float32)))
+    return np.asarray(qvalue), np.asarray(scale)
+
+
+def relative_error(w: np.ndarray, qvalue: np.ndarray, scale: np.ndarray) -> float:
+    """||w - qvalue * scale|| / ||w|| (0 for zero w)."""
+    w64 = np.asarray(w, np.float64)
+    norm = np.linalg.norm(w64)
+    deq = qvalue.astype(np.float64) * scale.astype(np.float64)[..., None]
+    return 0.0 if norm == 0 else float(np.linalg.norm(w64 - deq) / norm)
+
+
+def convert_state_dict(
+    src: str | Path, dst: str | Path, layers: list[tuple[str, str]]
+) -> list[float]:
+    """A PyTorch-style state dict (safetensors) -> a qarray model file.
+
+    ``layers``: ``(name, activation)`` in order; ``{name}.weight`` is
+    ``(out, in)`` (``nn.Linear``), ``{name}.bias`` optional. Weights are
+    quantized per output channel ("nk" layout). Returns each layer's relative
+    weight error. Raises ModelFileError naming the tensor at fault.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    if not layers:
+        raise ModelFileError("give at least one layer (name:activation)")
+    try:
+        with safe_open(str(src), framework="numpy") as f:
+            available = set(f.keys())
+            wanted = {}
+            for name, _ in layers:
+                for key in (f"{name}.weight", f"{name}.bias"):
+                    if key in available:
+                        wanted[key] = f.get_tensor(key)
+    except (SafetensorError, OSError, ValueError) as error:
+        raise ModelFileError(
+            f"{src}: not a readable safetensors file ({error})"
+        ) from None
+    out, errors = [], []
+    for name, activation in layers:
+        if activation not in ACTIVATIONS:
+            raise ModelFileError(
+                f"layer {name!r}: activation must be one of {ACTIVATIONS}, "
+                f"got {activation!r}"
+            )
+        weight = wanted.get(f"{name}.weight")
+        if weight is None:
+            near = sorted(k for k in available if k.endswith(".weight"))
+            raise ModelFileError(
+                f"{src}: no tensor {name}.weight (weights found: {', '.join(near)})"
+            )
+        if weight.ndim != 2 or weight.dtype.kind != "f":
+            raise ModelFileError(
+                f"{src}: {name}.weight must be a float (out, in) matrix, got "
+                f"{weight.dtype.name} {weight.shape}"
+            )
+        qvalue, scale = quantize_rows(weight.astype(np.float32))
+        errors.append(relative_error(weight, qvalue, scale))
+        layer = {
+            "w_q": {"qvalue": qvalue, "scale": scale},
+            "layout": "nk",
+            "activation": activation,
+        }
+        bias = wanted.get(f"{name}.bias")
+        if bias is not None:
+            layer["bias"] = bias.astype(np.float32)
+        out.append(layer)
+    # checked like any model file before it is written: shapes chain, biases fit
+    tensors = {}
+    for i, layer in enumerate(out):
+        tensors[f"layers.{i}.w_q.qvalue"] = layer["w_q"]["qvalue"]
+        tensors[f"layers.{i}.w_q.scale"] = layer["w_q"]["scale"]
+        if "bias" in layer:
+            tensors[f"layers.{i}.bias"] = layer["bias"]
+    metadata = {f"layers.{i}.layout": "nk" for i in range(len(out))}
+    try:
+        _layers(src, tensors, metadata)
+    except ModelFileError as error:
+        names = ", ".join(f"layers.{i} = {name}" for i, (name, _) in enumerate(layers))
+        raise ModelFileError(f"{error} ({names})") from None
+    save_model(dst, out)
+    return errors
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``qarray-serve convert SRC DST --layers fc1:relu,fc2:none``."""
+    parser = argparse.ArgumentParser(
+        prog="qarray-serve convert",
+        description="Convert a PyTorch-style state dict (safetensors; nn.Linear "
+        "weights (out, in)) to a qarray model file (int8, layout 'nk', one scale "
+        "per output channel) for QARRAY_MODEL.",
+    )
+    parser.add_argument("src", help="state dict, .safetensors")
+    parser.add_argument("dst", help="model file to write, .safetensors")
+    parser.add_argument(
+        "--layers",
+        required=True,
+        help="comma-separated NAME:ACTIVATION in order, e.g. fc1:relu,fc2:none "
+        f"(activations: {', '.join(ACTIVATIONS)})",
+    )
+    args = parser.parse_args(argv)
+    layers = []
+    for item in args.layers.split(","):
+        name, _, activation = item.strip().partition(":")
+        layers.append((name, activation or "none"))
+    try:
+        errors = convert_state_dict(args.src, args.dst, layers)
+    except ModelFileError as error:
+        parser.exit(2, f"qarray-serve convert: {error}\n")
+    for i, ((name, activation), error) in enumerate(zip(layers, errors, strict=True)):
+        print(f"layers.{i} <- {name} ({activation}): weight error {error:.3e}")
+    print(f"wrote {args.dst}")
+    return 0
