@@ -1,0 +1,449 @@
+"""Resident models (QARRAY_MODEL): model files, the PyTorch converter, and a
+server whose requests carry only x. Checked against the NumPy reference."""
+
+import json
+import os
+import subprocess
+
+import numpy as np
+import psutil
+import pytest
+import requests
+from tesseract_core import Tesseract
+
+from qarray.checkpoint import (
+    ModelFileError,
+    convert_state_dict,
+    load_model,
+    save_model,
+)
+from tests import reference as ref
+from tests.tesseract import network as net
+from tests.tesseract.server import ROOT, SERVE, b64, decode, free_port, serve
+
+RTOL = ATOL = 2e-4
+
+
+def model_layers(rng):
+    """A 3-layer network as a model file holds it: dense and quantized layers,
+    both layouts, nonlinearities."""
+    return [
+        net.make_layer(rng, 6, 5, "nk", "w", True, "gelu"),
+        net.make_layer(rng, 5, 4, "kn", "w_q", True, "relu"),
+        net.make_layer(rng, 4, 3, "nk", "w_q", False, "none"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    rng = np.random.default_rng(7)
+    layers = model_layers(rng)
+    path = tmp_path_factory.mktemp("model") / "model.safetensors"
+    save_model(path, layers)
+    return path, layers
+
+
+@pytest.fixture(scope="module")
+def resident_tess(model):
+    """The Tesseract in-process, in a fresh interpreter state per module: the
+    resident model is read from QARRAY_MODEL when tesseract_api is imported."""
+    path, _ = model
+    os.environ["QARRAY_MODEL"] = str(path)
+    try:
+        with Tesseract.from_tesseract_api(str(ROOT / "tesseract_api.py")) as t:
+            yield t
+    finally:
+        del os.environ["QARRAY_MODEL"]
+
+
+def test_model_file_round_trip(model):
+    path, layers = model
+    loaded = load_model(path)
+    assert [(m.layout, m.activation) for m in loaded] == [
+        (layer["layout"], layer["activation"]) for layer in layers
+    ]
+    np.testing.assert_array_equal(loaded[0].w, layers[0]["w"])
+    np.testing.assert_array_equal(loaded[1].qvalue, layers[1]["w_q"]["qvalue"])
+    np.testing.assert_array_equal(loaded[1].scale, layers[1]["w_q"]["scale"])
+    assert loaded[2].bias is None
+
+
+def test_resident_apply_and_gradients_for_x(resident_tess, model, rng):
+    _, layers = model
+    x = net.normal(rng, (4, 6))
+    inputs = {"x": x, "layers": layers}
+    out = resident_tess.apply({"x": x})
+    np.testing.assert_allclose(out["y"], net.forward(inputs), rtol=RTOL, atol=ATOL)
+    assert len(out["layers"]) == 3
+
+    g = net.normal(rng, out["y"].shape)
+    vjp = resident_tess.vector_jacobian_product({"x": x}, ["x"], ["y"], {"y": g})
+    np.testing.assert_allclose(vjp["x"], net.vjp(inputs, g)["x"], rtol=RTOL, atol=ATOL)
+    t = net.normal(rng, x.shape)
+    jvp = resident_tess.jacobian_vector_product({"x": x}, ["x"], ["y"], {"x": t})
+    jac = net.jacobian(inputs, "x")
+    np.testing.assert_allclose(
+        jvp["y"], np.tensordot(jac, t, axes=2), rtol=RTOL, atol=ATOL
+    )
+    np.testing.assert_allclose(
+        resident_tess.jacobian({"x": x}, ["x"], ["y"])["y"]["x"],
+        jac,
+        rtol=RTOL,
+        atol=ATOL,
+    )
+    abstract = resident_tess.abstract_eval(
+        {"x": {"shape": [2, 9, 6], "dtype": "float32"}}
+    )
+    assert abstract["y"] == {"shape": (2, 9, 3), "dtype": "float32"}
+
+
+def test_resident_with_int8_activations_and_batch_axes(resident_tess, model, rng):
+    _, layers = model
+    x = net.normal(rng, (2, 3, 6))
+    inputs = {"x": x, "layers": layers, "quantize_activations": True}
+    out = resident_tess.apply({"x": x, "quantize_activations": True})
+    np.testing.assert_allclose(out["y"], net.forward(inputs), rtol=RTOL, atol=ATOL)
+
+
+def test_request_layers_still_run_instead_of_the_resident_model(resident_tess, rng):
+    inputs = net.three_layer(rng)
+    out = resident_tess.apply(inputs)
+    np.testing.assert_allclose(out["y"], net.forward(inputs), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize(
+    "call, expected",
+    [
+        (
+            lambda t, x, g: t.vector_jacobian_product(
+                {"x": x}, ["layers.[0].w"], ["y"], {"y": g}
+            ),
+            ["layers.[0].w", "resident model"],
+        ),
+        (
+            lambda t, x, g: t.jacobian({"x": x}, ["layers.[1].bias"], ["y"]),
+            ["layers.[1].bias", "resident model"],
+        ),
+        (
+            lambda t, x, g: t.apply({"x": x[:, :5]}),
+            ["resident model", "width 5", "layers.[0]"],
+        ),
+    ],
+    ids=["vjp-weights", "jacobian-bias", "x-width"],
+)
+def test_resident_refusals_name_the_field(resident_tess, rng, call, expected):
+    x = net.normal(rng, (4, 6))
+    g = net.normal(rng, (4, 3))
+    with pytest.raises(Exception) as error:  # the client's pydantic ValidationError
+        call(resident_tess, x, g)
+    for text in expected:
+        assert text in str(error.value), str(error.value)
+
+
+def test_resident_arrays_are_int8_and_scales_only(model, monkeypatch):
+    """The device holds the int8 payload and one scale per row: ~25% of f32."""
+    path, layers = model
+    monkeypatch.setenv("QARRAY_MODEL", str(path))
+    monkeypatch.syspath_prepend(str(ROOT))
+    import tesseract_api
+
+    resident = tesseract_api._load_resident(str(path))
+    held = sum(a.nbytes for layer in resident.arrays for a in layer["w_q"].values())
+    shapes = [layer.weights.shape for layer in load_model(path)]
+    # exactly one int8 per weight and one float32 per row: 25% + 1/n of f32
+    assert held == sum(rows * n + 4 * rows for rows, n in shapes)
+    assert all(layer["w_q"]["qvalue"].dtype == np.int8 for layer in resident.arrays)
+    # the dense layer was quantized at load with qarray's numerics
+    qvalue, scale = ref.quantize(layers[0]["w"])
+    np.testing.assert_array_equal(resident.arrays[0]["w_q"]["qvalue"], qvalue)
+    np.testing.assert_allclose(resident.arrays[0]["w_q"]["scale"], scale, rtol=1.2e-7)
+
+
+# --- the loader's errors name the tensor at fault
+
+
+def _write(path, tensors, metadata=None):
+    from safetensors.numpy import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    return path
+
+
+F32 = np.ones((4, 3), np.float32)
+
+
+@pytest.mark.parametrize(
+    "tensors, metadata, expected",
+    [
+        ({}, None, "no layers"),
+        ({"layers.1.w": F32}, None, "layers.0.w is missing"),
+        ({"layers.0.w": F32.astype(np.float64)}, None, "layers.0.w must be float32"),
+        ({"layers.0.w": F32[0]}, None, "layers.0.w must be float32 of rank 2"),
+        (
+            {"layers.0.w_q.qvalue": np.ones((4, 3), np.int8)},
+            None,
+            "layers.0.w_q.scale is missing",
+        ),
+        (
+            {
+                "layers.0.w_q.qvalue": np.ones((4, 3), np.int8),
+                "layers.0.w_q.scale": np.ones(3, np.float32),
+            },
+            None,
+            "layers.0.w_q.scale must have shape (4,)",
+        ),
+        (
+            {"layers.0.w": F32, "layers.0.w_q.qvalue": np.ones((4, 3), np.int8)},
+            None,
+            "exactly one of layers.0.w and",
+        ),
+        (
+            {"layers.0.w": F32, "layers.1.w": np.ones((5, 2), np.float32)},
+            None,
+            "layers.1 has input width 5",
+        ),
+        (
+            {"layers.0.w": F32, "layers.0.bias": np.ones(4, np.float32)},
+            None,
+            "layers.0.bias must have shape (3,)",
+        ),
+        ({"layers.0.w": F32}, {"layers.0.layout": "mn"}, "layers.0.layout"),
+        ({"layers.0.w": F32}, {"layers.0.activation": "elu"}, "layers.0.activation"),
+        ({"layers.0.weight": F32}, None, "unexpected tensor 'layers.0.weight'"),
+        (
+            {"layers.0.w": np.full((4, 3), np.nan, np.float32)},
+            None,
+            "layers.0.w has NaN",
+        ),
+    ],
+    ids=[
+        "empty",
+        "gap",
+        "dtype",
+        "rank",
+        "missing-scale",
+        "scale-shape",
+        "both",
+        "chain",
+        "bias",
+        "layout",
+        "activation",
+        "unknown",
+        "nan",
+    ],
+)
+def test_loader_errors_name_the_tensor(tmp_path, tensors, metadata, expected):
+    path = _write(tmp_path / "bad.safetensors", tensors, metadata)
+    with pytest.raises(ModelFileError) as error:
+        load_model(path)
+    assert expected in str(error.value)
+
+
+def test_not_a_safetensors_file(tmp_path):
+    path = tmp_path / "junk.safetensors"
+    path.write_bytes(b"not a model")
+    with pytest.raises(ModelFileError, match="not a readable safetensors file"):
+        load_model(path)
+    with pytest.raises(ModelFileError, match="does not exist"):
+        load_model(tmp_path / "missing.safetensors")
+
+
+def test_server_with_a_bad_model_does_not_start(tmp_path):
+    """Start-up fails naming the tensor: never a half-loaded server."""
+    path = _write(
+        tmp_path / "bad.safetensors",
+        {"layers.0.w": F32, "layers.1.w": np.ones((5, 2), np.float32)},
+    )
+    env = {
+        **os.environ,
+        "TESSERACT_API_PATH": str(ROOT / "tesseract_api.py"),
+        "TESSERACT_OUTPUT_PATH": str(tmp_path),
+        "QARRAY_MODEL": str(path),
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "",
+    }
+    result = subprocess.run(
+        [str(SERVE), "serve", "--host", "127.0.0.1", "--port", str(free_port())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "layers.1 has input width 5" in result.stdout + result.stderr
+
+
+# --- the converter: a PyTorch-style state dict written here (no torch needed)
+
+
+def pytorch_state_dict(rng, path):
+    """nn.Sequential-like naming and layout: fc1 (6 -> 8), fc2 (8 -> 3)."""
+    tensors = {
+        "fc1.weight": rng.standard_normal((8, 6)).astype(np.float32),
+        "fc1.bias": rng.standard_normal(8).astype(np.float32),
+        "fc2.weight": rng.standard_normal((3, 8)).astype(np.float32),
+        "fc2.bias": rng.standard_normal(3).astype(np.float32),
+        "num_batches_tracked": np.zeros((), np.int64),  # ignored: not a layer
+    }
+    _write(path, tensors)
+    return tensors
+
+
+def test_convert_a_pytorch_state_dict(tmp_path, rng):
+    sd = pytorch_state_dict(rng, tmp_path / "sd.safetensors")
+    errors = convert_state_dict(
+        tmp_path / "sd.safetensors",
+        tmp_path / "model.safetensors",
+        [("fc1", "relu"), ("fc2", "none")],
+    )
+    loaded = load_model(tmp_path / "model.safetensors")
+    assert [(m.layout, m.activation) for m in loaded] == [
+        ("nk", "relu"),
+        ("nk", "none"),
+    ]
+    for layer, name, error in zip(loaded, ("fc1", "fc2"), errors, strict=True):
+        # one scale per output channel: the rows of (out, in)
+        qvalue, scale = ref.quantize(sd[f"{name}.weight"])
+        np.testing.assert_array_equal(layer.qvalue, qvalue)
+        np.testing.assert_allclose(layer.scale, scale, rtol=1.2e-7)
+        np.testing.assert_array_equal(layer.bias, sd[f"{name}.bias"])
+        assert error == pytest.approx(net.weight_error(sd[f"{name}.weight"]), rel=1e-4)
+        assert 0 < error < 0.01
+
+    # the converted model computes PyTorch's forward pass: relu(x W1^T + b1) W2^T + b2
+    x = rng.standard_normal((5, 6)).astype(np.float32)
+    w1 = ref.dequantize(loaded[0].qvalue, loaded[0].scale).astype(np.float64)
+    w2 = ref.dequantize(loaded[1].qvalue, loaded[1].scale).astype(np.float64)
+    torch_like = np.maximum(x @ w1.T + sd["fc1.bias"], 0) @ w2.T + sd["fc2.bias"]
+    layers = [
+        {"w_q": {"qvalue": m.qvalue, "scale": m.scale}, "bias": m.bias,
+         "layout": "nk", "activation": m.activation}
+        for m in loaded
+    ]  # fmt: skip
+    np.testing.assert_allclose(
+        net.forward({"x": x, "layers": layers}), torch_like, rtol=1e-6, atol=1e-6
+    )
+
+
+def test_convert_command_line(tmp_path, rng):
+    pytorch_state_dict(rng, tmp_path / "sd.safetensors")
+    command = [str(SERVE), "convert", str(tmp_path / "sd.safetensors")]
+    ok = subprocess.run(
+        [*command, str(tmp_path / "m.safetensors"), "--layers", "fc1:relu,fc2:none"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert "layers.0 <- fc1 (relu): weight error" in ok.stdout
+    assert load_model(tmp_path / "m.safetensors")[1].activation == "none"
+    for layers, expected in (
+        ("fc1:relu,fc3:none", "no tensor fc3.weight (weights found: fc1.weight"),
+        ("fc2:relu,fc1:none", "layers.1 has input width 6"),
+        ("fc1:elu", "activation must be one of"),
+    ):
+        bad = subprocess.run(
+            [*command, str(tmp_path / "x.safetensors"), "--layers", layers],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert bad.returncode == 2
+        assert expected in bad.stderr, bad.stderr
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+# --- over HTTP: requests carry only x
+
+
+@pytest.fixture(scope="module")
+def served_model(tmp_path_factory, model):
+    path, layers = model
+    tmp = tmp_path_factory.mktemp("resident-server")
+    with serve(tmp, env={"QARRAY_MODEL": str(path)}) as url:
+        yield url, layers
+
+
+def test_resident_over_http_with_only_x(served_model, rng):
+    url, layers = served_model
+    x = net.normal(rng, (16, 6))
+    inputs = {"x": x, "layers": layers}
+    body = json.dumps({"inputs": {"x": b64(x)}})
+    response = requests.post(
+        f"{url}/apply",
+        data=body,
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text[:2000]
+    np.testing.assert_allclose(
+        decode(response.json())["y"], net.forward(inputs), rtol=RTOL, atol=ATOL
+    )
+    g = net.normal(rng, (16, 3))
+    response = requests.post(
+        f"{url}/vector_jacobian_product",
+        json={
+            "inputs": {"x": b64(x)},
+            "vjp_inputs": ["x"],
+            "vjp_outputs": ["y"],
+            "cotangent_vector": {"y": b64(g)},
+        },
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text[:2000]
+    np.testing.assert_allclose(
+        decode(response.json())["x"], net.vjp(inputs, g)["x"], rtol=RTOL, atol=ATOL
+    )
+    refused = requests.post(
+        f"{url}/vector_jacobian_product",
+        json={
+            "inputs": {"x": b64(x)},
+            "vjp_inputs": ["layers.[0].w"],
+            "vjp_outputs": ["y"],
+            "cotangent_vector": {"y": b64(g)},
+        },
+        timeout=60,
+    )
+    assert refused.status_code == 422
+    assert "layers.[0].w" in refused.text and "resident model" in refused.text
+    assert requests.get(f"{url}/health", timeout=10).status_code == 200
+
+
+def test_resident_memory_is_a_quarter_of_float32(tmp_path, rng):
+    """A server holding 4 x (1024, 1024) dense float32 layers (16 MiB) grows by
+    about the int8 payload (4 MiB), not by the float32 weights."""
+    layers = [
+        {"w": net.normal(rng, (1024, 1024)), "layout": "nk", "activation": "relu"}
+        for _ in range(4)
+    ]
+    path = tmp_path / "big.safetensors"
+    save_model(path, layers)
+    dense = sum(layer["w"].nbytes for layer in layers)
+    rss = {}
+    for name, env in (("none", {}), ("model", {"QARRAY_MODEL": str(path)})):
+        (tmp_path / name).mkdir()
+        with serve(tmp_path / name, env=env) as url:
+            # one apply each, so both have compiled and run a network
+            x = net.normal(rng, (2, 1024))
+            body = {"x": b64(x)}
+            if name == "none":
+                body["layers"] = [{"w": b64(net.normal(rng, (1024, 1024)))}]
+            assert requests.post(f"{url}/apply", json={"inputs": body}, timeout=60).ok
+            rss[name] = _server_rss(url)
+    grew = rss["model"] - rss["none"]
+    print(
+        f"resident model: RSS +{grew / 2**20:.1f} MiB for {dense / 2**20:.0f} MiB f32"
+    )
+    assert grew < 0.6 * dense, (grew, dense)
+
+
+def _server_rss(url):
+    """RSS of the process listening on url's port (this test's own server)."""
+    port = int(url.rsplit(":", 1)[1])
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.laddr and conn.laddr.port == port and conn.status == "LISTEN":
+            process = psutil.Process(conn.pid)
+            return process.memory_info().rss + sum(
+                c.memory_info().rss for c in process.children(recursive=True)
+            )
+    raise RuntimeError(f"no process listens on {url}")
