@@ -15,6 +15,10 @@ Environment:
                            result and largest Jacobian accepted, in elements
                            (default 33554432)
     QARRAY_MAX_LAYERS      most layers in one request (default 64)
+    QARRAY_MESH            unset: one device; "auto": every local device on a
+                           "data" axis (rows of x split); "data=D,model=M"
+                           (D * M = the local devices): rows over "data" and
+                           every layer's output channels over "model"
     QARRAY_MODEL           a model file (safetensors, qarray.checkpoint's
                            layout) loaded at start-up and kept on the device
                            quantized: requests that omit `layers` run it
@@ -50,6 +54,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from fastapi import HTTPException
+from jax.sharding import AxisType, NamedSharding, reshard
+from jax.sharding import PartitionSpec as P
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from tesseract_core.runtime import (
     Array,
@@ -84,6 +90,48 @@ VJP_CACHE_MIN_FLOPS = _env_int("QARRAY_VJP_CACHE_MIN_FLOPS", 2**29, minimum=0)
 VJP_CACHE_MIN_INTENSITY = _env_int("QARRAY_VJP_CACHE_MIN_INTENSITY", 2**20, minimum=0)
 set_jax_vjp_cache_size(VJP_CACHE_SIZE)
 MODEL_PATH = os.environ.get("QARRAY_MODEL", "").strip() or None
+MESH_SPEC = os.environ.get("QARRAY_MESH", "").strip() or None
+
+
+def make_mesh(spec: str) -> jax.sharding.Mesh:
+    """The device mesh QARRAY_MESH names: axes ("data", "model"), explicit."""
+    devices = jax.local_devices()
+    found = f"found {len(devices)} local {devices[0].platform} device(s)"
+    match = re.fullmatch(r"data=(\d+),model=(\d+)", spec.replace(" ", ""))
+    if spec == "auto":
+        data, model = len(devices), 1
+    elif match:
+        data, model = int(match.group(1)), int(match.group(2))
+    else:
+        raise RuntimeError(
+            f"QARRAY_MESH must be 'auto' or 'data=D,model=M', got {spec!r} ({found})"
+        )
+    if data < 1 or model < 1 or data * model != len(devices):
+        raise RuntimeError(
+            f"QARRAY_MESH={spec} needs data * model = {data * model} devices, "
+            f"{found}: use data * model = {len(devices)}, or 'auto'"
+        )
+    return jax.make_mesh(
+        (data, model),
+        ("data", "model"),
+        axis_types=(AxisType.Explicit, AxisType.Explicit),
+        devices=devices,
+    )
+
+
+def _weight_specs(layout: str) -> tuple[P, P, P]:
+    """Partition specs of (weights, scales, bias) on the mesh: output channels
+    over "model" ((K, N): columns; (N, K): rows, with their scales)."""
+    if layout == "kn":
+        return P(None, "model"), P(None), P("model")
+    return P("model", None), P("model"), P("model")
+
+
+# every computation of this process runs on the mesh (explicit sharding: the
+# shardings are part of the types, and qarray's typing rules propagate them)
+MESH = make_mesh(MESH_SPEC) if MESH_SPEC else None
+if MESH is not None:
+    jax.set_mesh(MESH)
 
 
 def _checked_input_path(path: str, info) -> str:
@@ -552,8 +600,9 @@ class _Resident:
     weight_errors: tuple[float, ...]  # of dense w quantized at load (0 for w_q)
 
 
-def _load_resident(path: str) -> _Resident:
-    """Load, check and quantize a model file; fail start-up naming the tensor."""
+def _load_resident(path: str, mesh=None) -> _Resident:
+    """Load, check and quantize a model file; fail start-up naming the tensor.
+    With a mesh, each layer's output channels are placed over "model"."""
     try:
         layers = load_model(path)
     except ModelFileError as error:
@@ -574,6 +623,12 @@ def _load_resident(path: str) -> _Resident:
             qvalue, scale = jnp.asarray(layer.qvalue), jnp.asarray(layer.scale)
             errors.append(0.0)
         bias = None if layer.bias is None else jnp.asarray(layer.bias)
+        if mesh is not None:  # placed once: each device keeps its channels only
+            specs = _weight_specs(layer.layout)
+            qvalue, scale, bias = (
+                None if a is None else jax.device_put(a, NamedSharding(mesh, spec))
+                for a, spec in zip((qvalue, scale, bias), specs, strict=True)
+            )
         config.append((layer.layout, layer.activation))
         arrays.append(
             {"w": None, "w_q": {"qvalue": qvalue, "scale": scale}, "bias": bias}
@@ -590,7 +645,7 @@ def _load_resident(path: str) -> _Resident:
     return _Resident(tuple(config), arrays, shapes, tuple(errors))
 
 
-RESIDENT = _load_resident(MODEL_PATH) if MODEL_PATH else None
+RESIDENT = _load_resident(MODEL_PATH, MESH) if MODEL_PATH else None
 
 
 # --- the computation
@@ -666,10 +721,25 @@ def _compute(arrays: dict, config: _Config) -> dict:
         }
         for p in layers
     ]
-    y, per_layer = _map_batch(
-        functools.partial(_network, config=config), shape.batch, (x, layers)
-    )
+    if MESH is not None and rank == 0:
+        y, per_layer = _network_on_mesh(x, layers, config)
+    else:  # batch axes (or no mesh): one device's layout, mapped over examples
+        y, per_layer = _map_batch(
+            functools.partial(_network, config=config), shape.batch, (x, layers)
+        )
     return {"y": y, "layers": per_layer}
+
+
+def _network_on_mesh(x, layers, config: _Config):
+    """The network with x's rows over "data" (padded to a multiple of its size:
+    rows are independent, so the padding never reaches a real row) and every
+    layer's output channels over "model"."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    m = math.prod(lead)
+    rows = jnp.pad(x.reshape(m, k), ((0, -m % MESH.shape["data"]), (0, 0)))
+    y, per_layer = _network((rows, layers), config, sharded=True)
+    y = reshard(y, P(None, None))[:m]
+    return y.reshape(*lead, y.shape[-1]), per_layer
 
 
 def _traced_shapes(params: dict, layer_config: tuple[str, str]) -> LayerShapes:
@@ -706,12 +776,21 @@ def _map_batch(fn, batch: tuple[int, ...], args):
     return jax.vmap(inner, in_axes=(axes,), axis_size=size)(args)
 
 
-def _network(args, config: _Config):
-    """One example: x (..., K0) through unbatched layers -> (y, per-layer outputs)."""
+def _network(args, config: _Config, sharded: bool = False):
+    """One example: x (..., K0) through unbatched layers -> (y, per-layer outputs).
+
+    ``sharded``: x is (M, K0) on the mesh; each layer's input rows go over
+    "data" with the contraction axis whole (a sharded contraction axis is a
+    TypeError in qarray's typing rules), its weights' output channels over
+    "model".
+    """
     h, layers = args
     precision = "int8" if config.quantize_activations else "float32"
     outputs = []
     for params, (layout, activation) in zip(layers, config.layers, strict=True):
+        if sharded:
+            h = reshard(h, P("data", None))
+            params = _placed(params, layout)
         w_q_out, weight_error = None, jnp.float32(0.0)
         if params["w"] is not None:
             w = params["w"]
@@ -734,6 +813,23 @@ def _network(args, config: _Config):
         h = ACTIVATIONS[activation](h)
         outputs.append({"weight_error": weight_error, "w_q": w_q_out})
     return h, outputs
+
+
+def _placed(params: dict, layout: str) -> dict:
+    """A layer's arrays resharded to their places on the mesh (a no-op for the
+    resident model's, placed at load)."""
+    weights, scales, bias = _weight_specs(layout)
+    w_q = params["w_q"]
+    return {
+        "w": None if params["w"] is None else reshard(params["w"], weights),
+        "w_q": None
+        if w_q is None
+        else {
+            "qvalue": reshard(w_q["qvalue"], weights),
+            "scale": reshard(w_q["scale"], scales),
+        },
+        "bias": None if params["bias"] is None else reshard(params["bias"], bias),
+    }
 
 
 def _as_dict(inputs: InputSchema) -> dict:
