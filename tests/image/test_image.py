@@ -18,6 +18,7 @@ import pytest
 import requests
 from tesseract_core import Tesseract
 
+from qarray.checkpoint import save_model
 from tests.image.docker import (
     docker,
     final_instruction,
@@ -306,3 +307,27 @@ def test_tesseract_build_entrypoint_reaches_the_guard(tesseract_build_image, rng
     # other commands still reach tesseract-runtime
     result = docker("run", "--rm", tag, "--help", timeout=120)
     assert "Usage: tesseract-runtime" in result.stdout + result.stderr
+
+
+def test_resident_model_from_a_mounted_file(tmp_path, rng):
+    """docker run -v model.safetensors:/models/... -e QARRAY_MODEL=...: requests
+    carry only x."""
+    layers = [
+        net.make_layer(rng, 6, 5, "nk", "w", True, "relu"),
+        net.make_layer(rng, 5, 3, "nk", "w_q", True, "none"),
+    ]
+    model = tmp_path / "model.safetensors"
+    save_model(model, layers)
+    model.chmod(0o644)  # readable by the image's non-root user
+    mount = f"{model}:/models/model.safetensors:ro"
+    env = "QARRAY_MODEL=/models/model.safetensors"
+    with running(IMAGE, "-v", mount, "-e", env) as (url, _):
+        x = net.normal(rng, (4, 6))
+        response = post(url, "apply", {"inputs": {"x": b64(x)}})
+        assert response.status_code == 200, response.text[:2000]
+        np.testing.assert_allclose(
+            decode(response.json())["y"],
+            net.forward({"x": x, "layers": layers}),
+            rtol=RTOL,
+            atol=ATOL,
+        )
