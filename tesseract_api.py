@@ -15,6 +15,11 @@ Environment:
                            result and largest Jacobian accepted, in elements
                            (default 33554432)
     QARRAY_MAX_LAYERS      most layers in one request (default 64)
+    QARRAY_MAX_WORK        most elements of activations one request may compute:
+                           x and every layer's output over all rows and batch
+                           axes (times y's size for a Jacobian, one backward
+                           pass per output), checked on the declared shapes
+                           before any array is decoded (default 134217728)
     QARRAY_MESH            unset: one device; "auto": every local device on a
                            "data" axis (rows of x split); "data=D,model=M"
                            (D * M = the local devices): rows over "data" and
@@ -85,6 +90,7 @@ def _env_int(name: str, default: int, minimum: int) -> int:
 
 MAX_ELEMENTS = _env_int("QARRAY_MAX_ELEMENTS", 2**25, minimum=1)
 MAX_LAYERS = _env_int("QARRAY_MAX_LAYERS", 64, minimum=1)
+MAX_WORK = _env_int("QARRAY_MAX_WORK", 2**27, minimum=1)
 VJP_CACHE_SIZE = _env_int("QARRAY_VJP_CACHE_SIZE", 8, minimum=0)
 VJP_CACHE_MIN_FLOPS = _env_int("QARRAY_VJP_CACHE_MIN_FLOPS", 2**29, minimum=0)
 VJP_CACHE_MIN_INTENSITY = _env_int("QARRAY_VJP_CACHE_MIN_INTENSITY", 2**20, minimum=0)
@@ -385,6 +391,15 @@ def _raw_layer_shapes(layer: Any) -> LayerShapes | None:
     return LayerShapes(weights, scale, bias_shape, layout, dense=w is not None)
 
 
+def _in_bounds(shape: tuple[int, ...] | None) -> bool:
+    """A declared shape the per-array limits accept."""
+    return (
+        shape is not None
+        and all(d >= 0 for d in shape)
+        and math.prod(shape) <= MAX_ELEMENTS
+    )
+
+
 def _check_y_size(shape: NetworkShape) -> None:
     size = math.prod(shape.y)
     if size > MAX_ELEMENTS:
@@ -392,6 +407,23 @@ def _check_y_size(shape: NetworkShape) -> None:
             f"y would have shape {shape.y} ({size} elements), over the limit of "
             f"{MAX_ELEMENTS} (QARRAY_MAX_ELEMENTS)"
         )
+    _check_work(shape)
+
+
+def _check_work(shape: NetworkShape, passes: int = 1, what: str = "") -> None:
+    """The request's work (elements of x and of every layer's output, over all
+    rows and batch axes, ``passes`` times) within QARRAY_MAX_WORK, or a
+    ValueError naming the layer that passes it and the figure."""
+    rows = math.prod(shape.y[:-1])
+    total = passes * rows * shape.widths[0]
+    for i, width in enumerate(shape.widths[1:]):
+        total += passes * rows * width
+        if total > MAX_WORK:
+            raise ValueError(
+                f"layers.[{i}] brings the request's work to {total} elements "
+                f"(activations of x and layers.[0..{i}] over {rows} rows{what}), "
+                f"over the limit of {MAX_WORK} (QARRAY_MAX_WORK)"
+            )
 
 
 # --- schemas
@@ -488,18 +520,37 @@ class InputSchema(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _bound_before_decoding(cls, data: Any) -> Any:
-        """Bound the work from the declared shapes, before any array is decoded."""
-        if not isinstance(data, dict) or not isinstance(data.get("layers"), list):
+        """Bound the work from the declared shapes, before any array is decoded
+        (arrays whose declared shape is itself out of bounds are left to their
+        field's validator, which names them)."""
+        if not isinstance(data, dict):
             return data
-        layers = data["layers"]
+        layers = data.get("layers")
+        x = _declared_shape(data.get("x"))
+        if layers is None and RESIDENT is not None and _in_bounds(x):
+            try:
+                _check_y_size(network_shape(x, RESIDENT.shapes))
+            except ValueError as error:
+                raise ValueError(
+                    f"x does not fit the resident model ({MODEL_PATH}): {error}"
+                ) from None
+        if not isinstance(layers, list):
+            return data
         if len(layers) > MAX_LAYERS:
             raise ValueError(
                 f"layers has {len(layers)} layers, over the limit of {MAX_LAYERS} "
                 "(QARRAY_MAX_LAYERS)"
             )
-        x = _declared_shape(data.get("x"))
         shapes = [_raw_layer_shapes(layer) for layer in layers]
-        if x is not None and layers and None not in shapes:
+        arrays = [x] + [
+            a for s in shapes if s is not None for a in (s.weights, s.scale, s.bias)
+        ]
+        if (
+            layers
+            and None not in shapes
+            and all(a is None or _in_bounds(a) for a in arrays[1:])
+            and _in_bounds(x)
+        ):
             _check_y_size(network_shape(x, shapes))
         return data
 
@@ -997,7 +1048,14 @@ def _input_shape(inputs: InputSchema, path: str) -> tuple[int, ...]:
 def jacobian(inputs: InputSchema, jac_inputs: set[str], jac_outputs: set[str]):
     """d y / d (jac_inputs), each of shape y.shape + input.shape."""
     _require_given(inputs, jac_inputs, "jac_inputs")
-    y_shape = inputs.network_shape().y
+    shape = inputs.network_shape()
+    y_shape = shape.y
+    try:  # jacrev runs one backward pass per element of y
+        _check_work(shape, math.prod(y_shape), f", once per element of y {y_shape}")
+    except ValueError as error:
+        raise _bad_request(
+            f"{error}: use vector_jacobian_product or jacobian_vector_product"
+        ) from None
     for path in jac_inputs:
         size = math.prod(y_shape) * math.prod(_input_shape(inputs, path))
         if size > MAX_ELEMENTS:

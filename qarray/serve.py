@@ -21,12 +21,23 @@ application sees the request:
 - a ``run_id`` that is not a plain name (400): the runtime makes a folder of it
   under the output folder.
 
+and sheds load with 503 + ``Retry-After`` instead of running out of memory:
+
+- request bytes in flight in this process (bodies being read, waiting or
+  computing) are bounded by ``QARRAY_MAX_INFLIGHT_BYTES`` (default: 1/16 of the
+  machine's memory, at least ``QARRAY_MAX_REQUEST_BYTES``): a request whose
+  Content-Length would pass it is refused before its body is read;
+- at most ``QARRAY_MAX_CONCURRENCY`` requests compute at once (default: the
+  CPU count); the others wait, their bytes counted in flight.
+
 Validation errors (422) name the field and the problem but do not echo the
-input back.
+input back, and list at most ``MAX_LISTED_ERRORS`` problems with their count,
+so an error body stays small whatever the request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -36,6 +47,9 @@ from urllib.parse import parse_qs
 
 DEFAULT_MAX_REQUEST_BYTES = 256 * 2**20
 DEFAULT_MAX_ELEMENTS = 2**25
+MAX_LISTED_ERRORS = 10
+MAX_MESSAGE_CHARS = 1000
+RETRY_AFTER_SECONDS = 1
 
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 # '<path>[:<offset>[:<compressed size>]]'; a path is plain names joined by '/'
@@ -52,6 +66,16 @@ def _env_int(name: str, default: int) -> int:
     if value < 1:
         raise SystemExit(f"{name} must be >= 1, got {value}.")
     return value
+
+
+def default_max_inflight_bytes() -> int:
+    """1/16 of the machine's physical memory: a request's peak memory is a few
+    times its body (JSON text, decoded arrays, results)."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        memory = 8 * 2**30
+    return memory // 16
 
 
 def binref_problem(buffer: str, input_dir: Path) -> str | None:
@@ -127,11 +151,22 @@ def check_body(body: bytes, input_dir: Path, max_elements: int):
 class RequestGuard:
     """ASGI middleware applying the checks in this module's docstring."""
 
-    def __init__(self, app, max_body: int, input_dir: Path, max_elements: int):
+    def __init__(
+        self,
+        app,
+        max_body: int,
+        input_dir: Path,
+        max_elements: int,
+        max_inflight: int | None = None,
+        max_concurrency: int | None = None,
+    ):
         self.app = app
         self.max_body = max_body
         self.input_dir = input_dir
         self.max_elements = max_elements
+        self.max_inflight = max(max_inflight or max_body, max_body)
+        self.inflight = 0  # request bytes held by this process right now
+        self.computing = asyncio.Semaphore(max_concurrency or os.cpu_count() or 1)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -149,30 +184,53 @@ class RequestGuard:
                 return await _reject(send, 400, "Content-Length must be a number")
             if int(declared) > self.max_body:
                 return await _reject(send, 413, self._too_large(int(declared)))
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None  # the client left: nothing to answer
-            body += message.get("body", b"")
-            if len(body) > self.max_body:
-                return await _reject(send, 413, self._too_large(len(body)))
-            if not message.get("more_body", False):
-                break
-        refusal = check_body(bytes(body), self.input_dir, self.max_elements)
-        if refusal:
-            return await _reject(send, *refusal)
+        # the declared bytes are reserved before any is read (a chunked body
+        # reserves as it arrives); one event loop per process: no lock needed
+        held = _Reservation(self)
+        if not held.grow(int(declared or 0)):
+            return await _shed(send, self._busy(int(declared)))
+        try:
+            body = bytearray()
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return None  # the client left: nothing to answer
+                body += message.get("body", b"")
+                if len(body) > self.max_body:
+                    return await _reject(send, 413, self._too_large(len(body)))
+                if not held.grow(len(body)):
+                    return await _shed(send, self._busy(len(body)))
+                if not message.get("more_body", False):
+                    break
+            refusal = check_body(bytes(body), self.input_dir, self.max_elements)
+            if refusal:
+                return await _reject(send, *refusal)
 
-        replayed = False
+            replayed = False
 
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": bytes(body), "more_body": False}
-            return await receive()  # e.g. the client disconnecting
+            async def replay():
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {
+                        "type": "http.request",
+                        "body": bytes(body),
+                        "more_body": False,
+                    }
+                return await receive()  # e.g. the client disconnecting
 
-        return await self.app(scope, replay, send)
+            # computations wait their turn here, their bytes still counted
+            async with self.computing:
+                return await self.app(scope, replay, send)
+        finally:
+            held.release()
+
+    def _busy(self, size: int) -> str:
+        return (
+            f"the server is busy: {self.inflight} request bytes in flight, and "
+            f"{size} more would pass QARRAY_MAX_INFLIGHT_BYTES = {self.max_inflight}"
+            f"; retry after {RETRY_AFTER_SECONDS} s"
+        )
 
     def _too_large(self, size: int) -> str:
         return (
@@ -181,7 +239,39 @@ class RequestGuard:
         )
 
 
-async def _reject(send, status: int, message: str):
+class _Reservation:
+    """Bytes one request holds of the guard's in-flight budget."""
+
+    def __init__(self, guard: RequestGuard):
+        self.guard = guard
+        self.bytes = 0
+
+    def grow(self, size: int) -> bool:
+        """Hold ``size`` bytes in all (never less than held); False, holding no
+        more, when that would pass the budget."""
+        extra = size - self.bytes
+        if extra <= 0:
+            return True
+        if self.guard.inflight + extra > self.guard.max_inflight:
+            return False
+        self.guard.inflight += extra
+        self.bytes = size
+        return True
+
+    def release(self) -> None:
+        self.guard.inflight -= self.bytes
+        self.bytes = 0
+
+
+async def _shed(send, message: str):
+    """503 with Retry-After: load shed before the body is read (or as soon as
+    a body without Content-Length passes the budget)."""
+    await _reject(
+        send, 503, message, [(b"retry-after", str(RETRY_AFTER_SECONDS).encode())]
+    )
+
+
+async def _reject(send, status: int, message: str, headers=()):
     body = json.dumps({"detail": message}).encode()
     await send(
         {
@@ -191,6 +281,7 @@ async def _reject(send, status: int, message: str):
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),
                 (b"connection", b"close"),
+                *headers,
             ],
         }
     )
@@ -203,11 +294,20 @@ def _validation_error_response(request, exc):
     from fastapi.encoders import jsonable_encoder
     from fastapi.responses import JSONResponse
 
-    errors = [
-        {k: v for k, v in error.items() if k not in ("input", "url")}
-        for error in exc.errors()
+    errors = exc.errors()
+    listed = [
+        {
+            k: (v[:MAX_MESSAGE_CHARS] if isinstance(v, str) else v)
+            for k, v in error.items()
+            if k not in ("input", "url", "ctx")
+        }
+        for error in errors[:MAX_LISTED_ERRORS]
     ]
-    return JSONResponse(status_code=422, content={"detail": jsonable_encoder(errors)})
+    content = {"detail": jsonable_encoder(listed)}
+    if len(errors) > len(listed):
+        content["errors"] = len(errors)
+        content["note"] = f"{len(errors)} problems; the first {len(listed)} are listed"
+    return JSONResponse(status_code=422, content=content)
 
 
 def create_app():
@@ -224,6 +324,10 @@ def create_app():
         max_body=_env_int("QARRAY_MAX_REQUEST_BYTES", DEFAULT_MAX_REQUEST_BYTES),
         input_dir=Path(get_config().input_path),
         max_elements=_env_int("QARRAY_MAX_ELEMENTS", DEFAULT_MAX_ELEMENTS),
+        max_inflight=_env_int(
+            "QARRAY_MAX_INFLIGHT_BYTES", default_max_inflight_bytes()
+        ),
+        max_concurrency=_env_int("QARRAY_MAX_CONCURRENCY", os.cpu_count() or 1),
     )
 
 
