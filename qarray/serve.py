@@ -188,7 +188,7 @@ class RequestGuard:
         # reserves as it arrives); one event loop per process: no lock needed
         held = _Reservation(self)
         if not held.grow(int(declared or 0)):
-            return await _shed(send, self._busy(int(declared)))
+            return await _shed(receive, send, self._busy(int(declared)))
         try:
             body = bytearray()
             while True:
@@ -199,7 +199,9 @@ class RequestGuard:
                 if len(body) > self.max_body:
                     return await _reject(send, 413, self._too_large(len(body)))
                 if not held.grow(len(body)):
-                    return await _shed(send, self._busy(len(body)))
+                    message = self._busy(len(body))
+                    body = bytearray()  # let go of it before draining the rest
+                    return await _shed(receive, send, message)
                 if not message.get("more_body", False):
                     break
             refusal = check_body(bytes(body), self.input_dir, self.max_elements)
@@ -263,9 +265,20 @@ class _Reservation:
         self.bytes = 0
 
 
-async def _shed(send, message: str):
+async def _shed(receive, send, message: str):
     """503 with Retry-After: load shed before the body is read (or as soon as
-    a body without Content-Length passes the budget)."""
+    a body without Content-Length passes the budget).
+
+    The rest of the body is drained unbuffered first: HTTP clients send the
+    whole body before they read an answer, and a connection closed under an
+    upload reaches them as a broken connection instead of this 503.
+    """
+    while True:
+        message_in = await receive()
+        if message_in["type"] == "http.disconnect" or not message_in.get(
+            "more_body", False
+        ):
+            break
     await _reject(
         send, 503, message, [(b"retry-after", str(RETRY_AFTER_SECONDS).encode())]
     )
