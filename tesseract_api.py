@@ -141,24 +141,25 @@ if MESH is not None:
 
 
 def _checked_input_path(path: str, info) -> str:
-    """tesseract-core 1.15's check of a gradient path, with the 500 it can
-    raise turned into the 422 it means: a path through a field the request left
-    null (``layers.[0].w_q.scale`` for a layer that gave w; any layer when the
-    request omits layers) makes its lookup raise TypeError, which it does not
-    catch. Installed before the runtime builds the gradient schemas."""
+    """tesseract-core 1.15's check of a gradient path, made to name what is
+    wrong. Its lookup raises TypeError (a 500) for a path through a field the
+    request left null (``layers.[0].w_q.scale`` for a layer that gave w; any
+    layer when the request omits layers), and takes a path to an absent array
+    (``layers.[0].bias`` not given) for a scalar, so a tangent for it fails as
+    "expected 0D". Both become a 422 naming the path, as the endpoints' own
+    check (_lookup) words it. Installed before the runtime builds the gradient
+    schemas."""
     try:
-        return _input_path_validator(path, info)
+        path = _input_path_validator(path, info)
     except TypeError:
-        if getattr(info.data.get("inputs"), "layers", ()) is None:
-            raise ValueError(
-                f"{info.field_name} names {path!r}, but this request gave no layers: "
-                "it runs the resident model (QARRAY_MODEL), whose weights are not "
-                "inputs (differentiate with respect to x)"
-            ) from None
-        raise ValueError(
-            f"{info.field_name} names {path!r}, which runs through a field this "
-            "request did not give"
-        ) from None
+        pass  # _lookup below says what is missing
+    inputs = info.data.get("inputs")
+    if isinstance(inputs, InputSchema):
+        try:
+            _lookup(inputs, path)
+        except HTTPException as error:
+            raise ValueError(f"{info.field_name}: {error.detail}") from None
+    return path
 
 
 _input_path_validator = schema_generation.input_path_validator

@@ -309,14 +309,18 @@ CASES = [
     ),
     (
         # tesseract-core checks the tangent before the endpoint runs, against
-        # the shape of the absent array (None: a scalar); see KNOWN_MISLEADING
+        # the shape of the absent array (which it took for a scalar: "expected
+        # 0D"); tesseract_api's path check now refuses the path first
         "jvp-path-not-given",
         "jacobian_vector_product",
         jvp(
             jvp_inputs=["layers.[0].bias"],
             tangent_vector={"layers.[0].bias": b64(np.ones(4, np.float32))},
         ),
-        [loc("tangent_vector"), "Tangent vector 'layers.[0].bias'"],
+        [
+            loc("jvp_inputs", 0),
+            "'layers.[0].bias' names an array this request did not give",
+        ],
     ),
     (
         "jvp-path-not-given-scalar-tangent",
@@ -996,9 +1000,6 @@ NETWORK_CASES = [
 
 CASES += NETWORK_CASES
 
-# messages that name the field but mislead, from tesseract-core's own checks
-# (they run before the endpoint): see test_jvp_tangent_for_an_array_not_given
-KNOWN_MISLEADING = {"jvp-path-not-given"}
 # NON_NUMERIC is right for these: the value is not numeric, or not an array
 NON_NUMERIC_OK = {"x-is-a-string", "unknown-encoding", "jvp-tangent-string"}
 
@@ -1097,22 +1098,6 @@ def test_bad_input_is_a_4xx_naming_the_field(
         assert NON_NUMERIC not in message, message[:2000]
     assert len(response.content) < 4000  # no input echoed back
     assert requests.get(f"{url}/health", timeout=10).status_code == 200
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="tesseract-core validates a tangent against the shape of the array at "
-    "its path before the endpoint runs, and takes an absent array (None) for a "
-    "scalar: 'got 1D, expected 0D'. Not fixable in tesseract_api.py",
-)
-def test_jvp_tangent_for_an_array_not_given_says_so(server):
-    url, _ = server
-    [(_, endpoint, payload, _)] = [c for c in CASES if c[0] in KNOWN_MISLEADING]
-    response = post(url, endpoint, payload)
-    assert response.status_code == 422
-    assert "'layers.[0].bias' names an array this request did not give" in (
-        response.text
-    )
 
 
 def test_the_suite_is_broad():
