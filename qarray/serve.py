@@ -108,7 +108,7 @@ def _encoded_arrays(tree, path=""):
             yield from _encoded_arrays(value, f"{path}.{key}" if path else str(key))
     elif isinstance(tree, list):
         for i, value in enumerate(tree):
-            yield from _encoded_arrays(value, f"{path}[{i}]")
+            yield from _encoded_arrays(value, f"{path}.[{i}]")
 
 
 def _field_name(path: str) -> str:
