@@ -1,6 +1,7 @@
 """qarray-serve's request guard: no file or network access on a client's say-so,
 bounded request bodies, safe run ids."""
 
+import json
 import socket
 import time
 
@@ -75,6 +76,31 @@ def test_hostile_binref_is_refused_before_reading(guarded, name, buffer):
     # nothing of the secret came back
     assert "4321" not in response.text
     assert requests.get(f"{url}/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("spelling", ["escaped", "utf-16"])
+def test_binref_spelled_otherwise_is_refused(guarded, spelling):
+    """The guard's fast path looks for the bytes "binref"; JSON escapes
+    ("bin\\u0072ef") and UTF-16 bodies (json.loads takes both) spell the
+    same string without them, and are parsed and checked too."""
+    url, _, secret = guarded
+    payload = {"inputs": inputs(x=binref(f"{secret}:0"))}
+    text = json.dumps(payload)
+    if spelling == "escaped":
+        text = text.replace('"binref"', '"bin\\u0072ef"')
+        data = text.encode()
+    else:
+        data = text.encode("utf-16")
+    assert b"binref" not in data
+    response = requests.post(
+        f"{url}/apply",
+        data=data,
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert response.status_code == 422, response.text
+    assert "x: binref buffer" in response.text
+    assert "4321" not in response.text
 
 
 # where a layer's arrays sit in a request: the guard walks the whole body
