@@ -1,6 +1,6 @@
 """Run every benchmark side by side and report ratios: `make bench`.
 
-    .venv/bin/python -m benchmarks.run [--quick] [--only matmul,cache,http]
+    .venv/bin/python -m benchmarks.run [--quick] [--only matmul,cache,http,scaling]
 
 Prints a table (markdown), writes benchmarks/results.json and
 benchmarks/results.png. Never part of `make test`.
@@ -97,18 +97,19 @@ def plot(rows, path):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
-    parser.add_argument("--only", default="matmul,cache,http")
+    parser.add_argument("--only", default="matmul,cache,http,scaling")
     parser.add_argument("--out", default=str(HERE / "results.json"))
     parser.add_argument("--plot", default=str(HERE / "results.png"))
     args = parser.parse_args()
     sys.path.insert(0, str(HERE.parent))
-    from benchmarks import bench_cache, bench_http, bench_matmul
+    from benchmarks import bench_cache, bench_http, bench_matmul, bench_scaling
 
     reps = 5 if args.quick else 41
     suites = {
         "matmul": lambda: bench_matmul.run(reps=reps),
         "cache": lambda: bench_cache.run(reps=reps),
         "http": lambda: bench_http.run(reps=50 if args.quick else 600),
+        "scaling": lambda: bench_scaling.run(seconds=3.0 if args.quick else 8.0),
     }
     rows = []
     started = time.time()
