@@ -43,7 +43,7 @@ def _inputs(api, rng, depth, activation, shape):
         layers.append(
             {
                 "w": rng.standard_normal((width, n)).astype(np.float32)
-                / np.sqrt(width),
+                / np.float32(np.sqrt(width)),
                 "bias": rng.standard_normal(n).astype(np.float32),
                 "activation": "none" if last else activation,
             }
