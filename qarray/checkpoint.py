@@ -208,22 +208,52 @@ def save_model(path: str | Path, layers: list[dict]) -> None:
     save_file(tensors, str(path), metadata=metadata)
 
 
-def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-row absmax int8 with qarray's numerics (``qarray.quantize``)."""
-    import jax.numpy as jnp
+def quantize_rows(
+    w: np.ndarray, chunk_rows: int = 256
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row absmax int8, qarray's quantizer in NumPy: ``(qvalue, scale)``
+    with ``scale = max|row| / 127``, ``qvalue = round_half_even(w / scale)``
+    (an all-zero row: scale 0, qvalue 0).
 
-    from ._ops import quantize, unpack
+    NumPy rather than a jitted ``qarray.quantize``: loading a model needs no
+    compilation (whose memory a server would keep), and NumPy's division is
+    correctly rounded where XLA's may be 1 ulp off (so a row entry exactly on
+    a rounding tie can differ by one step between the two). Rows are
+    independent, so they go ``chunk_rows`` at a time: the float32 temporaries
+    stay a few MB whatever the matrix.
+    """
+    qvalues, scales = [], []
+    for rows in _row_chunks(np.asarray(w), chunk_rows):
+        rows = rows.astype(np.float32, copy=False)
+        scale = (np.max(np.abs(rows), axis=-1, initial=0) / np.float32(127)).astype(
+            np.float32
+        )
+        divisor = np.where(scale > 0, scale, np.float32(1))[:, None]
+        qvalues.append(np.clip(np.round(rows / divisor), -127, 127).astype(np.int8))
+        scales.append(scale)
+    return np.concatenate(qvalues), np.concatenate(scales)
 
-    qvalue, scale = unpack(quantize(jnp.asarray(w, jnp.float32)))
-    return np.asarray(qvalue), np.asarray(scale)
+
+def relative_error(
+    w: np.ndarray, qvalue: np.ndarray, scale: np.ndarray, chunk_rows: int = 256
+) -> float:
+    """||w - qvalue * scale|| / ||w|| in float64 (0 for zero w), by row chunks."""
+    err2 = norm2 = 0.0
+    for rows, q, s in zip(
+        _row_chunks(w, chunk_rows),
+        _row_chunks(qvalue, chunk_rows),
+        _row_chunks(scale, chunk_rows),
+        strict=True,
+    ):
+        rows = rows.astype(np.float64)
+        deq = q.astype(np.float64) * s.astype(np.float64)[:, None]
+        err2 += float(np.sum((rows - deq) ** 2))
+        norm2 += float(np.sum(rows**2))
+    return 0.0 if norm2 == 0 else (err2 / norm2) ** 0.5
 
 
-def relative_error(w: np.ndarray, qvalue: np.ndarray, scale: np.ndarray) -> float:
-    """||w - qvalue * scale|| / ||w|| (0 for zero w)."""
-    w64 = np.asarray(w, np.float64)
-    norm = np.linalg.norm(w64)
-    deq = qvalue.astype(np.float64) * scale.astype(np.float64)[..., None]
-    return 0.0 if norm == 0 else float(np.linalg.norm(w64 - deq) / norm)
+def _row_chunks(a: np.ndarray, rows: int):
+    return (a[i : i + rows] for i in range(0, max(a.shape[0], 1), rows))
 
 
 def convert_state_dict(
@@ -270,7 +300,7 @@ def convert_state_dict(
                 f"{src}: {name}.weight must be a float (out, in) matrix, got "
                 f"{weight.dtype.name} {weight.shape}"
             )
-        qvalue, scale = quantize_rows(weight.astype(np.float32))
+        qvalue, scale = quantize_rows(weight)
         errors.append(relative_error(weight, qvalue, scale))
         layer = {
             "w_q": {"qvalue": qvalue, "scale": scale},

@@ -4,20 +4,7 @@ import contextlib
 import os
 import subprocess
 
-import numpy as np
-
-from tests.tesseract.server import ROOT, SERVE, b64, free_port, stop, wait_healthy
-
-
-def encode(tree):
-    """A request's arrays in tesseract's base64 encoding, everything else as is."""
-    if isinstance(tree, np.ndarray):
-        return b64(tree)
-    if isinstance(tree, dict):
-        return {k: encode(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [encode(v) for v in tree]
-    return tree
+from tests.tesseract.server import ROOT, SERVE, free_port, stop, wait_healthy
 
 
 @contextlib.contextmanager

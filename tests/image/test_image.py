@@ -27,7 +27,7 @@ from tests.image.docker import (
     running,
 )
 from tests.tesseract import network as net
-from tests.tesseract.server import ROOT, b64, decode, free_port
+from tests.tesseract.server import ROOT, b64, decode, encode, free_port
 
 IMAGE = os.environ["QARRAY_TEST_IMAGE"]
 BASE_IMAGE = os.environ.get("BASE_IMAGE", "local/debian-python:trixie")
@@ -56,24 +56,13 @@ def request_inputs(rng):
     return inputs, y, g, net.vjp(inputs, g)["x"]
 
 
-def encoded(tree):
-    """A request's arrays in tesseract's base64 encoding, everything else as is."""
-    if isinstance(tree, np.ndarray):
-        return b64(tree)
-    if isinstance(tree, dict):
-        return {k: encoded(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [encoded(v) for v in tree]
-    return tree
-
-
 def post(url, endpoint, payload):
     return requests.post(f"{url}/{endpoint}", json=payload, timeout=TIMEOUT)
 
 
 def hostile_binref_request(rng):
     inputs, *_ = request_inputs(rng)
-    payload = encoded(inputs)
+    payload = encode(inputs)
     payload["x"] = {
         "object_type": "array",
         "shape": [1, 4],
@@ -101,7 +90,7 @@ def check_hostile_binref_refused(url, container, rng):
 
 def check_apply_and_vjp(url, rng):
     inputs, y, g, gx = request_inputs(rng)
-    response = post(url, "apply", {"inputs": encoded(inputs)})
+    response = post(url, "apply", {"inputs": encode(inputs)})
     assert response.status_code == 200, response.text[:2000]
     out = decode(response.json())
     np.testing.assert_allclose(out["y"], y, rtol=RTOL, atol=ATOL)
@@ -109,7 +98,7 @@ def check_apply_and_vjp(url, rng):
         url,
         "vector_jacobian_product",
         {
-            "inputs": encoded(inputs),
+            "inputs": encode(inputs),
             "vjp_inputs": ["x"],
             "vjp_outputs": ["y"],
             "cotangent_vector": {"y": b64(g)},
@@ -137,7 +126,7 @@ def test_apply_and_vjp_base64_match_numpy(served, rng):
     check_apply_and_vjp(url, rng)
     # the image answers in base64 (TESSERACT_OUTPUT_FORMAT), not JSON lists
     inputs, *_ = request_inputs(rng)
-    out = post(url, "apply", {"inputs": encoded(inputs)}).json()
+    out = post(url, "apply", {"inputs": encode(inputs)}).json()
     assert out["y"]["data"]["encoding"] == "base64"
 
 
@@ -157,7 +146,7 @@ def test_server_runs_as_a_non_root_user(served):
 def test_bad_input_is_a_4xx_naming_the_field(served, rng):
     url, _ = served
     inputs, *_ = request_inputs(rng)
-    payload = encoded(inputs)
+    payload = encode(inputs)
     payload["layers"][1]["bias"] = b64(np.zeros(7, np.float32))
     response = post(url, "apply", {"inputs": payload})
     assert 400 <= response.status_code < 500, response.text[:2000]

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import requests
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,6 +112,18 @@ def b64(array) -> dict:
     }
 
 
+def encode(tree):
+    """A request's NumPy arrays (at any depth: layers are a list) in tesseract's
+    base64 encoding, everything else as is."""
+    if isinstance(tree, np.ndarray | np.generic):
+        return b64(tree)
+    if isinstance(tree, dict):
+        return {k: encode(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return [encode(v) for v in tree]
+    return tree
+
+
 def decode(obj):
     """Decode tesseract's JSON encodings (base64 or json) back to NumPy, recursively."""
     if isinstance(obj, dict) and obj.get("object_type") == "array":
@@ -121,4 +134,28 @@ def decode(obj):
         return np.asarray(data["buffer"], dtype=obj["dtype"]).reshape(obj["shape"])
     if isinstance(obj, dict):
         return {k: decode(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decode(v) for v in obj]
     return obj
+
+
+def server_processes(url) -> list[psutil.Process]:
+    """The server process listening on url's port (uvicorn's supervisor when
+    it has workers) and its children: this test's own server."""
+    port = int(url.rsplit(":", 1)[1])
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.laddr and conn.laddr.port == port and conn.status == "LISTEN":
+            proc = psutil.Process(conn.pid)
+            while proc.parent() and "qarray-serve" in " ".join(proc.parent().cmdline()):
+                proc = proc.parent()
+            return [proc, *proc.children(recursive=True)]
+    raise RuntimeError(f"no process listens on {url}")
+
+
+def server_rss(url) -> int:
+    """Resident memory (bytes) of a server and its worker processes."""
+    total = 0
+    for proc in server_processes(url):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += proc.memory_info().rss
+    return total

@@ -12,7 +12,7 @@ from tesseract_core import Tesseract
 from tesseract_jax import apply_tesseract
 
 from tests.tesseract import network as net
-from tests.tesseract.server import ROOT, b64, decode, serve
+from tests.tesseract.server import ROOT, b64, decode, encode, serve
 
 RTOL = ATOL = 2e-4
 TIMEOUT = 60
@@ -39,17 +39,6 @@ def post(url, endpoint, payload, expect=200):
     response = requests.post(f"{url}/{endpoint}", json=payload, timeout=TIMEOUT)
     assert response.status_code == expect, response.text[:2000]
     return decode(response.json())
-
-
-def encode(tree):
-    """A request's arrays in tesseract's base64 encoding, everything else as is."""
-    if isinstance(tree, np.ndarray):
-        return b64(tree)
-    if isinstance(tree, dict):
-        return {k: encode(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [encode(v) for v in tree]
-    return tree
 
 
 def count(counter):

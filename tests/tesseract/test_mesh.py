@@ -13,7 +13,15 @@ import requests
 
 from qarray.checkpoint import save_model
 from tests.tesseract import network as net
-from tests.tesseract.server import ROOT, SERVE, b64, decode, free_port, serve
+from tests.tesseract.server import (
+    ROOT,
+    SERVE,
+    b64,
+    decode,
+    encode,
+    free_port,
+    serve,
+)
 
 EIGHT_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 MESHES = ["auto", "data=2,model=4", "data=1,model=8"]
@@ -24,16 +32,6 @@ def post(url, endpoint, payload):
     response = requests.post(f"{url}/{endpoint}", json=payload, timeout=TIMEOUT)
     assert response.status_code == 200, response.text[:2000]
     return decode(response.json())
-
-
-def encode(tree):
-    if isinstance(tree, np.ndarray):
-        return b64(tree)
-    if isinstance(tree, dict):
-        return {k: encode(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [encode(v) for v in tree]
-    return tree
 
 
 def requests_for(rng):

@@ -20,7 +20,7 @@ import requests
 from tesseract_core import Tesseract
 
 from tests.tesseract import network as net
-from tests.tesseract.server import b64, decode, serve
+from tests.tesseract.server import b64, decode, serve, server_processes
 
 MAX_BODY = 8 * 2**20
 MAX_INFLIGHT = 3 * MAX_BODY
@@ -56,15 +56,6 @@ def max_size_request(rng):
     )
     assert MAX_BODY * 0.8 < len(body) < MAX_BODY
     return inputs, body
-
-
-def server_processes(url):
-    port = int(url.rsplit(":", 1)[1])
-    for conn in psutil.net_connections(kind="tcp"):
-        if conn.laddr and conn.laddr.port == port and conn.status == "LISTEN":
-            parent = psutil.Process(conn.pid)
-            return [parent, *parent.children(recursive=True)]
-    raise RuntimeError(f"no process listens on {url}")
 
 
 class PeakRSS:

@@ -14,7 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 import requests
 
@@ -23,8 +22,10 @@ from tests.tesseract.server import (
     SERVE,
     b64,
     decode,
+    encode,
     free_port,
     serve,
+    server_rss,
     stop,
     wait_healthy,
 )
@@ -233,7 +234,7 @@ def _fuzz_request(rng, inputs):
         # a path the request may not give (layers.[0] may be a w layer)
         paths.append(str(rng.choice(["layers.[7].w", "layers.[0].w_q.scale"])))
         valid = False
-    payload = {"inputs": _encode(inputs)}
+    payload = {"inputs": encode(inputs)}
     served = _as_served(inputs) if checkable else None
 
     def reference_y():
@@ -395,17 +396,6 @@ def _decode(answer):
     return decode(answer)
 
 
-def _encode(inputs):
-    """A request's arrays in tesseract's base64 encoding."""
-    if isinstance(inputs, np.ndarray):
-        return b64(inputs)
-    if isinstance(inputs, dict):
-        return {k: _encode(v) for k, v in inputs.items()}
-    if isinstance(inputs, list):
-        return [_encode(v) for v in inputs]
-    return inputs
-
-
 def _jvp_reference(inputs, tangents, y_shape):
     """J t from the reference VJP: one VJP per element of y."""
     out = np.zeros(y_shape)
@@ -419,7 +409,7 @@ def _jvp_reference(inputs, tangents, y_shape):
 
 def _request(url, session, i):
     inputs = _variant_inputs(i)
-    payload = _encode(inputs)
+    payload = encode(inputs)
     paths = net.diff_paths(inputs)
     y_shape = net.forward(inputs).shape
     kind = ("apply", "vjp", "jvp")[i % 3]
@@ -463,18 +453,6 @@ def _request(url, session, i):
     return kind, bool(net.batch_shape(inputs))
 
 
-def _server_rss_mb(port):
-    """Resident memory of the server process listening on port, children included."""
-    for conn in psutil.net_connections(kind="tcp"):
-        if conn.laddr and conn.laddr.port == port and conn.status == "LISTEN":
-            proc = psutil.Process(conn.pid)
-            while proc.parent() and "qarray-serve" in " ".join(proc.parent().cmdline()):
-                proc = proc.parent()
-            procs = [proc, *proc.children(recursive=True)]
-            return sum(p.memory_info().rss for p in procs) / 2**20
-    raise RuntimeError(f"no process listens on {port}")
-
-
 def test_load_variants_differ_within_each_pair():
     """A pair's answers differ by more than the tolerance, so the load test
     would see one answered with the other's (a mixed-up cache entry)."""
@@ -488,7 +466,6 @@ def test_load_variants_differ_within_each_pair():
 def test_concurrent_mixed_load_is_always_right(tmp_path, workers):
     env = {"QARRAY_VJP_CACHE_SIZE": "8", "QARRAY_VJP_CACHE_MIN_INTENSITY": "0"}
     with serve(tmp_path, env=env, workers=workers) as url:
-        port = int(url.rsplit(":", 1)[1])
         sessions = threading.local()
 
         def run(i):
@@ -503,10 +480,10 @@ def test_concurrent_mixed_load_is_always_right(tmp_path, workers):
         assert set(done) == {(k, b) for k in kinds for b in (False, True)}
         if workers == 1:
             # memory: 2,000 more requests with distinct inputs (the cache is an LRU)
-            before = _server_rss_mb(port)
+            before = server_rss(url) / 2**20
             with ThreadPoolExecutor(max_workers=8) as pool:
                 list(pool.map(run, range(1000, 3000)))
-            growth = _server_rss_mb(port) - before
+            growth = server_rss(url) / 2**20 - before
             print(f"RSS growth over 2,000 requests: {growth:.1f} MB")
             assert growth < RSS_GROWTH_BOUND_MB
 
@@ -538,7 +515,7 @@ def _start(tmp_path, port):
 
 def _apply_ok(url):
     inputs = net.three_layer(np.random.default_rng(0))
-    out = requests.post(f"{url}/apply", json={"inputs": _encode(inputs)}, timeout=60)
+    out = requests.post(f"{url}/apply", json={"inputs": encode(inputs)}, timeout=60)
     out.raise_for_status()
     np.testing.assert_allclose(
         decode(out.json())["y"], net.forward(inputs), rtol=RTOL, atol=ATOL
