@@ -32,9 +32,9 @@ Environment:
                            apply stores its pullback in the cache when the
                            network has a nonlinearity (its backward pass needs
                            the forward activations) and its products cost at
-                           least this many flops (default 2**29: below it,
-                           keying and storing cost more than a recomputed
-                           forward pass; see _cache_pays)
+                           least this many flops (default 2**16: a hit paid
+                           from 5e2 to 1e8 flops, 0.76-0.89x of recomputing;
+                           below 2**16 it saves under ~0.2 ms; see _cache_pays)
     QARRAY_VJP_CACHE_MIN_INTENSITY
                            a linear network's apply stores its pullback only
                            when its products cost at least this many flops per
@@ -72,6 +72,7 @@ from tesseract_core.runtime import (
 )
 from tesseract_core.runtime.array_encoding import ALLOWED_DTYPE_NAMES
 from tesseract_core.runtime.experimental import set_jax_vjp_cache_size
+from tesseract_core.runtime.tree_transforms import get_at_path
 
 import qarray as qa
 from qarray.checkpoint import ModelFileError, load_model
@@ -92,7 +93,7 @@ MAX_ELEMENTS = _env_int("QARRAY_MAX_ELEMENTS", 2**25, minimum=1)
 MAX_LAYERS = _env_int("QARRAY_MAX_LAYERS", 64, minimum=1)
 MAX_WORK = _env_int("QARRAY_MAX_WORK", 2**27, minimum=1)
 VJP_CACHE_SIZE = _env_int("QARRAY_VJP_CACHE_SIZE", 8, minimum=0)
-VJP_CACHE_MIN_FLOPS = _env_int("QARRAY_VJP_CACHE_MIN_FLOPS", 2**29, minimum=0)
+VJP_CACHE_MIN_FLOPS = _env_int("QARRAY_VJP_CACHE_MIN_FLOPS", 2**16, minimum=0)
 VJP_CACHE_MIN_INTENSITY = _env_int("QARRAY_VJP_CACHE_MIN_INTENSITY", 2**20, minimum=0)
 set_jax_vjp_cache_size(VJP_CACHE_SIZE)
 MODEL_PATH = os.environ.get("QARRAY_MODEL", "").strip() or None
@@ -913,25 +914,32 @@ def apply(inputs: InputSchema) -> OutputSchema:
 # which pays Python dispatch per call and made apply + vjp slower than
 # recomputing (benchmarks/bench_cache.py measures both). Here one compiled call
 # runs the forward pass and returns its pullback (jax.vjp inside jit: the
-# pullback is a pytree of residuals), stored in the same LRU under the same key
-# (tesseract-core's device fingerprint of the inputs), in the form
-# jax_recipes.jax_vjp reads. jax_vjp is unchanged: on a hit it calls the
-# compiled pullback, on a miss it recomputes.
+# pullback is a pytree of residuals), stored in the same LRU (its size and
+# on/off switch: QARRAY_VJP_CACHE_SIZE, set_jax_vjp_cache_size) under a key of
+# the request's host arrays (_HostKey). tesseract-core's key (as_jax_arrays,
+# a device fingerprint, a device compare) cost ~6 ms on apply and ~9 ms on
+# vjp at (256, 1024, 1024) x 3 layers, as much as the forward pass a hit
+# saves. vector_jacobian_product looks its key up, runs the pullback for the
+# requested paths only, and on a miss recomputes through jax_recipes._vjp_jit
+# exactly as jax_recipes.jax_vjp does (which still serves entries stored under
+# tesseract-core's key, e.g. by its own jax_apply).
 
 
 def _cache_pays(inputs: InputSchema) -> bool:
     """Whether apply should store its pullback (QARRAY_VJP_CACHE_MIN_FLOPS,
     QARRAY_VJP_CACHE_MIN_INTENSITY).
 
-    A hit saves the forward pass a miss recomputes, and costs tesseract-core's
-    key (a device fingerprint of every input, on apply and again on vjp), the
-    pullback's residuals and more dispatch. A nonlinearity's backward pass
-    needs the forward activations, so a miss recomputes the whole forward pass:
-    caching pays once the products are big enough (measured, 3 relu layers:
-    on / off 2.1x at 1e8 flops, 0.93x at 8e8, 0.87x at 3.2e9;
-    benchmarks/bench_cache.py). A linear network's VJP never needs y, and XLA
-    drops the products from a recomputed forward pass: a hit saves only the
-    quantization, so it caches only above the intensity threshold.
+    A hit saves the forward pass a miss recomputes, and costs the key (a
+    sampled hash of the request's arrays; a bitwise compare on a hit), the
+    pullback's residuals and a second compiled call. A nonlinearity's backward
+    pass needs the forward activations, so a miss recomputes the whole forward
+    pass: with the host key and lo-typed residuals (see _HostKey,
+    _forward_with_pullback) caching measured 0.76-0.89x of recomputing for 3
+    relu layers from 5e2 to 1e8 flops (0.8x at 1.6e9; benchmarks/bench_cache.py),
+    where tesseract-core's device key had made it pay only above ~1e9. A linear
+    network's VJP never needs y, and XLA drops the products from a recomputed
+    forward pass: a hit saves only the quantization, so it caches only above the
+    intensity threshold.
     """
     if VJP_CACHE_MIN_INTENSITY == 0:
         return True
@@ -946,8 +954,22 @@ def _cache_pays(inputs: InputSchema) -> bool:
     return flops >= VJP_CACHE_MIN_INTENSITY * max(elements, 1)
 
 
-# plain jax.jit, not eqx.filter_jit: the pullback's residuals include QArray
-# values, which filter_jit would take for static (non-array) outputs
+# The pullback (jax.vjp inside jit) is a pytree whose residuals include QArray
+# values: a hi type makes every call of a jitted function that takes or gives
+# one take JAX's Python dispatch path (~1 ms a call here, more than a small
+# network's whole backward pass). So the QArrays leave the compiled call as
+# their (qvalue, scale) parts, and the pullback's structure (its treedef and
+# which leaves were QArrays) is recorded while tracing, keyed like the trace.
+_PULLBACK_STRUCTURE: dict = {}
+
+
+def _pullback_key(arrays: dict, config: _Config):
+    leaves, treedef = jax.tree.flatten(arrays)
+    return config, treedef, tuple((np.shape(a), np.result_type(a)) for a in leaves)
+
+
+# plain jax.jit, not eqx.filter_jit: filter_jit would take the parts' tree
+# apart again on every call
 @functools.partial(jax.jit, static_argnames="config")
 def _forward_with_pullback(arrays: dict, config: _Config):
     # a resident model's weights are constants: only x is differentiated
@@ -961,28 +983,103 @@ def _forward_with_pullback(arrays: dict, config: _Config):
         return {"y": out["y"]}, out
 
     _, pullback, out = jax.vjp(forward, diff, has_aux=True)
-    return out, pullback
+    leaves, treedef = jax.tree.flatten(pullback)
+    hi = tuple(isinstance(jax.typeof(leaf), qa.QArrayTy) for leaf in leaves)
+    _PULLBACK_STRUCTURE[_pullback_key(arrays, config)] = (treedef, hi)
+    parts = [qa.unpack(leaf) if q else leaf for leaf, q in zip(leaves, hi, strict=True)]
+    return out, parts
 
 
-@jax.jit
-def _run_pullback(pullback, cotangent):
-    return pullback(cotangent)
+@functools.partial(jax.jit, static_argnames=("structure", "paths"))
+def _run_pullback(parts, cotangent, structure, paths: tuple[str, ...]):
+    treedef, hi = structure
+    leaves = [qa.pack(*part) if q else part for part, q in zip(parts, hi, strict=True)]
+    (cotangents,) = jax.tree.unflatten(treedef, leaves)(cotangent)
+    # only the requested cotangents leave the call: XLA drops the products of
+    # the others (x's, in a training step that differentiates the weights)
+    return {path: get_at_path(cotangents, path) for path in paths}
+
+
+class _HostKey:
+    """An LRU key naming one request's arrays (host copies, as decoded) and
+    the compiled network's configuration.
+
+    Hashes a strided sample of every array (4096 elements each: a cheap hash,
+    ~20 us), and compares the whole arrays, bitwise (-0.0 != 0.0, as
+    tesseract-core's key), only when the hashes agree: a lookup reads the
+    arrays once, on a hit.
+    """
+
+    SAMPLE = 4096
+
+    def __init__(self, config: _Config, arrays: dict):
+        # a resident model's weights are the server's own: x names the request
+        tree = {"x": arrays["x"]} if config.resident else arrays
+        leaves, treedef = jax.tree.flatten(tree)
+        self.arrays = tuple(np.asarray(a) for a in leaves)
+        self.meta = (
+            config,
+            str(treedef),
+            tuple((a.dtype.str, a.shape) for a in self.arrays),
+        )
+        samples = []
+        for a in self.arrays:
+            flat = a.reshape(-1)
+            samples.append(flat[:: max(1, flat.size // self.SAMPLE)].tobytes())
+        self._hash = hash((self.meta, tuple(samples)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, _HostKey)
+            and self._hash == other._hash
+            and self.meta == other.meta
+            and all(
+                np.array_equal(_bits(a), _bits(b))
+                for a, b in zip(self.arrays, other.arrays, strict=True)
+            )
+        )
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return a.view(np.dtype(f"u{a.dtype.itemsize}"))
 
 
 def _apply_and_cache_pullback(inputs: InputSchema) -> dict:
-    # the tree jax_vjp keys its lookup on: as_jax_arrays(inputs.model_dump())
-    inputs_dict = jax_recipes.as_jax_arrays(_as_dict(inputs))
-    config, arrays = _split(inputs_dict)
-    out, pullback = _forward_with_pullback(arrays, config)
-    # jax_vjp looks the same key up, calls vjp_func(cotangent shaped like the
-    # template) and reads the cotangents at the request's paths
-    # (layers.[0].w_q.scale): the pullback's input tree has the request's
-    # array fields, so the paths read the same there
-    jax_recipes._jax_vjp_cache.put(
-        jax_recipes._cache_key(inputs_dict),
-        (functools.partial(_run_pullback, pullback), {"y": out["y"]}),
-    )
+    # NumPy straight into the compiled call, as in apply's uncached path
+    config, arrays = _split(_as_dict(inputs))
+    out, parts = _forward_with_pullback(arrays, config)
+    structure = _PULLBACK_STRUCTURE[_pullback_key(arrays, config)]
+    jax_recipes._jax_vjp_cache.put(_HostKey(config, arrays), (parts, structure))
     return out
+
+
+def _cached_vjp(inputs: InputSchema, paths: set[str], cotangents: dict):
+    """The cotangents at ``paths`` from the pullback apply cached for these
+    inputs, or None (cache off, nothing cached for them)."""
+    cache = jax_recipes._jax_vjp_cache
+    if cache is None or not _cache_pays(inputs):  # apply stored nothing
+        return None
+    config, arrays = _split(_as_dict(inputs))
+    cached = cache.get(_HostKey(config, arrays))
+    if cached is None:
+        return None
+    parts, structure = cached
+    y = cotangents.get("y")
+    if y is None:  # no cotangent given for y: zero
+        y = np.zeros(inputs.network_shape().y, np.float32)
+    return _run_pullback(parts, {"y": y}, structure, tuple(sorted(paths)))
+
+
+def _only_host_keys(cache) -> bool:
+    """Whether every entry of tesseract-core's LRU is one of apply's (then
+    jax_vjp's own lookup, which costs its key, cannot hit)."""
+    entries = getattr(cache, "_cache", None)
+    return isinstance(entries, dict) and all(
+        isinstance(key, _HostKey) for key in list(entries)
+    )
 
 
 def abstract_eval(abstract_inputs):
@@ -1095,6 +1192,21 @@ def vector_jacobian_product(
     cotangents = _checked_vectors(
         "cotangent_vector", cotangent_vector, lambda p: ("y", y_shape)
     )
+    cached = _cached_vjp(inputs, vjp_inputs, cotangents)
+    if cached is not None:
+        return cached
+    if jax_recipes._jax_vjp_cache is None or _only_host_keys(
+        jax_recipes._jax_vjp_cache
+    ):
+        # jax_vjp's miss path without its lookup: recompute, compiled per
+        # (shapes, paths); NumPy goes in as is (eqx.filter_jit traces it)
+        return jax_recipes._vjp_jit(
+            apply_jit,
+            inputs.model_dump(),
+            tuple(vjp_inputs),
+            tuple(vjp_outputs),
+            cotangents,
+        )
     return jax_recipes.jax_vjp(apply_jit, inputs, vjp_inputs, vjp_outputs, cotangents)
 
 

@@ -1,6 +1,6 @@
 """Run every benchmark side by side and report ratios: `make bench`.
 
-    .venv/bin/python -m benchmarks.run [--quick] [--only matmul,cache,http,scaling]
+    .venv/bin/python -m benchmarks.run [--quick] [--only matmul,cache,http,scaling,e2e]
 
 Prints a table (markdown), writes benchmarks/results.json and
 benchmarks/results.png. Never part of `make test`.
@@ -71,6 +71,21 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def _bars(ax, rows, xlabel):
+    labels = [f"{r['row']} {tuple(r['shape'])}" for r in rows]
+    colors = [
+        {True: "tab:green", False: "tab:red", None: "tab:gray"}[met(r)] for r in rows
+    ]
+    ax.barh(range(len(rows)), [r["ratio"] for r in rows], color=colors)
+    for i, r in enumerate(rows):
+        if r.get("target") is not None:
+            ax.plot([r["target"]] * 2, [i - 0.4, i + 0.4], color="black", lw=2)
+    ax.axvline(1.0, color="gray", ls="--", lw=1)
+    ax.set_yticks(range(len(rows)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+
+
 def plot(rows, path):
     import matplotlib
 
@@ -78,17 +93,31 @@ def plot(rows, path):
     import matplotlib.pyplot as plt
 
     speed = [r for r in rows if r["unit"] == "x faster"]
-    fig, ax = plt.subplots(figsize=(10, 0.42 * len(speed) + 1.2))
-    labels = [f"{r['row']} {tuple(r['shape'])}" for r in speed]
-    colors = ["tab:green" if met(r) else "tab:red" for r in speed]
-    ax.barh(range(len(speed)), [r["ratio"] for r in speed], color=colors)
-    for i, r in enumerate(speed):
-        ax.plot([r["target"]] * 2, [i - 0.4, i + 0.4], color="black", lw=2)
-    ax.axvline(1.0, color="gray", ls="--", lw=1)
-    ax.set_yticks(range(len(speed)), labels, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("speed-up over the dense float32 baseline (black tick: target)")
-    ax.set_title("qarray on XLA:CPU, measured side by side")
+    # end-to-end rows: ours / the dense Tesseract, lower is better
+    e2e = [r for r in rows if r["row"].startswith("end to end:")]
+    panels = [(p, x) for p, x in ((speed, "speed"), (e2e, "e2e")) if p]
+    fig, axes = plt.subplots(
+        len(panels),
+        1,
+        figsize=(10, sum(0.42 * len(p) + 1.2 for p, _ in panels)),
+        height_ratios=[0.42 * len(p) + 1.2 for p, _ in panels],
+        squeeze=False,
+    )
+    for ax, (panel, kind) in zip(axes[:, 0], panels, strict=True):
+        if kind == "speed":
+            _bars(
+                ax,
+                panel,
+                "speed-up over the dense float32 baseline (black tick: target)",
+            )
+        else:
+            _bars(
+                ax,
+                panel,
+                "ours / the dense float32 Tesseract over HTTP (lower is better; "
+                "black tick: target)",
+            )
+    axes[0, 0].set_title("qarray on XLA:CPU, measured side by side")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -97,12 +126,20 @@ def plot(rows, path):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
-    parser.add_argument("--only", default="matmul,cache,http,scaling")
+    # e2e runs last: it tunes this process's malloc like the servers' (see
+    # bench_e2e.run), which the other suites should not measure under
+    parser.add_argument("--only", default="matmul,cache,http,scaling,e2e")
     parser.add_argument("--out", default=str(HERE / "results.json"))
     parser.add_argument("--plot", default=str(HERE / "results.png"))
     args = parser.parse_args()
     sys.path.insert(0, str(HERE.parent))
-    from benchmarks import bench_cache, bench_http, bench_matmul, bench_scaling
+    from benchmarks import (
+        bench_cache,
+        bench_e2e,
+        bench_http,
+        bench_matmul,
+        bench_scaling,
+    )
 
     reps = 5 if args.quick else 41
     suites = {
@@ -110,6 +147,7 @@ def main():
         "cache": lambda: bench_cache.run(reps=reps),
         "http": lambda: bench_http.run(reps=50 if args.quick else 600),
         "scaling": lambda: bench_scaling.run(seconds=3.0 if args.quick else 8.0),
+        "e2e": lambda: bench_e2e.run(reps=5 if args.quick else 31),
     }
     rows = []
     started = time.time()
@@ -128,6 +166,9 @@ def main():
     plot(rows, args.plot)
     print(f"Machine: {report['machine']}\n")
     print(table(rows))
+    if any("breakdown" in row for row in rows):
+        print("\nWhere the time goes, ms per request, ours / dense:\n")
+        print(bench_e2e.table(rows))
     print(f"\nwrote {args.out} and {args.plot} in {report['seconds']} s")
 
 
