@@ -8,7 +8,7 @@ PORT ?= 8000
 HOST ?= 127.0.0.1
 SCRATCH ?= $(or $(TMPDIR),/tmp)/qarray-serve
 
-.PHONY: setup test test-image lint serve bench test-compat clean
+.PHONY: setup test test-image lint serve bench soak test-compat clean
 
 setup: $(STAMP)
 
@@ -56,6 +56,16 @@ serve: setup
 # side-by-side benchmarks (never part of `make test`): table, results.json, results.png
 bench: setup
 	$(PY) -m benchmarks.run
+
+# a real qarray-serve under mixed apply / vjp / jvp traffic from several client
+# processes, bad requests interleaved, every answer checked against NumPy; fails
+# on a wrong answer, a 5xx other than load shedding, or growing memory. Writes
+# docs/soak.json and docs/soak.png. Never part of `make test`.
+# SOAK_SECONDS: the timed phase; SOAK_ARGS: more (e.g. --workers 2 --clients 8)
+SOAK_SECONDS ?= 180
+SOAK_ARGS ?=
+soak: setup
+	$(PY) scripts/soak.py --seconds $(SOAK_SECONDS) $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(COMPAT_VENV)
