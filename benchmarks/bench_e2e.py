@@ -411,13 +411,18 @@ def breakdown(api, endpoint: str, data: bytes, reps: int = 5) -> dict[str, float
     (the endpoint, outputs validated and on the host), encode (the response
     body, json+base64)."""
     import jax
+    from tesseract_core.runtime import jax_recipes
     from tesseract_core.runtime.core import create_endpoints
     from tesseract_core.runtime.experimental import set_jax_vjp_cache_size
     from tesseract_core.runtime.file_interactions import output_to_bytes
 
     # each server's own residual cache: ours at its default, the dense one off
-    # (tesseract-core's default); one process holds both APIs here
-    set_jax_vjp_cache_size(getattr(api, "VJP_CACHE_SIZE", 0))
+    # (tesseract-core's default); one process holds both APIs here. Kept
+    # across calls for the same API, so a VJP after its apply hits, as it does
+    # in a training step
+    size = getattr(api, "VJP_CACHE_SIZE", 0)
+    if (jax_recipes._jax_vjp_cache is None) != (size == 0):
+        set_jax_vjp_cache_size(size)
     fn = next(f for f in create_endpoints(api) if f.__name__ == endpoint)
     schema = inspect.signature(fn).parameters["payload"].annotation
     tree = json.loads(data)

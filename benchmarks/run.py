@@ -114,8 +114,7 @@ def plot(rows, path):
             _bars(
                 ax,
                 panel,
-                "ours / the dense float32 Tesseract over HTTP (lower is better; "
-                "black tick: target)",
+                "ours / dense float32 Tesseract (lower is better; tick: target)",
             )
     axes[0, 0].set_title("qarray on XLA:CPU, measured side by side")
     fig.tight_layout()
