@@ -45,6 +45,7 @@ Environment:
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import itertools
 import math
@@ -75,7 +76,12 @@ from tesseract_core.runtime.experimental import set_jax_vjp_cache_size
 from tesseract_core.runtime.tree_transforms import get_at_path
 
 import qarray as qa
-from qarray.checkpoint import ModelFileError, load_model
+from qarray.checkpoint import (
+    ModelFileError,
+    load_model,
+    quantize_rows,
+    relative_error,
+)
 
 
 def _env_int(name: str, default: int, minimum: int) -> int:
@@ -662,19 +668,13 @@ def _load_resident(path: str, mesh=None) -> _Resident:
         raise RuntimeError(f"QARRAY_MODEL: {error}") from None
     config, arrays, shapes, errors = [], [], [], []
     for layer in layers:
-        if layer.w is not None:
-            w = jnp.asarray(layer.w)
-            qvalue, scale = qa.unpack(qa.quantize(w))
-            errors.append(
-                float(jnp.linalg.norm(w - qvalue * scale[:, None]))
-                / max(float(jnp.linalg.norm(w)), 1e-30)
-                if layer.w.any()
-                else 0.0
-            )
-            del w  # only the int8 payload and the scales stay resident
+        if layer.w is not None:  # only the int8 payload and the scales stay
+            qvalue, scale = quantize_rows(layer.w)
+            error = relative_error(layer.w, qvalue, scale)
         else:
-            qvalue, scale = jnp.asarray(layer.qvalue), jnp.asarray(layer.scale)
-            errors.append(0.0)
+            qvalue, scale, error = layer.qvalue, layer.scale, 0.0
+        qvalue, scale = jnp.asarray(qvalue), jnp.asarray(scale)
+        errors.append(error)
         bias = None if layer.bias is None else jnp.asarray(layer.bias)
         if mesh is not None:  # placed once: each device keeps its channels only
             specs = _weight_specs(layer.layout)
@@ -695,7 +695,18 @@ def _load_resident(path: str, mesh=None) -> _Resident:
                 dense=False,
             )
         )
+    _release_freed_memory()
     return _Resident(tuple(config), arrays, shapes, tuple(errors))
+
+
+def _release_freed_memory() -> None:
+    """Hand the pages freed after loading (the file's float32 tensors) back to
+    the OS: glibc's allocator keeps them in the process otherwise, and the
+    resident model would look 2-3x its int8 size."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 RESIDENT = _load_resident(MODEL_PATH, MESH) if MODEL_PATH else None
