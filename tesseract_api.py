@@ -51,6 +51,7 @@ import itertools
 import math
 import os
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Self
@@ -630,7 +631,8 @@ class QuantizedWeightsOut(BaseModel):
 class LayerOut(BaseModel):
     weight_error: Array[..., Float32] = Field(
         description="Relative quantization error ||w - W|| / ||w|| of the layer's "
-        "dense weights (0 for w_q layers or zero w); one per batch element: shape "
+        "dense weights (0 for w_q layers or zero w; a resident model's dense layers "
+        "report their quantization at load); one per batch element: shape "
         "the network's batch axes (a scalar without them)."
     )
     w_q: QuantizedWeightsOut | None = Field(
@@ -696,6 +698,14 @@ def _load_resident(path: str, mesh=None) -> _Resident:
             )
         )
     _release_freed_memory()
+    payload = sum(a["w_q"]["qvalue"].nbytes + a["w_q"]["scale"].nbytes for a in arrays)
+    errors_text = ", ".join(f"{e:.2e}" for e in errors)
+    print(  # for whoever reads the server's log
+        f"QARRAY_MODEL: {path}: {len(arrays)} layers, {payload / 2**20:.1f} MiB of "
+        f"int8 payload and scales resident, weight errors [{errors_text}]",
+        file=sys.stderr,
+        flush=True,
+    )
     return _Resident(tuple(config), arrays, shapes, tuple(errors))
 
 
@@ -851,11 +861,15 @@ def _network(args, config: _Config, sharded: bool = False):
     h, layers = args
     precision = "int8" if config.quantize_activations else "float32"
     outputs = []
-    for params, (layout, activation) in zip(layers, config.layers, strict=True):
+    for i, (params, (layout, activation)) in enumerate(
+        zip(layers, config.layers, strict=True)
+    ):
         if sharded:
             h = reshard(h, P("data", None))
             params = _placed(params, layout)
         w_q_out, weight_error = None, jnp.float32(0.0)
+        if config.resident:  # its dense weights were quantized once, at load
+            weight_error = jnp.float32(RESIDENT.weight_errors[i])
         if params["w"] is not None:
             w = params["w"]
             qw = qa.quantize(w)

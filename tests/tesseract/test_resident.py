@@ -82,6 +82,11 @@ def test_resident_apply_and_gradients_for_x(resident_tess, model, rng):
     out = resident_tess.apply({"x": x})
     np.testing.assert_allclose(out["y"], net.forward(inputs), rtol=RTOL, atol=ATOL)
     assert len(out["layers"]) == 3
+    # the dense layer reports the error of its quantization at load; the file's
+    # quantized layers, 0
+    errors = [float(layer["weight_error"]) for layer in out["layers"]]
+    assert errors[0] == pytest.approx(net.weight_error(layers[0]["w"]), rel=1e-4)
+    assert errors[1:] == [0.0, 0.0]
 
     g = net.normal(rng, out["y"].shape)
     vjp = resident_tess.vector_jacobian_product({"x": x}, ["x"], ["y"], {"y": g})
