@@ -733,6 +733,9 @@ class _Config:
     quantize_activations: bool
     return_w_q: bool
     resident: bool = False  # the resident model's layers (constants, not inputs)
+    # a resident model's per-layer quantization errors at load (reported as
+    # its layers' weight_error)
+    weight_errors: tuple[float, ...] = ()
 
 
 def apply_jit(inputs: dict) -> dict:
@@ -754,6 +757,7 @@ def _split(inputs: dict) -> tuple[_Config, dict]:
             bool(inputs["quantize_activations"]),
             bool(inputs["return_w_q"]),
             resident=True,
+            weight_errors=RESIDENT.weight_errors,
         )
         return config, {"x": inputs["x"], "layers": RESIDENT.arrays}
     config = _Config(
@@ -868,8 +872,8 @@ def _network(args, config: _Config, sharded: bool = False):
             h = reshard(h, P("data", None))
             params = _placed(params, layout)
         w_q_out, weight_error = None, jnp.float32(0.0)
-        if config.resident:  # its dense weights were quantized once, at load
-            weight_error = jnp.float32(RESIDENT.weight_errors[i])
+        if config.weight_errors:  # a resident model's: quantized once, at load
+            weight_error = jnp.float32(config.weight_errors[i])
         if params["w"] is not None:
             w = params["w"]
             qw = qa.quantize(w)
