@@ -4,6 +4,7 @@ The hijax doc's other teaching types (rank-1 matrices, tuples) live in
 ``qarray.doc_types``.
 """
 
+from . import nn as nn
 from ._ops import dequantize as dequantize
 from ._ops import linear_q as linear_q
 from ._ops import matmul_q as matmul_q

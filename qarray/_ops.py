@@ -28,7 +28,9 @@ from jax.sharding import AxisType
 from . import _kernels
 from ._qarray import FLOAT32, INT8, QArray, QArraySpec, QArrayTy, full_spec, with_spec
 
-ACTIVATIONS = ("float32", "int8")
+# what a product may do with its activations: keep them (weight-only) or
+# quantize them per row (int8 x int8)
+ACTIVATION_PRECISIONS = ("float32", "int8")
 
 
 def type_str(aval) -> str:
@@ -210,9 +212,10 @@ class _QProduct(HiPrim):
 
     def __init__(self, x_aval, qw_aval, activations="float32"):
         name = self.op_name
-        if activations not in ACTIVATIONS:
+        if activations not in ACTIVATION_PRECISIONS:
             raise ValueError(
-                f"{name} requires activations in {ACTIVATIONS}, got {activations!r}."
+                f"{name} requires activations in {ACTIVATION_PRECISIONS}, got "
+                f"{activations!r}."
             )
         _require_float32(name, "x", x_aval, min_rank=1)
         _require_qarray(name, "qw", qw_aval)

@@ -12,7 +12,8 @@ A qarray model file is laid out like the Tesseract's ``layers`` field:
 Layers are numbered from 0 without gaps and their widths chain. ``load_model``
 checks all of it and names the tensor at fault; ``convert_state_dict`` turns
 a PyTorch-style state dict (``fc1.weight`` ``(out, in)``, ``fc1.bias``, ...)
-into a model file of int8 "nk" layers with one scale per output channel::
+into a model file of int8 "nk" layers with one scale per output channel.
+``load_network`` / ``save_network`` read and write a ``qarray.nn.Network``::
 
     qarray-serve convert state_dict.safetensors model.safetensors \\
         --layers fc1:relu,fc2:none
@@ -29,8 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
-LAYOUTS = ("kn", "nk")
-ACTIVATIONS = ("none", "relu", "gelu", "tanh", "sigmoid", "silu")
+from .nn import ACTIVATIONS, LAYOUTS, Linear, Network
+
+_ACTIVATION_NAMES = tuple(ACTIVATIONS)
 
 _TENSOR = re.compile(r"layers\.(\d+)\.(w|w_q\.qvalue|w_q\.scale|bias)")
 _METADATA = re.compile(r"layers\.(\d+)\.(layout|activation)")
@@ -131,9 +133,9 @@ def _layer(path, prefix: str, parts: dict, metadata: dict) -> ModelLayer:
             f"{path}: metadata {prefix}.layout must be one of {LAYOUTS}, got {layout!r}"
         )
     activation = metadata.get(f"{prefix}.activation", "none")
-    if activation not in ACTIVATIONS:
+    if activation not in _ACTIVATION_NAMES:
         raise ModelFileError(
-            f"{path}: metadata {prefix}.activation must be one of {ACTIVATIONS}, "
+            f"{path}: metadata {prefix}.activation must be one of {_ACTIVATION_NAMES}, "
             f"got {activation!r}"
         )
     w, qvalue, scale = parts.get("w"), parts.get("w_q.qvalue"), parts.get("w_q.scale")
@@ -181,6 +183,44 @@ def _layer(path, prefix: str, parts: dict, metadata: dict) -> ModelLayer:
             f"{layout!r}), got {bias.shape}"
         )
     return layer
+
+
+def load_network(path: str | Path) -> Network:
+    """The network in a model file, checked (ModelFileError names the tensor),
+    as stored int8 layers: dense ``w`` tensors are quantized here (NumPy, by
+    row chunks: see ``quantize_rows``) and keep their quantization error as
+    ``stored_error``. Arrays stay on the host (NumPy) until placed."""
+    stored, layers = load_model(path), []
+    for layer in stored:
+        if layer.w is not None:  # only the int8 payload and the scales stay
+            qvalue, scale = quantize_rows(layer.w)
+            error = relative_error(layer.w, qvalue, scale)
+        else:
+            qvalue, scale, error = layer.qvalue, layer.scale, None
+        layers.append(
+            Linear(
+                bias=layer.bias,
+                qvalue=qvalue,
+                scale=scale,
+                layout=layer.layout,
+                stored_error=error,
+            )
+        )
+    return Network(layers, [layer.activation for layer in stored])
+
+
+def save_network(path: str | Path, network: Network) -> None:
+    """Write ``network`` as a model file: stored layers as ``w_q``, trainable
+    ones as dense ``w`` (quantized again when loaded)."""
+    layers = []
+    for layer, activation in zip(network.layers, network.activation, strict=True):
+        out = {"layout": layer.layout, "activation": activation, "bias": layer.bias}
+        if layer.trainable:
+            out["w"] = np.asarray(layer.weight)
+        else:
+            out["w_q"] = {"qvalue": np.asarray(layer.qvalue), "scale": layer.scale}
+        layers.append(out)
+    save_model(path, layers)
 
 
 def save_model(path: str | Path, layers: list[dict]) -> None:
@@ -284,9 +324,9 @@ def convert_state_dict(
         ) from None
     out, errors = [], []
     for name, activation in layers:
-        if activation not in ACTIVATIONS:
+        if activation not in _ACTIVATION_NAMES:
             raise ModelFileError(
-                f"layer {name!r}: activation must be one of {ACTIVATIONS}, "
+                f"layer {name!r}: activation must be one of {_ACTIVATION_NAMES}, "
                 f"got {activation!r}"
             )
         weight = wanted.get(f"{name}.weight")
@@ -342,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         "--layers",
         required=True,
         help="comma-separated NAME:ACTIVATION in order, e.g. fc1:relu,fc2:none "
-        f"(activations: {', '.join(ACTIVATIONS)})",
+        f"(activations: {', '.join(_ACTIVATION_NAMES)})",
     )
     args = parser.parse_args(argv)
     layers = []

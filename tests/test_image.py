@@ -66,7 +66,7 @@ def test_tesseract_config_is_valid_for_tesseract_core():
     # (tesseract-core's own ENTRYPOINT comes last and wins: the guard is reached
     # by making tesseract-runtime qarray-serve's entry point instead)
     assert "ENTRYPOINT" not in steps
-    assert "from qarray.serve import main" in steps
+    assert "from qarray.tesseract import main" in steps
     assert "> /python-env/bin/tesseract-runtime" in steps
 
 

@@ -186,7 +186,7 @@ DOC_TYPES = {
 
 
 def test_top_level_namespace_is_the_quantization_api():
-    # submodules (qarray.doc_types once imported, qarray.serve) are attributes
+    # submodules (qarray.nn, qarray.doc_types once imported) are attributes
     # too; everything else public must be the quantization API
     public = {
         name

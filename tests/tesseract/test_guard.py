@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import requests
 
-from qarray.serve import binref_problem
+from qarray.tesseract import binref_problem
 from tests import reference as ref
 from tests.tesseract.server import b64, decode, serve
 

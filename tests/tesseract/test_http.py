@@ -162,7 +162,7 @@ def test_apply_then_vjp_hits_the_residual_cache_for_a_relu_network(counted_serve
 
 def test_linear_network_is_not_cached_by_default(counted_server, rng):
     """A linear network's VJP does not need the forward pass: caching it costs
-    more than it saves (tesseract_api._cache_pays), so its VJP recomputes."""
+    more than it saves (InputSchema.cache_pays), so its VJP recomputes."""
     url, counter = counted_server
     inputs = net.three_layer(rng, activations=("none", "none", "none"))
     payload = encode(inputs)

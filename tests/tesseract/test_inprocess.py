@@ -209,7 +209,7 @@ def api_module(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT))
     import tesseract_api
 
-    monkeypatch.setattr(tesseract_api, "VJP_CACHE_MIN_INTENSITY", 0)
+    monkeypatch.setattr(tesseract_api.RUNTIME.cache, "min_intensity", 0)
     assert sys.modules["tesseract_api"] is tesseract_api
     return tesseract_api
 
@@ -226,7 +226,7 @@ def test_vjp_after_apply_comes_from_the_cached_pullback(
     def recompute(*args, **kwargs):
         raise AssertionError("the VJP recomputed instead of using the cache")
 
-    monkeypatch.setattr(jax_recipes, "_vjp_jit", recompute)
+    monkeypatch.setattr(jax_recipes, "jax_vjp", recompute)
     g = net.normal(rng, out["y"].shape)
     paths = net.diff_paths(inputs)
     want = net.vjp(inputs, g)
@@ -239,7 +239,8 @@ def test_vjp_after_apply_comes_from_the_cached_pullback(
 def test_cache_policy(api_module, rng, monkeypatch):
     """Nonlinear networks cache from QARRAY_VJP_CACHE_MIN_FLOPS on; linear ones
     only by the intensity rule (never at these sizes); intensity 0 forces all."""
-    monkeypatch.setattr(api_module, "VJP_CACHE_MIN_INTENSITY", 2**20)
+    cache = api_module.RUNTIME.cache
+    monkeypatch.setattr(cache, "min_intensity", 2**20)
     relu = api_module.InputSchema.model_validate(net.three_layer(rng))
     linear = api_module.InputSchema.model_validate(
         net.three_layer(rng, activations=("none", "none", "none"))
@@ -247,10 +248,10 @@ def test_cache_policy(api_module, rng, monkeypatch):
     big_relu = api_module.InputSchema.model_validate(
         net.three_layer(rng, x_shape=(256, 1024), widths=(1024, 1024, 8))
     )
-    assert not api_module._cache_pays(relu)  # 6 x 3 -> too small to pay
-    assert api_module._cache_pays(big_relu)
-    monkeypatch.setattr(api_module, "VJP_CACHE_MIN_FLOPS", 0)
-    assert api_module._cache_pays(relu)
-    assert not api_module._cache_pays(linear)
-    monkeypatch.setattr(api_module, "VJP_CACHE_MIN_INTENSITY", 0)
-    assert api_module._cache_pays(linear)
+    assert not relu.cache_pays()  # 6 x 3 -> too small to pay
+    assert big_relu.cache_pays()
+    monkeypatch.setattr(cache, "min_flops", 0)
+    assert relu.cache_pays()
+    assert not linear.cache_pays()
+    monkeypatch.setattr(cache, "min_intensity", 0)
+    assert linear.cache_pays()

@@ -144,20 +144,19 @@ def model_file(tmp_path_factory):
     return path, layers
 
 
-def test_resident_model_is_placed_sharded_once(model_file, monkeypatch):
+def test_resident_model_is_placed_sharded_once(model_file):
     """With model=8 each device holds 1/8 of every layer's output channels
     (read in-process: this test process has 8 CPU devices)."""
     import jax
 
-    monkeypatch.syspath_prepend(str(ROOT))
-    import tesseract_api
+    from qarray.tesseract import load_resident, make_mesh
 
     path, _layers = model_file
-    mesh = tesseract_api.make_mesh("data=1,model=8")
-    resident = tesseract_api._load_resident(str(path), mesh)
-    for layer, (layout, _) in zip(resident.arrays, resident.config, strict=True):
-        qvalue, scale = layer["w_q"]["qvalue"], layer["w_q"]["scale"]
-        channels = 0 if layout == "nk" else 1  # axis of output channels
+    mesh = make_mesh("data=1,model=8")
+    resident = load_resident(str(path), mesh)
+    for layer in resident.layers:
+        qvalue, scale = layer.qvalue, layer.scale
+        channels = 0 if layer.layout == "nk" else 1  # axis of output channels
         shards = qvalue.addressable_shards
         assert len(shards) == 8
         for shard in shards:
@@ -165,16 +164,14 @@ def test_resident_model_is_placed_sharded_once(model_file, monkeypatch):
             want[channels] //= 8
             assert shard.data.shape == tuple(want)
             assert shard.data.nbytes * 8 == qvalue.nbytes
-        if layout == "nk":  # scales travel with their rows
+        if layer.layout == "nk":  # scales travel with their rows
             assert scale.addressable_shards[0].data.shape == (scale.shape[0] // 8,)
     # the compiled computation takes them sharded, as placed
-    config = tesseract_api._Config(resident.config, False, False, resident=True)
-    arrays = {"x": np.ones((4, 16), np.float32), "layers": resident.arrays}
-    monkeypatch.setattr(tesseract_api, "MESH", mesh)
+    x = np.ones((4, 16), np.float32)
     with jax.set_mesh(mesh):
-        compiled = tesseract_api._compute.lower(arrays, config).compile()
+        compiled = jax.jit(lambda net, x: net(x)).lower(resident, x).compile()
     args, _ = compiled.input_shardings  # (positional, keyword)
-    first = args[0]["layers"][0]["w_q"]["qvalue"]
+    first = args[0].layers[0].qvalue
     assert first.spec == jax.P("model", None), first
 
 

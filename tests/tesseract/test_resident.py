@@ -152,23 +152,22 @@ def test_resident_refusals_name_the_field(resident_tess, rng, call, expected):
         assert text in str(error.value), str(error.value)
 
 
-def test_resident_arrays_are_int8_and_scales_only(model, monkeypatch):
+def test_resident_arrays_are_int8_and_scales_only(model):
     """The device holds the int8 payload and one scale per row: ~25% of f32."""
-    path, layers = model
-    monkeypatch.setenv("QARRAY_MODEL", str(path))
-    monkeypatch.syspath_prepend(str(ROOT))
-    import tesseract_api
+    from qarray.tesseract import load_resident
 
-    resident = tesseract_api._load_resident(str(path))
-    held = sum(a.nbytes for layer in resident.arrays for a in layer["w_q"].values())
+    path, layers = model
+    resident = load_resident(str(path))
+    held = sum(a.qvalue.nbytes + a.scale.nbytes for a in resident.layers)
     shapes = [layer.weights.shape for layer in load_model(path)]
     # exactly one int8 per weight and one float32 per row: 25% + 1/n of f32
     assert held == sum(rows * n + 4 * rows for rows, n in shapes)
-    assert all(layer["w_q"]["qvalue"].dtype == np.int8 for layer in resident.arrays)
+    assert all(layer.qvalue.dtype == np.int8 for layer in resident.layers)
+    assert all(layer.weight is None for layer in resident.layers)
     # the dense layer was quantized at load with qarray's numerics
     qvalue, scale = ref.quantize(layers[0]["w"])
-    np.testing.assert_array_equal(resident.arrays[0]["w_q"]["qvalue"], qvalue)
-    np.testing.assert_allclose(resident.arrays[0]["w_q"]["scale"], scale, rtol=1.2e-7)
+    np.testing.assert_array_equal(resident.layers[0].qvalue, qvalue)
+    np.testing.assert_allclose(resident.layers[0].scale, scale, rtol=1.2e-7)
 
 
 # --- the loader's errors name the tensor at fault

@@ -1,0 +1,20 @@
+"""qarray.nn: quantized layers as equinox modules, and quantized copies of
+equinox models.
+
+    import equinox as eqx, jax, qarray.nn as qnn
+    mlp = eqx.nn.MLP(64, 10, 256, depth=3, key=jax.random.key(0))
+    served = qnn.quantize(mlp)                  # int8 weights, stored
+    qat = qnn.quantize(mlp, trainable=True)     # float32, quantized every call
+    exported = qnn.freeze(qat)                  # after training: int8
+"""
+
+from ._linear import Linear as Linear
+from ._network import ACTIVATIONS as ACTIVATIONS
+from ._network import Network as Network
+from ._quantize import freeze as freeze
+from ._quantize import quantize as quantize
+from ._shapes import LAYOUTS as LAYOUTS
+from ._shapes import LayerShapes as LayerShapes
+from ._shapes import NetworkShape as NetworkShape
+from ._shapes import layer_shapes as layer_shapes
+from ._shapes import network_shape as network_shape

@@ -1,0 +1,255 @@
+"""``qarray.nn.Linear``: one quantized dense layer as an equinox module."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .._ops import (
+    ACTIVATION_PRECISIONS,
+    dequantize,
+    linear_q,
+    matmul_q,
+    pack,
+    quantize,
+    unpack,
+)
+from ._shapes import LAYOUTS, LayerShapes
+
+
+def _dtype_str(a) -> str:
+    return f"{np.dtype(a.dtype).name}{tuple(a.shape)}"
+
+
+def _require(name: str, a, dtype, min_rank: int) -> None:
+    if not hasattr(a, "dtype") or np.dtype(a.dtype) != dtype:
+        got = _dtype_str(a) if hasattr(a, "dtype") else type(a).__name__
+        raise TypeError(f"Linear requires {name} to be a {dtype} array, got {got}.")
+    if a.ndim < min_rank:
+        raise TypeError(
+            f"Linear requires {name} of rank >= {min_rank}, got {_dtype_str(a)}."
+        )
+
+
+class Linear(eqx.Module):
+    """One quantized dense layer: ``x (..., K) -> x @ W + bias (..., N)``.
+
+    ``W`` is int8 with one float32 scale per row of the stored matrix
+    (``W = qvalue * scale[..., None]``, read as ``(K, N)`` for layout "kn" and
+    as ``(N, K)``, PyTorch's ``(out, in)``, for "nk"). Two modes:
+
+    - stored (``qvalue`` int8 and ``scale`` float32 given): serving; the
+      int8 payload is what the product reads;
+    - trainable (``weight`` float32 given): quantization-aware training; the
+      weights are quantized on every call and their gradient is the dense
+      product's (straight-through).
+
+    ``activations="int8"`` quantizes ``x`` per row too (an int8 x int8
+    product); ``"float32"`` (default) keeps it. Gradients with respect to
+    ``x``, ``bias`` and ``scale`` are exact for the quantized layer.
+
+    Every leaf is a plain array (``qvalue``, ``scale``, ``weight``, ``bias``)
+    and the QArray is built inside the call: a QArray passed to a jitted
+    function takes JAX's Python dispatch path for hi types, which costs more
+    than a small layer's product (``benchmarks/bench_matmul.py``), while a
+    module of arrays goes through ``jax.jit`` / ``eqx.filter_jit`` like any
+    other. Leaves may carry leading batch axes when a ``Network`` maps them.
+    """
+
+    weight: jax.Array | None
+    qvalue: jax.Array | None
+    scale: jax.Array | None
+    bias: jax.Array | None
+    layout: str = eqx.field(static=True)
+    activations: str = eqx.field(static=True)
+    # the relative error of the float32 weights a stored layer was quantized
+    # from (None: given as parts, not known)
+    stored_error: float | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        weight=None,
+        bias=None,
+        *,
+        qvalue=None,
+        scale=None,
+        layout: str = "nk",
+        activations: str = "float32",
+        stored_error: float | None = None,
+    ):
+        if layout not in LAYOUTS:
+            raise ValueError(f"Linear requires layout in {LAYOUTS}, got {layout!r}.")
+        if activations not in ACTIVATION_PRECISIONS:
+            raise ValueError(
+                f"Linear requires activations in {ACTIVATION_PRECISIONS}, got "
+                f"{activations!r}."
+            )
+        if (weight is None) == (qvalue is None and scale is None):
+            got = "both" if weight is not None else "neither"
+            raise TypeError(
+                "Linear takes either weight (trainable) or qvalue and scale "
+                f"(stored), got {got}."
+            )
+        if weight is None:
+            if qvalue is None or scale is None:
+                raise TypeError("Linear takes qvalue and scale together.")
+            _require("qvalue", qvalue, np.int8, 2)
+            _require("scale", scale, np.float32, 1)
+            if tuple(scale.shape) != tuple(qvalue.shape[:-1]):
+                raise TypeError(
+                    "Linear requires scale.shape == qvalue.shape[:-1] (one scale "
+                    f"per row), got {_dtype_str(qvalue)} and {_dtype_str(scale)}."
+                )
+        else:
+            _require("weight", weight, np.float32, 2)
+        self.weight, self.qvalue, self.scale = weight, qvalue, scale
+        self.layout, self.activations, self.stored_error = (
+            layout,
+            activations,
+            stored_error,
+        )
+        if bias is not None:
+            _require("bias", bias, np.float32, 1)
+            if bias.shape[-1] != self.out_features:
+                raise TypeError(
+                    f"Linear requires bias of shape (..., {self.out_features}) for "
+                    f"weights {_dtype_str(self._stored)} (layout {layout!r}), got "
+                    f"{_dtype_str(bias)}."
+                )
+        self.bias = bias
+
+    @classmethod
+    def from_float(
+        cls,
+        weight,
+        bias=None,
+        *,
+        layout: str = "nk",
+        trainable: bool = False,
+        activations: str = "float32",
+    ) -> Linear:
+        """A layer from float32 weights (``(N, K)`` for "nk", ``(K, N)`` for
+        "kn"): kept float and quantized on every call (``trainable=True``), or
+        quantized now and stored int8 (the default)."""
+        layer = cls(
+            jnp.asarray(weight),
+            None if bias is None else jnp.asarray(bias),
+            layout=layout,
+            activations=activations,
+        )
+        return layer if trainable else layer.frozen()
+
+    @property
+    def _stored(self):
+        return self.weight if self.weight is not None else self.qvalue
+
+    @property
+    def trainable(self) -> bool:
+        """Float32 weights quantized on every call (else stored int8)."""
+        return self.weight is not None
+
+    @property
+    def in_features(self) -> int:
+        shape = self._stored.shape
+        return shape[-2] if self.layout == "kn" else shape[-1]
+
+    @property
+    def out_features(self) -> int:
+        shape = self._stored.shape
+        return shape[-1] if self.layout == "kn" else shape[-2]
+
+    def shapes(self) -> LayerShapes:
+        """The layer's array shapes, for ``network_shape``."""
+        return LayerShapes(
+            tuple(self._stored.shape),
+            None if self.scale is None else tuple(self.scale.shape),
+            None if self.bias is None else tuple(self.bias.shape),
+            self.layout,
+            dense=self.trainable,
+        )
+
+    def quantized(self):
+        """The weights as a QArray (``q8[K, N]`` or ``q8[N, K]``); traced code."""
+        if self.trainable:
+            return quantize(jnp.asarray(self.weight))
+        return pack(jnp.asarray(self.qvalue), jnp.asarray(self.scale))
+
+    def __call__(self, x, qw=None):
+        """``x (..., K) -> (..., N)``; ``qw``: ``self.quantized()``, if the
+        caller already holds it."""
+        qw = self.quantized() if qw is None else qw
+        product = matmul_q if self.layout == "kn" else linear_q
+        y = product(jnp.asarray(x), qw, self.activations)
+        return y if self.bias is None else y + self.bias
+
+    def weight_error(self, qw=None):
+        """``||w - W|| / ||w||``, the relative quantization error of the float
+        weights (0 for zero weights): computed for a trainable layer, the one
+        recorded at quantization for a stored layer (0 if not known). A
+        diagnostic: it carries no derivative."""
+        if not self.trainable:
+            return jnp.float32(self.stored_error or 0.0)
+        w = jnp.asarray(self.weight)
+        qw = self.quantized() if qw is None else qw
+        norm = jnp.linalg.norm(w)
+        error = jnp.linalg.norm(w - dequantize(qw)) / jnp.where(norm > 0, norm, 1)
+        return lax.stop_gradient(error)
+
+    def frozen(self) -> Linear:
+        """The stored int8 layer a trainable one quantizes to (itself if
+        stored): the export after quantization-aware training. Eager."""
+        if not self.trainable:
+            return self
+        qw = self.quantized()
+        qvalue, scale = unpack(qw)
+        return dataclasses.replace(
+            self,
+            weight=None,
+            qvalue=qvalue,
+            scale=scale,
+            stored_error=float(self.weight_error(qw)),
+        )
+
+    def placed(self, put: Callable, model: str) -> Linear:
+        """This layer with ``put(array, spec)`` applied to each array: its
+        output channels over mesh axis ``model`` ((K, N): columns; (N, K):
+        rows, with their scales), the rest whole."""
+        if self.layout == "kn":
+            weights, scales = jax.P(None, model), jax.P(None)
+        else:
+            weights, scales = jax.P(model, None), jax.P(model)
+
+        def on(a, spec):
+            return None if a is None else put(a, spec)
+
+        return dataclasses.replace(
+            self,
+            weight=on(self.weight, weights),
+            qvalue=on(self.qvalue, weights),
+            scale=on(self.scale, scales),
+            bias=on(self.bias, jax.P(model)),
+        )
+
+    def with_batch_rank(self, rank: int) -> Linear:
+        """Leaves with size-1 axes after their batch axes, ``rank`` of them:
+        batch axes index x's leading axes from the left."""
+
+        def pad(a, core):
+            if a is None:
+                return None
+            lead = a.ndim - core
+            return a.reshape(*a.shape[:lead], *(1,) * (rank - lead), *a.shape[lead:])
+
+        return dataclasses.replace(
+            self,
+            weight=pad(self.weight, 2),
+            qvalue=pad(self.qvalue, 2),
+            scale=pad(self.scale, 1),
+            bias=pad(self.bias, 1),
+        )

@@ -1,0 +1,159 @@
+"""``qarray.nn.Network``: the Tesseract contract's network as a module."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import reshard
+
+from .._ops import unpack
+from ._linear import Linear
+from ._shapes import NetworkShape, network_shape
+
+# applied after each layer's bias; gelu is the exact (erf) form, PyTorch's
+# nn.GELU default
+ACTIVATIONS = {
+    "none": lambda h: h,
+    "relu": jax.nn.relu,
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),
+    "tanh": jnp.tanh,
+    "sigmoid": jax.nn.sigmoid,
+    "silu": jax.nn.silu,
+}
+
+
+class Network(eqx.Module):
+    """A stack of quantized layers: ``h -> activation_i(layers[i](h))``.
+
+    ``layers``: ``Linear`` layers whose widths chain (layer i maps K_i to N_i,
+    K_{i+1} = N_i); ``activation``: the nonlinearity after each (names in
+    ``ACTIVATIONS``). ``x (..., K0) -> y (..., N_last)``.
+
+    Leaves of a layer may carry leading batch axes that index x's leading
+    axes, ``y[b] = net(x[b], params[b])`` (axes of size 1 broadcast): one
+    request can hold per-example weights, as tesseract-jax's vmap sends them.
+    Every output then carries those axes.
+
+    ``mesh_axes=(data, model)`` runs it under explicit sharding (the mesh set
+    with ``jax.set_mesh``): x's rows over ``data``, every layer's output
+    channels over ``model``, each layer's contraction axis whole.
+    """
+
+    layers: tuple[Linear, ...]
+    activation: tuple[str, ...] = eqx.field(static=True)
+    mesh_axes: tuple[str, str] | None = eqx.field(static=True)
+
+    def __init__(self, layers, activation=None, *, mesh_axes=None):
+        layers = tuple(layers)
+        if not layers or not all(isinstance(layer, Linear) for layer in layers):
+            raise TypeError("Network requires one or more qarray.nn.Linear layers.")
+        activation = ("none",) * len(layers) if activation is None else activation
+        activation = tuple(activation)
+        if len(activation) != len(layers):
+            raise ValueError(
+                f"Network requires one activation per layer: {len(layers)} layers, "
+                f"got {len(activation)} activations."
+            )
+        for name in activation:
+            if name not in ACTIVATIONS:
+                raise ValueError(
+                    f"Network requires activations in {tuple(ACTIVATIONS)}, got "
+                    f"{name!r}."
+                )
+        for i, (a, b) in enumerate(itertools.pairwise(layers)):
+            if a.out_features != b.in_features:
+                raise TypeError(
+                    f"Network requires the widths to chain: layers.[{i}] gives "
+                    f"{a.out_features} features, layers.[{i + 1}] takes "
+                    f"{b.in_features}."
+                )
+        self.layers, self.activation, self.mesh_axes = layers, activation, mesh_axes
+
+    def shape(self, x_shape: tuple[int, ...]) -> NetworkShape:
+        """The output shapes for an input of ``x_shape``; TypeError when the
+        shapes do not fit (the message names ``layers.[i]`` fields)."""
+        try:
+            return network_shape(tuple(x_shape), [a.shapes() for a in self.layers])
+        except ValueError as error:
+            raise TypeError(str(error)) from None
+
+    def with_activations(self, activations: str) -> Network:
+        """Every layer with ``activations`` ("float32" or "int8") for its input."""
+        return dataclasses.replace(
+            self,
+            layers=[
+                dataclasses.replace(layer, activations=activations)
+                for layer in self.layers
+            ],
+        )
+
+    def __call__(self, x):
+        return self.run(x)[0]
+
+    def run(self, x, *, return_w_q: bool = False):
+        """``(y, per_layer)``: the output and each layer's diagnostics,
+        ``{"weight_error": f32[*batch], "w_q": {"qvalue", "scale"} | None}``
+        (``w_q``: a trainable layer's quantized weights, with ``return_w_q``)."""
+        x = jnp.asarray(x)
+        shape = self.shape(x.shape)
+        rank = len(shape.batch)
+        net = dataclasses.replace(
+            self, layers=[layer.with_batch_rank(rank) for layer in self.layers]
+        )
+        if self.mesh_axes is not None and rank == 0:
+            return net._run_on_mesh(x, return_w_q)
+        return _map_batch(
+            lambda args: args[1]._run_one(args[0], return_w_q), shape.batch, (x, net)
+        )
+
+    def _run_one(self, h, return_w_q: bool):
+        """One example: unbatched layers."""
+        per_layer = []
+        for layer, activation in zip(self.layers, self.activation, strict=True):
+            if self.mesh_axes is not None:
+                data, model = self.mesh_axes
+                # a sharded contraction axis is a TypeError in qarray's typing
+                # rules: the rows go over data, the features stay whole
+                h = reshard(h, jax.P(data, None))
+                layer = layer.placed(reshard, model)
+            qw = layer.quantized()
+            h = ACTIVATIONS[activation](layer(h, qw))
+            w_q = None
+            if return_w_q and layer.trainable:
+                qvalue, scale = unpack(qw)
+                w_q = {"qvalue": qvalue, "scale": scale}
+            per_layer.append({"weight_error": layer.weight_error(qw), "w_q": w_q})
+        return h, per_layer
+
+    def _run_on_mesh(self, x, return_w_q: bool):
+        """x's rows padded to a multiple of the data axis (rows are
+        independent: the padding never reaches a real row)."""
+        data, _ = self.mesh_axes
+        lead, k = x.shape[:-1], x.shape[-1]
+        m = math.prod(lead)
+        size = jax.sharding.get_abstract_mesh().shape[data]
+        rows = jnp.pad(x.reshape(m, k), ((0, -m % size), (0, 0)))
+        y, per_layer = self._run_one(rows, return_w_q)
+        y = reshard(y, jax.P(None, None))[:m]
+        return y.reshape(*lead, y.shape[-1]), per_layer
+
+
+def _map_batch(fn, batch: tuple[int, ...], args):
+    """``fn`` mapped over the leading ``len(batch)`` axes of every array in
+    ``args`` (each of size ``batch[i]`` or 1: size 1 broadcasts without a
+    copy); every output gets those axes, at full size."""
+    if not batch:
+        return fn(args)
+    size, rest = batch[0], batch[1:]
+    inner = functools.partial(_map_batch, fn, rest)
+    axes = jax.tree.map(lambda a: 0 if a.shape[0] == size and size != 1 else None, args)
+    args = jax.tree.map(lambda a, ax: a if ax == 0 else a[0], args, axes)
+    if size == 1:
+        return jax.tree.map(lambda out: out[None], inner(args))
+    return jax.vmap(inner, in_axes=(axes,), axis_size=size)(args)

@@ -1,0 +1,68 @@
+"""``quantize(model)`` and ``freeze(model)``: quantized copies of any equinox
+model, in the manner of torchao's ``quantize_`` and qwix's ``quantize_model``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+
+from ._linear import Linear
+
+
+def _replace(model, kind: type, convert: Callable):
+    """``model`` with every node of type ``kind`` replaced by ``convert(node)``."""
+    return jax.tree.map(
+        lambda node: convert(node) if isinstance(node, kind) else node,
+        model,
+        is_leaf=lambda node: isinstance(node, kind),
+    )
+
+
+def quantize(
+    model,
+    *,
+    where: Callable[[eqx.nn.Linear], bool] | None = None,
+    trainable: bool = False,
+    activations: str = "float32",
+):
+    """A copy of ``model`` with every ``eqx.nn.Linear`` that ``where(layer)``
+    accepts (default: all) replaced by a ``qarray.nn.Linear`` (weights
+    ``(out, in)``: layout "nk", one scale per output channel); every other
+    node is kept as it is, float32.
+
+    ``trainable=False``: weights quantized now and stored int8 (serving);
+    ``True``: kept float32 and quantized on every call with a straight-through
+    gradient (quantization-aware training; ``freeze`` exports it).
+    ``activations``: "float32" (weight-only) or "int8" (each quantized layer's
+    input quantized per row too).
+
+    ``where`` sees the model's own layer objects, so keeping the first and last
+    layers float is ``where=lambda l: l not in (mlp.layers[0], mlp.layers[-1])``
+    (compared by identity). Layers with a ``"scalar"`` input or output stay
+    float: one input or output feature leaves nothing to gain.
+    """
+
+    def convert(layer: eqx.nn.Linear):
+        if "scalar" in (layer.in_features, layer.out_features):
+            return layer
+        if where is not None and not where(layer):
+            return layer
+        return Linear.from_float(
+            layer.weight,
+            layer.bias,
+            layout="nk",
+            trainable=trainable,
+            activations=activations,
+        )
+
+    return _replace(model, eqx.nn.Linear, convert)
+
+
+def freeze(model):
+    """A copy of ``model`` with every trainable ``qarray.nn.Linear`` stored as
+    the int8 weights and scales it quantizes to (the export after
+    quantization-aware training: the same outputs, a quarter of the bytes).
+    Eager: call it outside ``jit``."""
+    return _replace(model, Linear, Linear.frozen)

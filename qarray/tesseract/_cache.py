@@ -1,0 +1,187 @@
+"""The VJP residual cache: apply keeps its pullback for the VJP that follows.
+
+A training step through a Tesseract is an apply then a vector_jacobian_product
+on the same inputs. ``ResidualCache.apply`` runs the forward pass and its
+pullback in one compiled call (``jax.vjp`` inside ``jit``: the pullback is a
+pytree of residuals) and keeps it in an LRU under a key of the request's host
+arrays; ``ResidualCache.vjp`` runs the kept pullback for the requested paths
+only. On a miss the caller recomputes (tesseract-core's ``jax_vjp``).
+
+Why not tesseract-core's own cache (``jax_apply``): it stores an eager
+``jax.vjp`` (Python dispatch on every call) under a key that fingerprints the
+arrays on the device, which cost as much as the forward pass a hit saves.
+``make bench`` (suite cache) measures both policies, with new inputs every
+step (a training loop) and repeated ones.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+from tesseract_core.runtime.tree_transforms import get_at_path
+
+from .. import QArrayTy, pack, unpack
+from ._jit import merge_request, split_request
+
+
+@dataclass(frozen=True)
+class _QParts:
+    """A QArray residual as its parts: a hi-typed value makes every call of a
+    jitted function that takes or gives one take JAX's Python dispatch path
+    (more than a small network's whole backward pass), so residuals leave
+    the compiled forward pass as (qvalue, scale) and are packed inside."""
+
+    qvalue: Any
+    scale: Any
+
+
+jax.tree_util.register_pytree_node(
+    _QParts, lambda p: ((p.qvalue, p.scale), None), lambda _, c: _QParts(*c)
+)
+
+
+def _to_parts(leaf):
+    if isinstance(jax.typeof(leaf), QArrayTy):
+        return _QParts(*unpack(leaf))
+    return leaf
+
+
+def _from_parts(node):
+    return pack(node.qvalue, node.scale) if isinstance(node, _QParts) else node
+
+
+@functools.partial(jax.jit, static_argnames=("fn", "static", "outputs"))
+def _forward_with_pullback(arrays, constants, fn, static, outputs):
+    inputs = merge_request(arrays, static)
+    # every inexact array of the request is differentiated; constants (the
+    # server's own arrays) are not
+    diff, nondiff = eqx.partition(inputs, eqx.is_inexact_array)
+
+    def forward(diff):
+        out = fn(eqx.combine(diff, nondiff), *constants)
+        return {name: out[name] for name in outputs}, out
+
+    _, pullback, out = jax.vjp(forward, diff, has_aux=True)
+    return out, jax.tree.map(_to_parts, pullback)
+
+
+@functools.partial(jax.jit, static_argnames="paths")
+def _run_pullback(pullback, cotangents, paths: tuple[str, ...]):
+    pullback = jax.tree.map(
+        _from_parts, pullback, is_leaf=lambda n: isinstance(n, _QParts)
+    )
+    (input_cotangents,) = pullback(cotangents)
+    # only the requested cotangents leave the call: XLA drops the products of
+    # the others (x's, in a training step that differentiates the weights)
+    return {path: get_at_path(input_cotangents, path) for path in paths}
+
+
+class _HostKey:
+    """An LRU key naming one request's arrays (host copies, as decoded) and
+    the static rest of the request.
+
+    Hashes a strided sample of every array (4096 elements each: ~20 us), and
+    compares the whole arrays, bitwise (-0.0 != 0.0), only when the hashes
+    agree: a lookup reads the arrays once, on a hit.
+    """
+
+    SAMPLE = 4096
+
+    def __init__(self, fn: Callable, arrays: list, static: tuple):
+        self.arrays = tuple(np.asarray(a) for a in arrays if a is not None)
+        self.meta = (fn, static, tuple((a.dtype.str, a.shape) for a in self.arrays))
+        samples = []
+        for a in self.arrays:
+            flat = a.reshape(-1)
+            samples.append(flat[:: max(1, flat.size // self.SAMPLE)].tobytes())
+        self._hash = hash((self.meta, tuple(samples)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, _HostKey)
+            and self._hash == other._hash
+            and self.meta == other.meta
+            and all(
+                np.array_equal(_bits(a), _bits(b))
+                for a, b in zip(self.arrays, other.arrays, strict=True)
+            )
+        )
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return a.view(np.dtype(f"u{a.dtype.itemsize}"))
+
+
+class ResidualCache:
+    """Apply's pullbacks, least recently used first out, for the VJPs that
+    follow; ``size == 0`` turns it off.
+
+    ``fn(inputs, *constants) -> outputs`` is the endpoint's function: a
+    hashable callable (a module-level function) of the request dict (array
+    leaves traced, the rest static) and of the server's own arrays; the
+    ``outputs`` it names are the differentiable ones.
+    """
+
+    def __init__(self, size: int, min_flops: int, min_intensity: int):
+        self.size = size
+        self.min_flops = min_flops
+        self.min_intensity = min_intensity
+        self._entries: OrderedDict = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def pays(self, flops: int, elements: int, linear: bool) -> bool:
+        """Whether apply should store its pullback.
+
+        A hit saves the forward pass a miss recomputes, and costs the key, the
+        pullback's residuals and a second compiled call. A nonlinearity's
+        backward pass needs the forward activations, so a miss recomputes the
+        whole forward pass: caching pays from ``min_flops``. A linear
+        function's VJP never needs its outputs, and XLA drops the products
+        from a recomputed forward pass: a hit saves little, so it caches only
+        from ``min_intensity`` flops per input element (0: always).
+        """
+        if self.size == 0:
+            return False
+        if self.min_intensity == 0:
+            return True
+        if not linear:
+            return flops >= self.min_flops
+        return flops >= self.min_intensity * max(elements, 1)
+
+    def apply(self, fn: Callable, inputs: dict, constants=(), outputs=("y",)) -> dict:
+        """``fn(inputs, *constants)``, keeping its pullback for ``vjp``."""
+        arrays, static = split_request(inputs)
+        out, pullback = _forward_with_pullback(
+            arrays, tuple(constants), fn=fn, static=static, outputs=tuple(outputs)
+        )
+        key = _HostKey(fn, arrays, static)
+        self._entries[key] = pullback
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+        return out
+
+    def vjp(self, fn: Callable, inputs: dict, cotangents: dict, paths) -> dict | None:
+        """The cotangents at ``paths`` (input paths, ``layers.[0].w``) for
+        output ``cotangents`` (every differentiable output, by name), from
+        the pullback ``apply`` kept for these inputs; None if none was kept."""
+        if not self._entries:
+            return None
+        key = _HostKey(fn, *split_request(inputs))
+        pullback = self._entries.get(key)
+        if pullback is None:
+            return None
+        self._entries.move_to_end(key)
+        return _run_pullback(pullback, cotangents, tuple(sorted(paths)))

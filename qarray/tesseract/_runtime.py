@@ -1,0 +1,49 @@
+"""The runtime of a qarray Tesseract: settings, mesh, resident model, cache."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import jax
+
+from ..nn import Network
+from ._cache import ResidualCache
+from ._limits import Limits
+from ._mesh import make_mesh
+from ._resident import load_resident
+from ._settings import Settings
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Everything a Tesseract's endpoints hold besides the request: built
+    once per API module at import (``RUNTIME = Runtime.from_env()``), so a
+    bad setting or model file stops start-up with a message naming it."""
+
+    settings: Settings
+    limits: Limits
+    cache: ResidualCache
+    mesh: jax.sharding.Mesh | None = None
+    resident: Network | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Runtime:
+        """From the ``QARRAY_*`` variables: with ``QARRAY_MESH``, the mesh is
+        set for every computation of this process (``jax.set_mesh``: explicit
+        sharding, propagated by qarray's typing rules); with ``QARRAY_MODEL``,
+        the model is loaded, quantized and placed."""
+        return cls.from_settings(Settings.from_env(environ))
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Runtime:
+        mesh = make_mesh(settings.mesh) if settings.mesh else None
+        if mesh is not None:
+            jax.set_mesh(mesh)
+        resident = load_resident(settings.model, mesh) if settings.model else None
+        cache = ResidualCache(
+            settings.vjp_cache_size,
+            settings.vjp_cache_min_flops,
+            settings.vjp_cache_min_intensity,
+        )
+        return cls(settings, Limits(settings), cache, mesh, resident)

@@ -1,0 +1,161 @@
+"""The server: tesseract-core's app for a qarray Tesseract, behind the guard.
+
+    qarray-serve serve --host 0.0.0.0 --port 8000 [--num-workers N]
+
+takes the arguments ``tesseract-runtime serve`` takes (``tesseract serve`` runs
+images that way); ``qarray-serve convert ...`` converts a PyTorch state dict to
+a model file (``qarray.checkpoint``); any other command is handed to
+``tesseract-runtime``.
+
+The served API docs (``/docs``, ReDoc) load their script from an installed
+package (``fastapi-offline``) instead of a CDN, so they render on machines
+without internet access.
+
+Each worker keeps up to 256 MiB of freed heap mapped for the next request
+(glibc's malloc, ``keep_freed_memory``): page faults on fresh memory cost more
+than the rest of a big request on the VMs this was measured on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from importlib import resources
+from pathlib import Path
+
+from ._guard import RequestGuard, validation_error_response
+from ._settings import Settings, SettingsError
+
+# glibc's malloc gives a freed block of more than its (dynamic) threshold back
+# to the system, so every big buffer of the next request (the body, its str,
+# the base64 strings, the decoded arrays) is fresh memory again: measured at
+# 4-6 us per 4 KiB page fault on these VMs, 20-35 ms per 22 MB buffer, more
+# than the rest of the request. Blocks up to 32 MiB (glibc's largest mmap
+# threshold) come from the heap, and up to SERVE_KEEP_FREED_BYTES of free
+# heap stays mapped for the next request. MALLOC_*_ in the environment win.
+SERVE_MMAP_THRESHOLD_BYTES = 32 * 2**20
+SERVE_KEEP_FREED_BYTES = 256 * 2**20
+
+
+def keep_freed_memory() -> bool:
+    """Tune glibc's malloc for a server of big requests (see above); False
+    where it cannot (not glibc) or the environment already does."""
+    if {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"} & set(os.environ):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
+    return bool(
+        mallopt(m_mmap_threshold, SERVE_MMAP_THRESHOLD_BYTES)
+        and mallopt(m_trim_threshold, SERVE_KEEP_FREED_BYTES)
+    )
+
+
+def release_freed_memory() -> None:
+    """Hand the pages freed so far back to the OS (after loading a model,
+    whose float32 file is read and dropped): glibc's allocator keeps them in
+    the process otherwise, and the resident model would look 2-3x its size."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
+_REDOC_JS = "/docs/redoc.standalone.js"
+
+
+class OfflineDocs:
+    """ASGI middleware answering ``/docs`` with ReDoc served from this
+    process (``fastapi_offline``'s copy of its script) rather than from a
+    CDN: tesseract-core's ``/docs`` shows a blank page without internet."""
+
+    def __init__(self, app, title: str):
+        self.app = app
+        self.title = title
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path") if scope["type"] == "http" else None
+        if path == "/docs":
+            from fastapi.openapi.docs import get_redoc_html
+
+            page = get_redoc_html(
+                openapi_url="/openapi.json",
+                title=self.title,
+                redoc_js_url=_REDOC_JS,
+                with_google_fonts=False,
+            )
+            return await page(scope, receive, send)
+        if path == _REDOC_JS:
+            from starlette.responses import Response
+
+            script = resources.files("fastapi_offline") / "static/redoc.standalone.js"
+            response = Response(
+                script.read_bytes(), media_type="application/javascript"
+            )
+            return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def create_app():
+    """tesseract-core's app for TESSERACT_API_PATH, behind the guard, with
+    the API module's settings (``RUNTIME.settings`` when it defines one)."""
+    from fastapi.exceptions import RequestValidationError
+    from tesseract_core.runtime.config import get_config
+    from tesseract_core.runtime.core import get_tesseract_api
+    from tesseract_core.runtime.serve import create_rest_api
+
+    api = get_tesseract_api()
+    app = create_rest_api(api)
+    runtime = getattr(api, "RUNTIME", None)
+    settings = runtime.settings if runtime is not None else Settings.from_env()
+    # after the API module loaded (a resident model's float32 file is read and
+    # freed there): what it let go of goes back to the system as before
+    keep_freed_memory()
+    app.add_exception_handler(RequestValidationError, validation_error_response)
+    config = get_config()
+    docs = OfflineDocs(app, title=f"{config.name or 'Tesseract'} - API docs")
+    return RequestGuard(docs, settings, input_dir=Path(config.input_path))
+
+
+def main(argv=None) -> int | None:
+    """``qarray-serve serve [--host H] [--port P] [--num-workers N]``;
+    ``qarray-serve convert ...``; any other command runs as
+    ``tesseract-runtime`` would run it."""
+    import argparse
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "convert":
+        from ..checkpoint import main as convert_main
+
+        return convert_main(argv[1:])
+    if not argv or argv[0] != "serve":
+        from tesseract_core.runtime.cli import main as runtime_main
+
+        sys.argv = ["tesseract-runtime", *argv]
+        return runtime_main()
+    parser = argparse.ArgumentParser(prog="qarray-serve serve")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--num-workers", type=int, default=1)
+    args = parser.parse_args(argv[1:])
+    if args.num_workers < 1:
+        parser.error("--num-workers must be >= 1")
+    try:  # fail early, before the workers start
+        Settings.from_env()
+    except SettingsError as error:
+        parser.exit(2, f"qarray-serve: {error}\n")
+
+    import uvicorn
+
+    uvicorn.run(
+        "qarray.tesseract._server:create_app",
+        factory=True,
+        host=args.host,
+        port=args.port,
+        workers=args.num_workers,
+        timeout_keep_alive=60,
+    )
+    return None

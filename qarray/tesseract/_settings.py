@@ -1,0 +1,160 @@
+"""Start-up configuration: every ``QARRAY_*`` variable, read and checked once."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+class SettingsError(ValueError):
+    """A ``QARRAY_*`` variable that cannot be used; the message names it."""
+
+
+def _machine_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 8 * 2**30
+
+
+def _setting(env: str, default, doc: str, minimum: int | None = None, shown=None):
+    """A settings field read from ``env``; ``default`` may be a callable of
+    the machine; ``shown``: how the docs print a computed default."""
+    metadata = {"env": env, "doc": doc, "minimum": minimum, "shown": shown}
+    if callable(default):
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a qarray Tesseract and its server are configured with.
+
+    Built once at start-up by ``Settings.from_env()`` and shared by the
+    request guard and the Tesseract (``Runtime.settings``); the docs' table of
+    environment variables is generated from these fields.
+    """
+
+    max_elements: int = _setting(
+        "QARRAY_MAX_ELEMENTS",
+        2**25,
+        "Largest array accepted (declared shape, any field, checked before it is "
+        "decoded), largest result and largest Jacobian, in elements.",
+        minimum=1,
+    )
+    max_layers: int = _setting(
+        "QARRAY_MAX_LAYERS", 64, "Most layers in one request.", minimum=1
+    )
+    max_work: int = _setting(
+        "QARRAY_MAX_WORK",
+        2**27,
+        "Most elements of activations one request may compute: x and every "
+        "layer's output over all rows and batch axes (times y's size for a "
+        "Jacobian), checked on the declared shapes before any array is decoded.",
+        minimum=1,
+    )
+    max_request_bytes: int = _setting(
+        "QARRAY_MAX_REQUEST_BYTES",
+        256 * 2**20,
+        "Largest request body (413 beyond it, decided on Content-Length before "
+        "reading).",
+        minimum=1,
+    )
+    max_inflight_bytes: int = _setting(
+        "QARRAY_MAX_INFLIGHT_BYTES",
+        lambda: _machine_memory() // 16,
+        "Request bytes in flight in one process (being read, waiting or "
+        "computing): a request that would pass it gets 503 with Retry-After "
+        "before its body is read. Never below QARRAY_MAX_REQUEST_BYTES.",
+        minimum=1,
+        shown="1/16 of the machine's memory",
+    )
+    max_concurrency: int = _setting(
+        "QARRAY_MAX_CONCURRENCY",
+        lambda: os.cpu_count() or 1,
+        "Requests computing at once per process; the others wait, their bytes "
+        "counted in flight.",
+        minimum=1,
+        shown="the CPU count",
+    )
+    vjp_cache_size: int = _setting(
+        "QARRAY_VJP_CACHE_SIZE",
+        8,
+        "Entries in the VJP residual cache (apply's pullback, kept for the "
+        "vector_jacobian_product that follows it); 0 turns it off.",
+        minimum=0,
+    )
+    vjp_cache_min_flops: int = _setting(
+        "QARRAY_VJP_CACHE_MIN_FLOPS",
+        2**16,
+        "A network with a nonlinearity stores its pullback when its products "
+        "cost at least this many flops (below it, recomputing is cheaper: "
+        "`make bench`, suite cache).",
+        minimum=0,
+    )
+    vjp_cache_min_intensity: int = _setting(
+        "QARRAY_VJP_CACHE_MIN_INTENSITY",
+        2**20,
+        "A linear network stores its pullback only when its products cost at "
+        "least this many flops per input element (its VJP never needs the "
+        "forward pass); 0 caches every apply, whatever its size.",
+        minimum=0,
+    )
+    model: str | None = _setting(
+        "QARRAY_MODEL",
+        None,
+        "A model file (safetensors) loaded at start-up and kept on the device "
+        "quantized: requests that omit `layers` run it.",
+    )
+    mesh: str | None = _setting(
+        "QARRAY_MESH",
+        None,
+        "Unset: one device. `auto`: every local device on a `data` axis (rows of "
+        "x split). `data=D,model=M`: rows over `data`, every layer's output "
+        "channels over `model`.",
+    )
+
+    def __post_init__(self):
+        if self.max_inflight_bytes < self.max_request_bytes:
+            object.__setattr__(self, "max_inflight_bytes", self.max_request_bytes)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """The settings the environment gives (unset or empty: the default);
+        SettingsError naming the variable when one is not usable."""
+        environ = os.environ if environ is None else environ
+        given = {}
+        for f in dataclasses.fields(cls):
+            raw = environ.get(f.metadata["env"], "").strip()
+            if not raw:
+                continue
+            given[f.name] = _parse(f, raw)
+        return cls(**given)
+
+    @classmethod
+    def markdown_table(cls) -> str:
+        """The environment variables as a markdown table (for the docs)."""
+        lines = ["| variable | default | what |", "|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            shown = f.metadata["shown"]
+            if shown is None:
+                default = "unset" if f.default is None else f"`{f.default}`"
+            else:
+                default = shown
+            lines.append(f"| `{f.metadata['env']}` | {default} | {f.metadata['doc']} |")
+        return "\n".join(lines)
+
+
+def _parse(f: dataclasses.Field, raw: str):
+    name, minimum = f.metadata["env"], f.metadata["minimum"]
+    if minimum is None:  # a string setting
+        return raw
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SettingsError(f"{name} must be an integer, got {raw!r}.") from None
+    if value < minimum:
+        raise SettingsError(f"{name} must be >= {minimum}, got {value}.")
+    return value

@@ -1,0 +1,50 @@
+"""Every tesseract-core workaround of qarray, in one place.
+
+Each names the behaviour it works around and the tesseract-core version it
+was checked against; ``tests/tesseract/test_workarounds.py`` has a test per
+workaround that fails when tesseract-core stops behaving that way, so that an
+upgrade fails loudly and the workaround can go.
+
+Checked against tesseract-core 1.15.0.
+
+1. **Gradient paths through fields a request left null.** The gradient
+   endpoints' schemas check each path with
+   ``schema_generation.input_path_validator``, whose lookup raises TypeError
+   (answered as a 500) for a path through a null field
+   (``layers.[0].w_q.scale`` of a layer that gave ``w``), and which accepts a
+   path to an absent optional array (``layers.[0].bias`` not given), whose
+   tangent then fails as "expected 0D". ``install_gradient_path_check``
+   reassigns the validator (before the runtime builds the schemas, i.e. at
+   import of the API module) to one that turns the TypeError into the
+   schema's own check, then calls ``inputs.check_gradient_path(path)`` when
+   the InputSchema defines it: its ValueError is a 422 naming the path.
+"""
+
+from __future__ import annotations
+
+from tesseract_core.runtime import schema_generation
+
+CHECKED_AGAINST = "1.15.0"
+
+_upstream_input_path_validator = schema_generation.input_path_validator
+
+
+def checked_input_path(path: str, info) -> str:
+    """tesseract-core's gradient path check, then the InputSchema's own."""
+    try:
+        path = _upstream_input_path_validator(path, info)
+    except TypeError:
+        pass  # a path through a null field: the schema's check names it
+    inputs = info.data.get("inputs")
+    check = getattr(inputs, "check_gradient_path", None)
+    if check is not None:
+        try:
+            check(path)
+        except ValueError as error:
+            raise ValueError(f"{info.field_name}: {error}") from None
+    return path
+
+
+def install_gradient_path_check() -> None:
+    """Workaround 1 (module doc); idempotent."""
+    schema_generation.input_path_validator = checked_input_path
