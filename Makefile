@@ -8,7 +8,7 @@ PORT ?= 8000
 HOST ?= 127.0.0.1
 SCRATCH ?= $(or $(TMPDIR),/tmp)/qarray-serve
 
-.PHONY: setup test test-image lint serve bench soak test-compat clean
+.PHONY: setup test test-image lint serve bench soak test-compat clean docs browser
 
 setup: $(STAMP)
 
@@ -17,8 +17,21 @@ $(STAMP): pyproject.toml tesseract_requirements.txt scripts/install.sh
 	scripts/install.sh $(PY) dev --cpu
 	@touch $@
 
-test: setup
+# every test, and the documentation site built with --strict (a broken link,
+# a missing page or a docstring mkdocstrings cannot render fails)
+test: setup browser
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -q --site-dir $(SCRATCH)-site
 	$(PY) -m pytest
+
+# headless Chromium for the /docs page test (installed when root on Debian)
+browser:
+	@scripts/need_chromium.sh
+
+# the documentation site (mkdocs, material theme, API reference from the
+# docstrings) on $(HOST):$(DOCS_PORT)
+DOCS_PORT ?= 8001
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve -a $(HOST):$(DOCS_PORT)
 
 # the image, built and served for real: needs a Docker engine
 # (../shared/tools/local-docker.sh start makes one on a machine without).
@@ -39,12 +52,12 @@ lint: setup
 # the qarray tests on jax 0.11.2 (what the lent GPU machines carry); not in CI
 test-compat:
 	@test -x $(COMPAT_VENV)/bin/python || { python=$$(scripts/find_python.sh) && "$$python" -m venv $(COMPAT_VENV); }
-	$(COMPAT_VENV)/bin/python -m pip install -q --disable-pip-version-check "jax==0.11.2" "equinox==0.13.8" "numpy==2.5.4" "pytest==9.2.0"
+	$(COMPAT_VENV)/bin/python -m pip install -q --disable-pip-version-check "jax==0.11.2" "equinox==0.13.8" "numpy==2.5.4" "pytest==9.2.0" "optax==0.2.8" "safetensors==0.8.0"
 	$(COMPAT_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
 	$(COMPAT_VENV)/bin/python -m pytest tests/qarray
 
 # serves on $(HOST):$(PORT) with base64 array responses; run folders go to $(SCRATCH);
-# qarray-serve is tesseract-runtime serve behind the request guard (qarray/serve.py)
+# qarray-serve is tesseract-runtime serve behind the request guard (qarray/tesseract/)
 serve: setup
 	@mkdir -p "$(SCRATCH)"
 	TESSERACT_API_PATH="$(CURDIR)/tesseract_api.py" \
@@ -68,4 +81,4 @@ soak: setup
 	$(PY) scripts/soak.py --seconds $(SOAK_SECONDS) $(SOAK_ARGS)
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENV)
+	rm -rf $(VENV) $(COMPAT_VENV) site

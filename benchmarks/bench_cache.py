@@ -3,7 +3,7 @@
 In-process endpoints (tesseract_api.apply / vector_jacobian_product), the same
 inputs for both calls, side by side: the cache off; what ships (apply caches its
 compiled pullback where that pays: networks with a nonlinearity, whose backward
-pass needs the forward activations, see tesseract_api._cache_pays); the
+pass needs the forward activations, see qarray.tesseract.ResidualCache.pays); the
 compiled pullback forced on every apply; and tesseract-core's stock jax_apply
 filling the same LRU. Two networks: one linear layer (a miss recomputes only
 quantize(w): caching cannot pay) and three relu layers (a miss recomputes the
@@ -67,25 +67,32 @@ def run(reps=15):
             apply(inputs)
             return api.vector_jacobian_product(inputs, paths, {"y"}, g)
 
-        def off():
+        cache = api.RUNTIME.cache
+        default_intensity = cache.min_intensity
+
+        def off(cache=cache):
+            cache.resize(0)
             set_jax_vjp_cache_size(0)
             return apply_then_vjp(api.apply)
 
-        def ours(intensity=api.VJP_CACHE_MIN_INTENSITY):
-            set_jax_vjp_cache_size(8)
-            saved, api.VJP_CACHE_MIN_INTENSITY = api.VJP_CACHE_MIN_INTENSITY, intensity
+        def ours(intensity=default_intensity, cache=cache):
+            cache.resize(8)
+            set_jax_vjp_cache_size(0)
+            saved, cache.min_intensity = cache.min_intensity, intensity
             try:
                 return apply_then_vjp(api.apply)
             finally:
-                api.VJP_CACHE_MIN_INTENSITY = saved
+                cache.min_intensity = saved
 
-        def stock():
+        def stock(cache=cache):
+            # tesseract-core's own LRU, which the VJP's fallback (jax_vjp) reads
+            cache.resize(0)
             set_jax_vjp_cache_size(8)
             return apply_then_vjp(
                 lambda request: jax_recipes.jax_apply(api.apply_jit, request)
             )
 
-        cached = api._cache_pays(inputs)
+        cached = inputs.cache_pays()
         variants = {
             "ours": (
                 "default policy, ships: "
@@ -99,7 +106,8 @@ def run(reps=15):
             {"off": off, "ours": ours, "forced": lambda: ours(0), "stock": stock},
             reps=reps,
         )
-        set_jax_vjp_cache_size(api.VJP_CACHE_SIZE)
+        set_jax_vjp_cache_size(0)
+        cache.resize(api.RUNTIME.settings.vjp_cache_size)
         for name, (label, row_target) in variants.items():
             rows.append(
                 {

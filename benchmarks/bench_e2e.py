@@ -299,12 +299,12 @@ def _resident_rows(tmp, apis, reps, breakdown_reps):
 
 
 def run(reps=31, breakdown_reps=5):
-    from qarray.serve import _keep_freed_memory
+    from qarray.tesseract import keep_freed_memory
 
     # this process (the clients, and the in-process breakdown) with the
     # servers' malloc settings: both sides of the wire, and each stage, then
     # run as they do in qarray-serve
-    _keep_freed_memory()
+    keep_freed_memory()
     apis = {"ours": _ours_api(), "dense": _api(DENSE_API, "dense_api")}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -356,12 +356,13 @@ def _guard_ms(data: bytes, reps: int) -> float:
     """The request guard taking a body in 256 KiB messages (asyncio's read
     size; uvicorn hands each on) and checking it, before an app that only
     reads it."""
-    from qarray.serve import RequestGuard
+    from qarray.tesseract import RequestGuard, Settings
 
     async def app(scope, receive, send):
         await receive()
 
-    guard = RequestGuard(app, 2**30, Path("."), 2**25, 2**31, 1)
+    limits = {"max_request_bytes": 2**30, "max_inflight_bytes": 2**31}
+    guard = RequestGuard(app, Settings(**limits, max_concurrency=1), Path("."))
     chunk = 2**18
     pieces = [data[i : i + chunk] for i in range(0, len(data), chunk)]
     scope = {
@@ -411,18 +412,12 @@ def breakdown(api, endpoint: str, data: bytes, reps: int = 5) -> dict[str, float
     (the endpoint, outputs validated and on the host), encode (the response
     body, json+base64)."""
     import jax
-    from tesseract_core.runtime import jax_recipes
     from tesseract_core.runtime.core import create_endpoints
-    from tesseract_core.runtime.experimental import set_jax_vjp_cache_size
     from tesseract_core.runtime.file_interactions import output_to_bytes
 
-    # each server's own residual cache: ours at its default, the dense one off
-    # (tesseract-core's default); one process holds both APIs here. Kept
-    # across calls for the same API, so a VJP after its apply hits, as it does
-    # in a training step
-    size = getattr(api, "VJP_CACHE_SIZE", 0)
-    if (jax_recipes._jax_vjp_cache is None) != (size == 0):
-        set_jax_vjp_cache_size(size)
+    # each server's own residual cache (ours: RUNTIME.cache at its default;
+    # the dense one has none, tesseract-core's default), kept across calls for
+    # the same API, so a VJP after its apply hits, as in a training step
     fn = next(f for f in create_endpoints(api) if f.__name__ == endpoint)
     schema = inspect.signature(fn).parameters["payload"].annotation
     tree = json.loads(data)

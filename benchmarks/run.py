@@ -1,9 +1,11 @@
 """Run every benchmark side by side and report ratios: `make bench`.
 
     .venv/bin/python -m benchmarks.run [--quick] [--only matmul,cache,http,scaling,e2e]
+    .venv/bin/python -m benchmarks.run --docs-only   # docs/performance.md again
 
-Prints a table (markdown), writes benchmarks/results.json and
-benchmarks/results.png. Never part of `make test`.
+Prints a table (markdown), writes benchmarks/results.json,
+benchmarks/results.png and the docs' performance page (docs/performance.md,
+from the results: never edited by hand). Never part of `make test`.
 """
 
 import argparse
@@ -17,6 +19,7 @@ from pathlib import Path
 import jax
 
 HERE = Path(__file__).resolve().parent
+DOCS = HERE.parent / "docs"
 
 
 def machine() -> str:
@@ -122,6 +125,42 @@ def plot(rows, path):
     plt.close(fig)
 
 
+def write_docs(report: dict, path: Path) -> None:
+    """The docs' performance page, from a run's report (results.json)."""
+    rows = report["rows"]
+    lines = [
+        "# Performance",
+        "",
+        "<!-- written by `make bench` (benchmarks/run.py) from "
+        "benchmarks/results.json: do not edit by hand -->",
+        "",
+        "`make bench` runs `benchmarks/` (never part of `make test`): every row is "
+        "measured side by side with its baseline in the same run (interleaved "
+        "repetitions, medians, warm-up excluded), printed as this table and written "
+        "to `benchmarks/results.json` and `benchmarks/results.png`. Ratios are to "
+        "the baseline named in the row; on a shared machine they move by up to "
+        "about 10% between runs.",
+        "",
+        f"Machine: {report['machine']}; `{report['command']}` took "
+        f"{report['seconds']:.0f} s.",
+        "",
+        table(rows),
+        "",
+        "![Every row against its target](results.png)",
+    ]
+    if any("breakdown" in row for row in rows):
+        from benchmarks import bench_e2e
+
+        lines += ["", "## Where the time goes", "", "ms per request, ours / dense:"]
+        lines += ["", bench_e2e.table(rows)]
+    lines += [
+        "",
+        "[Performance notes](performance-notes.md) record what was profiled, "
+        "optimised and tried for the rows above.",
+    ]
+    path.write_text("\n".join(lines) + "\n")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
@@ -130,8 +169,18 @@ def main():
     parser.add_argument("--only", default="matmul,cache,http,scaling,e2e")
     parser.add_argument("--out", default=str(HERE / "results.json"))
     parser.add_argument("--plot", default=str(HERE / "results.png"))
+    parser.add_argument(
+        "--docs-only",
+        action="store_true",
+        help="write docs/performance.md from the results in --out, run nothing",
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(HERE.parent))
+    if args.docs_only:
+        report = json.loads(Path(args.out).read_text())
+        plot(report["rows"], DOCS / "results.png")
+        write_docs(report, DOCS / "performance.md")
+        return
     from benchmarks import (
         bench_cache,
         bench_e2e,
@@ -163,6 +212,8 @@ def main():
     as_json = json.dumps(report, indent=2, default=lambda v: v.item())
     Path(args.out).write_text(as_json + "\n")
     plot(rows, args.plot)
+    plot(rows, DOCS / "results.png")
+    write_docs(report, DOCS / "performance.md")
     print(f"Machine: {report['machine']}\n")
     print(table(rows))
     if any("breakdown" in row for row in rows):

@@ -30,7 +30,9 @@ def _dtype_str(a) -> str:
 def _require(name: str, a, dtype, min_rank: int) -> None:
     if not hasattr(a, "dtype") or np.dtype(a.dtype) != dtype:
         got = _dtype_str(a) if hasattr(a, "dtype") else type(a).__name__
-        raise TypeError(f"Linear requires {name} to be a {dtype} array, got {got}.")
+        raise TypeError(
+            f"Linear requires {name} to be a {np.dtype(dtype).name} array, got {got}."
+        )
     if a.ndim < min_rank:
         raise TypeError(
             f"Linear requires {name} of rank >= {min_rank}, got {_dtype_str(a)}."

@@ -141,6 +141,12 @@ class ResidualCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def resize(self, size: int) -> None:
+        """Keep at most ``size`` entries from now on (0: off, and emptied)."""
+        self.size = size
+        while len(self._entries) > size:
+            self._entries.popitem(last=False)
+
     def pays(self, flops: int, elements: int, linear: bool) -> bool:
         """Whether apply should store its pullback.
 

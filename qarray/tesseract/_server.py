@@ -64,7 +64,11 @@ def release_freed_memory() -> None:
         pass
 
 
-_REDOC_JS = "/docs/redoc.standalone.js"
+# the page's assets, served from fastapi_offline's static folder
+_ASSETS = {
+    "/docs/redoc.standalone.js": ("redoc.standalone.js", "application/javascript"),
+    "/docs/favicon.png": ("favicon.png", "image/png"),
+}
 
 
 class OfflineDocs:
@@ -84,17 +88,17 @@ class OfflineDocs:
             page = get_redoc_html(
                 openapi_url="/openapi.json",
                 title=self.title,
-                redoc_js_url=_REDOC_JS,
+                redoc_js_url="/docs/redoc.standalone.js",
+                redoc_favicon_url="/docs/favicon.png",
                 with_google_fonts=False,
             )
             return await page(scope, receive, send)
-        if path == _REDOC_JS:
+        if path in _ASSETS:
             from starlette.responses import Response
 
-            script = resources.files("fastapi_offline") / "static/redoc.standalone.js"
-            response = Response(
-                script.read_bytes(), media_type="application/javascript"
-            )
+            name, media_type = _ASSETS[path]
+            asset = resources.files("fastapi_offline") / "static" / name
+            response = Response(asset.read_bytes(), media_type=media_type)
             return await response(scope, receive, send)
         return await self.app(scope, receive, send)
 

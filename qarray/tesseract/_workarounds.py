@@ -10,10 +10,10 @@ Checked against tesseract-core 1.15.0.
 1. **Gradient paths through fields a request left null.** The gradient
    endpoints' schemas check each path with
    ``schema_generation.input_path_validator``, whose lookup raises TypeError
-   (answered as a 500) for a path through a null field
-   (``layers.[0].w_q.scale`` of a layer that gave ``w``), and which accepts a
-   path to an absent optional array (``layers.[0].bias`` not given), whose
-   tangent then fails as "expected 0D". ``install_gradient_path_check``
+   (answered as a 500) for a path that indexes a null list (``layers.[0].w``
+   when the request omits ``layers`` to run the resident model), and which
+   accepts a path to an absent optional array (``layers.[0].bias`` not
+   given), whose tangent then fails as "expected 0D". ``install_gradient_path_check``
    reassigns the validator (before the runtime builds the schemas, i.e. at
    import of the API module) to one that turns the TypeError into the
    schema's own check, then calls ``inputs.check_gradient_path(path)`` when

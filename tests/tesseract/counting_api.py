@@ -3,7 +3,8 @@
 Appends one byte to the file named by QARRAY_TEST_FORWARD_COUNTER for every
 forward pass the server computes: one per apply, and one per
 vector_jacobian_product that misses the residual cache and recomputes
-(tesseract-core's jax_recipes.jax_vjp, which tesseract_api calls on a miss). A VJP served from the cache adds none.
+(tesseract-core's jax_recipes.jax_vjp, which tesseract_api calls on a
+miss). A VJP served from the cache adds none.
 """
 
 import os

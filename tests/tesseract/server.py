@@ -27,9 +27,15 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serve(
-    tmp_path, api_path=ROOT / "tesseract_api.py", env=None, workers=1, timeout=120
+    tmp_path,
+    api_path=ROOT / "tesseract_api.py",
+    env=None,
+    workers=1,
+    timeout=120,
+    program=SERVE,
 ):
     """Serve ``api_path`` on a free loopback port; yield its base URL.
+    ``program``: qarray-serve (default) or stock ``tesseract-runtime``.
 
     The process is ours alone: it is stopped by PID when the block exits.
     """
@@ -49,7 +55,7 @@ def serve(
     log = open(tmp_path / f"server-{port}.log", "wb")
     proc = subprocess.Popen(
         [
-            str(SERVE),
+            str(program),
             "serve",
             "--host",
             "127.0.0.1",

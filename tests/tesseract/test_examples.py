@@ -67,8 +67,9 @@ def test_qat_pipeline_trains_and_plots(server, tmp_path):
 
 
 def readme_curl_commands():
-    """(path, JSON body) of every `curl ... -X POST` in the README."""
-    text = (ROOT / "README.md").read_text()
+    """(path, JSON body) of every `curl ... -X POST` in the README and docs."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    text = "\n".join(page.read_text() for page in pages)
     pattern = re.compile(
         r"curl -s -X POST 127\.0\.0\.1:8000(/\w+) [^\n]*-d '(.*?)'", re.S
     )

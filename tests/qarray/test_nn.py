@@ -1,0 +1,325 @@
+"""qarray.nn: quantized equinox modules against NumPy references.
+
+Values and gradients of Linear in both layouts, stored and trainable; any
+equinox MLP quantized by qarray.nn.quantize; quantization-aware training with
+optax and the int8 export; Network and its model files.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import qarray as qa
+import qarray.nn as qnn
+from qarray.checkpoint import load_network, save_network
+from tests import reference as ref
+
+RTOL, ATOL = 2e-5, 2e-5
+
+
+def normal(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def dense(layer_w, layout):
+    """The (K, N) float64 matrix a layer multiplies by (dequantized)."""
+    w = ref.roundtrip(layer_w).astype(np.float64)
+    return w if layout == "kn" else w.T
+
+
+@pytest.fixture(params=["kn", "nk"])
+def layout(request):
+    return request.param
+
+
+@pytest.mark.parametrize("trainable", [False, True])
+def test_linear_values_match_numpy(rng, layout, trainable):
+    k, n = 6, 5
+    w = normal(rng, *((k, n) if layout == "kn" else (n, k)))
+    bias = normal(rng, n)
+    x = normal(rng, 3, 2, k)  # any leading axes
+    layer = qnn.Linear.from_float(w, bias, layout=layout, trainable=trainable)
+    assert layer.trainable == trainable
+    assert (layer.in_features, layer.out_features) == (k, n)
+    want = x.astype(np.float64) @ dense(w, layout) + bias
+    np.testing.assert_allclose(layer(x), want, rtol=RTOL, atol=ATOL)
+    jitted = jax.jit(lambda m, x: m(x))(layer, x)  # the module as an argument
+    np.testing.assert_allclose(jitted, want, rtol=RTOL, atol=ATOL)
+    # the recorded (stored) or computed (trainable) relative weight error
+    err = np.linalg.norm(w - ref.roundtrip(w)) / np.linalg.norm(w)
+    np.testing.assert_allclose(float(layer.weight_error()), err, rtol=1e-5)
+
+
+def test_linear_int8_activations_match_numpy(rng, layout):
+    k, n = 8, 4
+    w = normal(rng, *((k, n) if layout == "kn" else (n, k)))
+    x = normal(rng, 5, k)
+    layer = qnn.Linear.from_float(w, layout=layout, activations="int8")
+    q, s = ref.quantize(w)
+    product = ref.matmul_q if layout == "kn" else ref.linear_q
+    want = product(x, q, s, "int8")
+    np.testing.assert_allclose(layer(x), want, rtol=1e-5, atol=1e-5)
+    # int8 activations differ from weight-only by more than the tolerance
+    assert np.abs(np.asarray(layer(x)) - x @ dense(w, layout)).max() > 1e-4
+
+
+def test_trainable_gradients_are_straight_through(rng, layout):
+    """d/dw of sum(g * layer(x)) is the dense product's; x's and bias's use
+    the quantized weights."""
+    k, n = 6, 5
+    w = normal(rng, *((k, n) if layout == "kn" else (n, k)))
+    bias, x, g = normal(rng, n), normal(rng, 4, k), normal(rng, 4, n)
+    layer = qnn.Linear(jnp.asarray(w), jnp.asarray(bias), layout=layout)
+
+    def loss(layer, x):
+        return jnp.sum(g * layer(x))
+
+    grads, gx = jax.grad(loss, argnums=(0, 1))(layer, x)
+    gx_want, gw_kn = ref.dense_vjp(x, dense(w, layout), g)
+    gw_want = gw_kn if layout == "kn" else gw_kn.T
+    np.testing.assert_allclose(grads.weight, gw_want, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(gx, gx_want, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(grads.bias, g.sum(0), rtol=RTOL, atol=ATOL)
+
+
+def test_stored_gradient_with_respect_to_the_scales_is_exact(rng, layout):
+    k, n = 6, 5
+    w = normal(rng, *((k, n) if layout == "kn" else (n, k)))
+    x, g = normal(rng, 4, k), normal(rng, 4, n)
+    layer = qnn.Linear.from_float(w, layout=layout)
+    q = np.asarray(layer.qvalue, np.float64)
+    grads = eqx.filter_grad(lambda m: jnp.sum(g * m(x)))(layer)
+    assert grads.qvalue is None  # int8 carries no gradient
+    if layout == "nk":  # y[m, n] = s[n] * (x @ q.T)[m, n]
+        want = np.sum(g * (x @ q.T), axis=0)
+    else:  # y = x @ (q * s[:, None]):  dL/ds[k] = sum_n (x.T g)[k, n] q[k, n]
+        want = np.sum((x.T.astype(np.float64) @ g) * q, axis=1)
+    np.testing.assert_allclose(grads.scale, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_module_under_jit_carries_no_qarray(rng):
+    """Parts are the leaves: the jitted function's inputs are plain arrays
+    (a QArray argument takes JAX's slow Python dispatch path for hi types)."""
+    layer = qnn.Linear.from_float(normal(rng, 5, 6))
+    jaxpr = jax.make_jaxpr(lambda m, x: m(x))(layer, normal(rng, 2, 6))
+    assert not any(isinstance(a, qa.QArrayTy) for a in jaxpr.in_avals)
+    assert {str(a.dtype) for a in jaxpr.in_avals} == {"int8", "float32"}
+
+
+def test_linear_under_vmap_and_grad_of_vmap(rng):
+    layer = qnn.Linear.from_float(normal(rng, 5, 6), normal(rng, 5), trainable=True)
+    xs = normal(rng, 7, 6)
+    np.testing.assert_allclose(jax.vmap(layer)(xs), layer(xs), rtol=RTOL, atol=ATOL)
+    grads = jax.grad(lambda m: jnp.sum(jax.vmap(m)(xs) ** 2))(layer)
+    want = jax.grad(lambda m: jnp.sum(m(xs) ** 2))(layer)
+    np.testing.assert_allclose(grads.weight, want.weight, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"weight": np.ones((2, 3))}, TypeError, "weight to be a float32 array"),
+        ({"weight": np.ones(3, np.float32)}, TypeError, "weight of rank >= 2"),
+        (
+            {"qvalue": np.ones((2, 3), np.int8), "scale": np.ones(3, np.float32)},
+            TypeError,
+            "scale.shape == qvalue.shape",
+        ),
+        ({"qvalue": np.ones((2, 3), np.int8)}, TypeError, "qvalue and scale"),
+        ({}, TypeError, "got neither"),
+        (
+            {"weight": np.ones((2, 3), np.float32), "layout": "mk"},
+            ValueError,
+            "layout in",
+        ),
+        (
+            {"weight": np.ones((2, 3), np.float32), "activations": "int4"},
+            ValueError,
+            "activations in",
+        ),
+        (
+            {"weight": np.ones((2, 3), np.float32), "bias": np.ones(3, np.float32)},
+            TypeError,
+            r"bias of shape \(\.\.\., 2\)",
+        ),
+    ],
+)
+def test_linear_refuses_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        qnn.Linear(**kwargs)
+
+
+# --- quantize(model) on equinox models
+
+
+def mlp(key=0, depth=2):
+    return eqx.nn.MLP(8, 3, 16, depth=depth, key=jax.random.key(key))
+
+
+def numpy_mlp(model, x, quantized):
+    """The MLP's forward pass in float64: relu between layers, with each
+    layer's weights dequantized where ``quantized(i)``."""
+    h = np.asarray(x, np.float64)
+    layers = model.layers
+    for i, layer in enumerate(layers):
+        w = np.asarray(layer.weight)
+        w = ref.roundtrip(w) if quantized(i) else w
+        h = h @ w.astype(np.float64).T + np.asarray(layer.bias)
+        if i < len(layers) - 1:
+            h = np.maximum(h, 0)
+    return h
+
+
+def test_quantized_mlp_matches_numpy_and_stays_near_the_float_model(rng):
+    model = mlp()
+    quantized = qnn.quantize(model)
+    assert all(isinstance(layer, qnn.Linear) for layer in quantized.layers)
+    assert all(layer.qvalue.dtype == jnp.int8 for layer in quantized.layers)
+    xs = normal(rng, 32, 8)
+    got = jax.vmap(quantized)(xs)
+    want = numpy_mlp(model, xs, quantized=lambda i: True)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    # within the quantization bound of the float model: a few 1e-3 relative
+    float_out = numpy_mlp(model, xs, quantized=lambda i: False)
+    rel = np.linalg.norm(got - float_out) / np.linalg.norm(float_out)
+    assert 1e-5 < rel < 2e-2, rel
+    # the original model is untouched
+    assert isinstance(model.layers[0], eqx.nn.Linear)
+
+
+def test_where_keeps_chosen_layers_float(rng):
+    model = mlp(depth=3)
+    ends = (model.layers[0], model.layers[-1])
+    quantized = qnn.quantize(model, where=lambda layer: layer not in ends)
+    kinds = [type(layer) for layer in quantized.layers]
+    assert kinds == [eqx.nn.Linear, qnn.Linear, qnn.Linear, eqx.nn.Linear]
+    xs = normal(rng, 16, 8)
+    want = numpy_mlp(model, xs, quantized=lambda i: i in (1, 2))
+    np.testing.assert_allclose(jax.vmap(quantized)(xs), want, rtol=1e-4, atol=1e-5)
+
+
+def test_quantize_with_int8_activations(rng):
+    quantized = qnn.quantize(mlp(), activations="int8")
+    assert {layer.activations for layer in quantized.layers} == {"int8"}
+    xs = normal(rng, 8, 8)
+    weight_only = jax.vmap(qnn.quantize(mlp()))(xs)
+    got = jax.vmap(quantized)(xs)
+    assert not np.allclose(got, weight_only, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(got, weight_only, rtol=0.05, atol=0.02)
+
+
+def test_qat_trains_with_optax_and_the_int8_export_scores_the_same(rng):
+    """A trainable quantized MLP fits a regression in-process; freeze gives
+    stored int8 layers with the QAT model's outputs."""
+    teacher = mlp(key=1)
+    xs = normal(rng, 256, 8)
+    ys = jax.vmap(teacher)(xs)
+    model = qnn.quantize(mlp(key=2), trainable=True)
+    optimizer = optax.adam(1e-2)
+    state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+
+    def loss(model):
+        return jnp.mean((jax.vmap(model)(xs) - ys) ** 2)
+
+    @eqx.filter_jit
+    def step(model, state):
+        value, grads = eqx.filter_value_and_grad(loss)(model)
+        updates, state = optimizer.update(grads, state)
+        return eqx.apply_updates(model, updates), state, value
+
+    first = float(loss(model))
+    for _ in range(150):
+        model, state, _ = step(model, state)
+    last = float(loss(model))
+    assert last < 0.2 * first, (first, last)
+    exported = qnn.freeze(model)
+    assert all(not layer.trainable for layer in exported.layers)
+    assert all(layer.qvalue.dtype == jnp.int8 for layer in exported.layers)
+    np.testing.assert_allclose(
+        jax.vmap(exported)(xs), jax.vmap(model)(xs), rtol=1e-5, atol=1e-6
+    )
+    np.testing.assert_allclose(float(loss(exported)), last, rtol=1e-4)
+
+
+def test_scalar_layers_stay_float():
+    model = eqx.nn.MLP("scalar", "scalar", 8, depth=2, key=jax.random.key(0))
+    quantized = qnn.quantize(model)
+    kinds = [type(layer) for layer in quantized.layers]
+    assert kinds == [eqx.nn.Linear, qnn.Linear, eqx.nn.Linear]
+    np.testing.assert_allclose(quantized(1.5), model(1.5), rtol=0.05, atol=1e-3)
+
+
+# --- Network: the Tesseract contract's network as a module
+
+
+def network_layers(rng):
+    return [
+        qnn.Linear.from_float(normal(rng, 6, 5), normal(rng, 5), layout="kn"),
+        qnn.Linear(jnp.asarray(normal(rng, 4, 5)), layout="nk"),
+    ]
+
+
+def test_network_matches_numpy_with_batch_axes(rng):
+    """Per-example weights on a leading axis: y[b] = net(x[b], params[b])."""
+    layers = network_layers(rng)
+    x = normal(rng, 3, 2, 6)
+    batched_w = normal(rng, 3, 4, 5)  # layer 1's weights, one per example
+    layers[1] = qnn.Linear(jnp.asarray(batched_w), layout="nk")
+    net = qnn.Network(layers, ["relu", "none"])
+    y, per_layer = net.run(x, return_w_q=True)
+    w0 = np.asarray(layers[0].qvalue, np.float64) * np.asarray(layers[0].scale)[:, None]
+    for b in range(3):
+        h = np.maximum(x[b] @ w0 + np.asarray(layers[0].bias), 0)
+        want = h @ ref.roundtrip(batched_w[b]).astype(np.float64).T
+        np.testing.assert_allclose(y[b], want, rtol=1e-4, atol=1e-5)
+    assert per_layer[0]["w_q"] is None  # a stored layer
+    assert per_layer[1]["weight_error"].shape == (3,)
+    np.testing.assert_array_equal(
+        per_layer[1]["w_q"]["qvalue"], ref.quantize(batched_w)[0]
+    )
+
+
+def test_network_refuses_widths_that_do_not_chain(rng):
+    a = qnn.Linear(jnp.asarray(normal(rng, 6, 5)), layout="kn")
+    b = qnn.Linear(jnp.asarray(normal(rng, 4, 6)), layout="nk")
+    with pytest.raises(TypeError, match=r"layers.\[0\] gives 5 features"):
+        qnn.Network([a, b])
+    with pytest.raises(ValueError, match="activations in"):
+        qnn.Network([a], ["swish"])
+    with pytest.raises(TypeError, match="K = 6"):
+        qnn.Network([a]).run(normal(rng, 2, 5))
+
+
+def test_network_model_file_round_trip(rng, tmp_path):
+    net = qnn.Network(network_layers(rng), ["gelu", "none"])
+    path = tmp_path / "model.safetensors"
+    save_network(path, net)
+    loaded = load_network(path)
+    assert loaded.activation == ("gelu", "none")
+    assert [layer.layout for layer in loaded.layers] == ["kn", "nk"]
+    assert all(not layer.trainable for layer in loaded.layers)
+    x = normal(rng, 4, 6)
+    np.testing.assert_allclose(loaded(x), net(x), rtol=1e-5, atol=1e-6)
+
+
+def test_the_library_imports_no_server():
+    """``import qarray`` (and qarray.nn) pulls in neither tesseract-core nor
+    the HTTP stack: the library stays a library."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, qarray, qarray.nn\n"
+        "found = [m for m in ('tesseract_core', 'fastapi', 'uvicorn', "
+        "'qarray.tesseract') if m in sys.modules]\n"
+        "sys.exit(', '.join(found) or None)"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
