@@ -10,18 +10,25 @@
 #   JAX         "cuda13" (default: jax's CUDA 13 wheels) or "cpu" (CPU-only jax:
 #               a smaller image, what `make test-image` builds)
 # The install runs scripts/install.sh, the script `make setup` runs, on the same
-# pinned tesseract_requirements.txt.
+# pinned tesseract_requirements.txt, in a build stage that also compiles
+# qarray's CPU kernels (g++ from the base image's apt); the image itself has no
+# compiler.
 ARG BASE_IMAGE=python:3.12.12-slim-bookworm
-FROM ${BASE_IMAGE}
 
+# --- build: the environment, with qarray's CPU kernels compiled (the compiler
+# stays in this stage; the image below gets the finished venv)
+FROM ${BASE_IMAGE} AS build
 ARG JAX=cuda13
-ENV PYTHONUNBUFFERED=1 \
-    PIP_NO_CACHE_DIR=1 \
-    PATH=/opt/venv/bin:$PATH
-
+ENV PIP_NO_CACHE_DIR=1
+# the base image's own Debian release decides g++'s version (any C++17 compiler
+# builds the kernels), and it never reaches the image: not pinned
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/qarray
 COPY pyproject.toml README.md tesseract_requirements.txt ./
-COPY scripts/install.sh scripts/
+COPY scripts/install.sh scripts/build_kernels.sh scripts/
 COPY qarray/ qarray/
 RUN case "$JAX" in \
         cuda13) jax_option= ;; \
@@ -29,7 +36,14 @@ RUN case "$JAX" in \
         *) echo "build argument JAX must be cuda13 or cpu, got '$JAX'" >&2; exit 2 ;; \
     esac \
     && python -m venv /opt/venv \
-    && scripts/install.sh /opt/venv/bin/python runtime $jax_option
+    && scripts/install.sh /opt/venv/bin/python runtime $jax_option \
+    && test -f /opt/venv/lib/python*/site-packages/qarray/_cpu/libqarray_cpu.so
+
+# --- the image
+FROM ${BASE_IMAGE}
+ENV PYTHONUNBUFFERED=1 \
+    PATH=/opt/venv/bin:$PATH
+COPY --from=build /opt/venv /opt/venv
 
 COPY tesseract_api.py /tesseract/tesseract_api.py
 # output_data is writable by any uid: `tesseract serve` runs containers as the

@@ -12,7 +12,8 @@ SCRATCH ?= $(or $(TMPDIR),/tmp)/qarray-serve
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml tesseract_requirements.txt scripts/install.sh
+$(STAMP): pyproject.toml tesseract_requirements.txt scripts/install.sh \
+		scripts/build_kernels.sh qarray/_cpu/kernels.cc
 	@test -x $(PY) || { python=$$(scripts/find_python.sh) && "$$python" -m venv $(VENV); }
 	scripts/install.sh $(PY) dev --cpu
 	@touch $@

@@ -16,24 +16,15 @@ Environment:
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Literal
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from pydantic import BaseModel, Field, model_validator
 from tesseract_core.runtime import Array, Differentiable, Float32, jax_recipes
 
-ACTIVATIONS = {
-    "none": lambda h: h,
-    "relu": jax.nn.relu,
-    "gelu": functools.partial(jax.nn.gelu, approximate=False),
-    "tanh": jnp.tanh,
-    "sigmoid": jax.nn.sigmoid,
-    "silu": jax.nn.silu,
-}
+from qarray.nn import ACTIVATIONS  # the same nonlinearities, by the same names
 
 
 def _load_model(path: str) -> list[dict]:

@@ -33,9 +33,9 @@ dequantize ``v @ qvalue.astype(f32)``       Backends that fuse the convert into 
 
 Weight-only products keep the activations at float32 precision: the only
 approximation is the weights' quantization. (Two int8 parts, or ``v`` in bf16,
-measured up to ~2x faster again at some shapes, but they add ~5e-5 and ~2e-3
-relative noise to the activations, enough to break finite-difference checks of
-the exact gradients; the README's Performance section records what they measured.)
+are faster again at some shapes, but their relative noise on the activations
+breaks finite-difference checks of the exact gradients; docs/performance-notes.md
+records what they measured.)
 
 Operands sharded over explicit mesh axes take the ``dequantize`` / plain int8
 formulations, which keep every axis in place for sharding propagation. On CPU:
@@ -56,11 +56,9 @@ The same strategies, chosen by the same rule (``choose_strategy``), each
 contracting both operands' last axes: ``chunked`` converts chunks of ~128
 output channels (rows of ``qvalue``), each giving a block of output columns;
 ``split_int8`` and ``int8_dot`` run one int8 dot; ``dequantize`` converts the
-whole payload. Measured at M = 1, K = N = 4096 against the faster f32 spelling
-of ``x @ w.T`` (``(w @ x.T).T``; ``x @ w.T`` itself runs ~15x slower there):
-chunks 1.1-1.3x, steady; the int8 dots 0.6-2x, swinging with the load on this
-shared 2-core machine (an int8 product padded to 8 rows is compute-bound).
-From M = 8 up the int8 dots win, as for matmul_q.
+whole payload. At M = 1 the chunks are steady while the int8 dots (an int8
+product padded to 8 rows is compute-bound) swing with the machine's load; from
+M = 8 up the int8 dots win, as for matmul_q (``make bench``, suite matmul).
 
 The two products are each other's transposes (``g @ W`` for W stored ``(n, k)``
 is matmul_q's product): each primitive's backward for ``x`` is the other's
@@ -70,11 +68,12 @@ weight-only forward, so both backwards also run on the int8 payload.
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from . import _ffi
 
 QMAX = 127.0
 
@@ -83,8 +82,8 @@ _ROWS_BY_COLS = (((1,), (0,)), ((), ()))
 # lhs[m, k] . rhs[n, k]: contract both operands' last axes (linear_q)
 _LAST_BY_LAST = (((1,), (1,)), ((), ()))
 
-WEIGHT_ONLY_STRATEGIES = ("chunked", "split_int8", "dequantize")
-INT8_STRATEGIES = ("chunked", "int8_dot")
+WEIGHT_ONLY_STRATEGIES = ("kernel", "chunked", "split_int8", "dequantize")
+INT8_STRATEGIES = ("kernel", "chunked", "int8_dot")
 
 # rows of int8 weights converted to f32 at a time by the chunked formulation
 CHUNK_ROWS = 128
@@ -139,12 +138,16 @@ def matmul(x, qvalue, scale, activations="float32", strategy=None):
     m = math.prod(lead)
     if _explicitly_sharded(x) or _explicitly_sharded(qvalue):
         return _sharded(x * scale, qvalue, activations, w_axis=0)
-    v = (x * scale).reshape(m, k)  # per-row weight scales fold into x
-    if activations == "int8":
-        xq, xs = quantize_rows(v)
-        run = partial(_int8_activations, xq, xs, qvalue)
-    else:
-        run = partial(_weight_only, v, qvalue)
+    x2 = x.reshape(m, k)
+
+    def run(strategy):
+        if strategy == "kernel":  # the scales fold in inside the kernel
+            return _ffi.product(x2, qvalue, scale, kn=True, int8=activations == "int8")
+        v = x2 * scale  # per-row weight scales fold into x
+        if activations == "int8":
+            return _int8_activations(*quantize_rows(v), qvalue, strategy)
+        return _weight_only(v, qvalue, strategy)
+
     y = _by_platform(run, (m, k, n, activations), strategy)
     return y.reshape(*lead, n)
 
@@ -163,13 +166,19 @@ def linear(x, qvalue, scale, activations="float32", strategy=None):
     if _explicitly_sharded(x) or _explicitly_sharded(qvalue):
         return _sharded(x, qvalue, activations, w_axis=1) * scale
     x2 = x.reshape(m, k)  # nothing folds in: the scales multiply the output
-    if activations == "int8":
-        xq, xs = quantize_rows(x2)
-        run = partial(_int8_activations, xq, xs, qvalue, dims=_LAST_BY_LAST)
-    else:
-        run = partial(_weight_only, x2, qvalue, dims=_LAST_BY_LAST)
+
+    def run(strategy):
+        if strategy == "kernel":  # the scales multiply inside the kernel
+            return _ffi.product(x2, qvalue, scale, kn=False, int8=activations == "int8")
+        if activations == "int8":
+            xq, xs = quantize_rows(x2)
+            y = _int8_activations(xq, xs, qvalue, strategy, dims=_LAST_BY_LAST)
+        else:
+            y = _weight_only(x2, qvalue, strategy, dims=_LAST_BY_LAST)
+        return y * scale
+
     y = _by_platform(run, (m, k, n, activations), strategy)
-    return (y * scale).reshape(*lead, n)
+    return y.reshape(*lead, n)
 
 
 def _by_platform(run, problem, strategy):
@@ -260,8 +269,8 @@ def _split_product(v, qvalue, dims, levels):
 
 def _chunk_rows(k: int) -> int:
     """Rows per chunk: a divisor of k near 128 (so the weights reshape into
-    chunks without a copy), else 128 with a tail. Measured on XLA:CPU: 128 rows
-    (an f32 chunk of 512 bytes per column) beat 32-64 and 256-512 across N."""
+    chunks without a copy), else 128 with a tail: on XLA:CPU 128 rows (an f32
+    chunk of 512 bytes per column) beat smaller and larger chunks across N."""
     for delta in range(65):
         for rows in (CHUNK_ROWS - delta, CHUNK_ROWS + delta):
             if 64 <= rows <= 256 and k % rows == 0:

@@ -31,6 +31,9 @@ elif [ -n "$cpu" ]; then
 fi
 
 pip -r "$requirements"
+# the CPU kernels, against the jax just installed (its FFI headers); without a
+# compiler this says so and qarray uses its XLA formulations
+scripts/build_kernels.sh "$python"
 case "$mode" in
     runtime) pip --no-deps . ;;
     dev) pip -e ".[tesseract,dev]" ;;

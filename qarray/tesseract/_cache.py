@@ -87,7 +87,7 @@ class _HostKey:
     """An LRU key naming one request's arrays (host copies, as decoded) and
     the static rest of the request.
 
-    Hashes a strided sample of every array (4096 elements each: ~20 us), and
+    Hashes a strided sample of every array (4096 elements each: a cheap hash), and
     compares the whole arrays, bitwise (-0.0 != 0.0), only when the hashes
     agree: a lookup reads the arrays once, on a hit.
     """

@@ -20,8 +20,8 @@ def is_array(leaf: Any) -> bool:
 def split_request(inputs: Any) -> tuple[list, tuple]:
     """``(arrays, static)``: the array leaves of ``inputs`` and a hashable
     rest (the tree structure and every other leaf); ``merge_request`` inverts
-    it. Cheaper per call than ``eqx.filter_jit``'s partition, which measured
-    a third of a small apply."""
+    it. Cheaper per call than ``eqx.filter_jit``'s partition, a visible part
+    of a small apply's latency (``make bench``, suite http)."""
     leaves, treedef = jax.tree.flatten(inputs)
     arrays = [leaf if is_array(leaf) else None for leaf in leaves]
     others = tuple(_ARRAY if is_array(leaf) else leaf for leaf in leaves)

@@ -29,9 +29,9 @@ from ._settings import Settings, SettingsError
 
 # glibc's malloc gives a freed block of more than its (dynamic) threshold back
 # to the system, so every big buffer of the next request (the body, its str,
-# the base64 strings, the decoded arrays) is fresh memory again: measured at
-# 4-6 us per 4 KiB page fault on these VMs, 20-35 ms per 22 MB buffer, more
-# than the rest of the request. Blocks up to 32 MiB (glibc's largest mmap
+# the base64 strings, the decoded arrays) is fresh memory again, and its page
+# faults cost more than the rest of the request on these VMs
+# (docs/performance-notes.md). Blocks up to 32 MiB (glibc's largest mmap
 # threshold) come from the heap, and up to SERVE_KEEP_FREED_BYTES of free
 # heap stays mapped for the next request. MALLOC_*_ in the environment win.
 SERVE_MMAP_THRESHOLD_BYTES = 32 * 2**20

@@ -1,17 +1,40 @@
 """Each matmul_q and linear_q formulation against the NumPy reference, and the
 choice rules."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import qarray as qa
-from qarray import _kernels
+from qarray import _ffi, _kernels
 from tests import reference as ref
+
+
+def cpu_has_vnni() -> bool:
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"))
+
+
+def needs(strategy):
+    """The kernel strategy must run wherever the CPU has AVX-512 VNNI (a
+    missing build fails here); elsewhere, or with QARRAY_KERNELS=xla, there is
+    nothing to test."""
+    if strategy != "kernel" or _ffi.available():
+        return
+    if os.environ.get("QARRAY_KERNELS", "").lower() == "xla" or not cpu_has_vnni():
+        pytest.skip(f"qarray's CPU kernels do not run here: {_ffi.status()}")
+    pytest.fail(f"the CPU has AVX-512 VNNI but the kernels do not run: {_ffi.status()}")
+
 
 # relative error (Frobenius) each formulation may add to the exact product
 TOLERANCE = {
+    "kernel": 1e-6,  # float32 sums (weight-only); integer sums (int8, nk)
     "chunked": 1e-6,
     "dequantize": 1e-6,
     "split_int8": 1e-6,  # x * scale in three int8 parts: float32 precision
@@ -46,6 +69,7 @@ def rel_err(got, want):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("strategy", _kernels.WEIGHT_ONLY_STRATEGIES)
 def test_weight_only_strategies(rng, shape, strategy):
+    needs(strategy)
     x, qvalue, scale = data(rng, *shape)
     f = jax.jit(lambda x, q, s: _kernels.matmul(x, q, s, "float32", strategy))
     got = f(x, qvalue, scale)
@@ -57,6 +81,7 @@ def test_weight_only_strategies(rng, shape, strategy):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("strategy", _kernels.INT8_STRATEGIES)
 def test_int8_activation_strategies(rng, shape, strategy):
+    needs(strategy)
     x, qvalue, scale = data(rng, *shape)
     f = jax.jit(lambda x, q, s: _kernels.matmul(x, q, s, "int8", strategy))
     got = f(x, qvalue, scale)
@@ -68,6 +93,8 @@ def test_leading_axes_and_vectors(rng):
     x = rng.standard_normal((2, 3, 64)).astype(np.float32)
     _, qvalue, scale = data(rng, 1, 64, 16)
     for strategy in _kernels.WEIGHT_ONLY_STRATEGIES:
+        if strategy == "kernel" and not _ffi.available():
+            continue
         got = _kernels.matmul(jnp.asarray(x), qvalue, scale, "float32", strategy)
         assert rel_err(got, ref.matmul_q(x, qvalue, scale)) <= TOLERANCE[strategy]
         got = _kernels.matmul(jnp.asarray(x[0, 0]), qvalue, scale, "float32", strategy)
@@ -122,6 +149,7 @@ def linear_data(rng, m, k, n):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("strategy", _kernels.WEIGHT_ONLY_STRATEGIES)
 def test_linear_weight_only_strategies(rng, shape, strategy):
+    needs(strategy)
     x, qvalue, scale = linear_data(rng, *shape)
     f = jax.jit(lambda x, q, s: _kernels.linear(x, q, s, "float32", strategy))
     got = f(x, qvalue, scale)
@@ -133,6 +161,7 @@ def test_linear_weight_only_strategies(rng, shape, strategy):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("strategy", _kernels.INT8_STRATEGIES)
 def test_linear_int8_activation_strategies(rng, shape, strategy):
+    needs(strategy)
     x, qvalue, scale = linear_data(rng, *shape)
     f = jax.jit(lambda x, q, s: _kernels.linear(x, q, s, "int8", strategy))
     got = f(x, qvalue, scale)
@@ -145,6 +174,8 @@ def test_linear_leading_axes_and_vectors(rng):
     x = rng.standard_normal((2, 3, 64)).astype(np.float32)
     _, qvalue, scale = linear_data(rng, 1, 64, 16)
     for strategy in _kernels.WEIGHT_ONLY_STRATEGIES:
+        if strategy == "kernel" and not _ffi.available():
+            continue
         got = _kernels.linear(jnp.asarray(x), qvalue, scale, "float32", strategy)
         assert rel_err(got, ref.linear_q(x, qvalue, scale)) <= TOLERANCE[strategy]
         got = _kernels.linear(jnp.asarray(x[0, 0]), qvalue, scale, "float32", strategy)
@@ -194,3 +225,41 @@ def test_backward_for_x_is_float32_exact(rng, shape, activations):
         got = ct_x(x, g, qvalue, scale)
         assert got.shape == (m, k)
         assert rel_err(got, g.astype(np.float64) @ w_kn.T) <= TOLERANCE["split_int8"]
+
+
+# --- the CPU kernels against the XLA formulations, shape by shape
+
+
+KERNEL_SHAPES = [(1, 4096, 512), (4, 2048, 33), (7, 17, 1000), (64, 256, 256)]
+
+
+@pytest.mark.parametrize("shape", KERNEL_SHAPES, ids=str)
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_kernel_agrees_with_the_xla_formulations(rng, shape, layout, activations):
+    needs("kernel")
+    m, k, n = shape
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    stored = (k, n) if layout == "kn" else (n, k)
+    qvalue, scale = ref.quantize(rng.standard_normal(stored).astype(np.float32))
+    fn = _kernels.matmul if layout == "kn" else _kernels.linear
+    xla = "chunked"
+    kernel = jax.jit(lambda x, q, s: fn(x, q, s, activations, "kernel"))(
+        x, qvalue, scale
+    )
+    other = jax.jit(lambda x, q, s: fn(x, q, s, activations, xla))(x, qvalue, scale)
+    assert rel_err(kernel, np.asarray(other, np.float64)) <= 2e-6
+    product = ref.matmul_q if layout == "kn" else ref.linear_q
+    assert rel_err(kernel, product(x, qvalue, scale, activations)) <= 1e-6
+
+
+def test_kernels_switch_off_with_qarray_kernels_xla():
+    import subprocess
+    import sys
+
+    code = "from qarray import _ffi; print(_ffi.status())"
+    env = {**os.environ, "QARRAY_KERNELS": "xla", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True
+    )
+    assert out.stdout.strip() == "QARRAY_KERNELS=xla", out.stderr

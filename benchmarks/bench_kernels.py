@@ -1,0 +1,175 @@
+"""The int8 products as users run them, against jitted float32, weights cold
+and hot (suite ``kernels``).
+
+    .venv/bin/python -m benchmarks.bench_kernels [--quick] [--strategies]
+
+Cold: a many-layer model reads its weights from memory, not from cache: each
+call takes the next of several distinct copies of the weights, together more
+than twice the last-level cache (for both sides: the float32 baseline rotates
+its own copies). Hot: the same weights every call. Ours is the primitive under
+``jax.jit`` with the payload and scales as arguments (what ``qarray.nn`` and
+the Tesseract run); the baseline is the faster float32 spelling for the layout
+(``x @ w`` for (K, N); for (N, K) the faster of ``x @ w.T`` and
+``(w @ x.T).T``). ``--strategies`` adds a row per formulation (the kernel and
+the XLA ones), which is what ``_kernels.choose_strategy`` is set from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import qarray as qa
+from benchmarks._timing import interleaved
+from qarray import _ffi, _kernels
+
+SHAPES = [
+    (1, 4096, 4096),
+    (8, 4096, 4096),
+    (16, 4096, 4096),
+    (64, 4096, 4096),
+    (1, 1024, 1024),
+    (16, 1024, 1024),
+    (64, 1024, 1024),
+    (512, 1024, 1024),
+]
+# (activations, shape) -> target ratio to float32, weights cold (issue 18)
+TARGETS = {
+    ("float32", (1, 4096, 4096)): 3.0,
+    ("int8", (1, 4096, 4096)): 3.5,
+    ("float32", (1, 1024, 1024)): 2.5,
+    ("int8", (1, 1024, 1024)): 2.5,
+    ("float32", (16, 4096, 4096)): 2.0,
+    ("int8", (16, 4096, 4096)): 3.0,
+}
+FLOORS = {"float32": 1.2, "int8": 2.0}  # every other shape, cold
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache (sysfs), or 64 MiB when it cannot be read."""
+    sizes = []
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    for index in os.listdir(root) if os.path.isdir(root) else []:
+        try:
+            text = open(f"{root}/{index}/size").read().strip()
+        except OSError:
+            continue
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=64 * 2**20)
+
+
+def copies_beyond_cache(nbytes: int) -> int:
+    """Distinct copies of ``nbytes`` that together pass twice the cache."""
+    return max(2, -(-2 * last_level_cache_bytes() // max(nbytes, 1)) + 1)
+
+
+def rotating(items):
+    """A zero-argument function returning the next item, round and round."""
+    cycle = itertools.cycle(items)
+    return lambda: next(cycle)
+
+
+def _product(layout):
+    op = qa.matmul_q if layout == "kn" else qa.linear_q
+    return lambda x, q, s, activations, strategy: _strategy_call(
+        op, x, q, s, activations, strategy
+    )
+
+
+def _strategy_call(op, x, q, s, activations, strategy):
+    if strategy is None:
+        return op(x, qa.pack(q, s), activations)
+    fn = _kernels.matmul if op is qa.matmul_q else _kernels.linear
+    return fn(x, q, s, activations, strategy)
+
+
+def rows_for(layout, shape, reps, cold, strategies=False):
+    m, k, n = shape
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    stored = (k, n) if layout == "kn" else (n, k)
+    w = rng.standard_normal(stored).astype(np.float32)
+    q, s = (jnp.asarray(a) for a in jax.block_until_ready(qa.unpack(qa.quantize(w))))
+    count_q = copies_beyond_cache(q.nbytes) if cold else 1
+    count_w = copies_beyond_cache(w.nbytes) if cold else 1
+    qs = [(q + 0, s + 0) for _ in range(count_q)]  # distinct buffers
+    ws = [jnp.asarray(w) + 0 for _ in range(count_w)]
+    next_q, next_w = rotating(qs), rotating(ws)
+    if layout == "kn":
+        spellings = {"x @ w": jax.jit(lambda x, w: x @ w)}
+    else:
+        spellings = {
+            "x @ w.T": jax.jit(lambda x, w: x @ w.T),
+            "(w @ x.T).T": jax.jit(lambda x, w: (w @ x.T).T),
+        }
+    ours = jax.jit(_product(layout), static_argnums=(3, 4))
+    fns = {name: (lambda f=f: f(x, next_w())) for name, f in spellings.items()}
+    variants = [(a, None) for a in ("float32", "int8")]
+    if strategies:
+        variants += [("float32", st) for st in _kernels.WEIGHT_ONLY_STRATEGIES]
+        variants += [("int8", st) for st in _kernels.INT8_STRATEGIES]
+        if not _ffi.available():
+            variants = [v for v in variants if v[1] != "kernel"]
+    for activations, strategy in variants:
+        fns[(activations, strategy)] = lambda a=activations, st=strategy: ours(
+            x, *next_q(), a, st
+        )
+    heavy = m * k * n >= 2**28
+    times = interleaved(fns, reps=max(5, reps // 3) if heavy else reps)
+    best = min(spellings, key=lambda name: times[name])
+    rows = []
+    for activations, strategy in variants:
+        chosen = strategy or _kernels.choose_strategy(m, k, n, activations, "cpu")
+        target = None
+        if strategy is None and cold:
+            target = TARGETS.get((activations, shape), FLOORS[activations])
+        label = "weight-only" if activations == "float32" else "W8A8"
+        op = "matmul_q" if layout == "kn" else "linear_q"
+        forced = "" if strategy is None else ", forced"
+        rows.append(
+            {
+                "row": f"{label} {op} ({chosen}{forced}), weights "
+                + ("cold" if cold else "hot"),
+                "shape": shape,
+                "baseline": f"jitted f32 {best}, weights "
+                + ("cold" if cold else "hot"),
+                "ratio": times[best] / times[(activations, strategy)],
+                "target": target,
+                "unit": "x faster",
+                "ms": 1e3 * times[(activations, strategy)],
+                "baseline_ms": 1e3 * times[best],
+            }
+        )
+    return rows
+
+
+def run(reps=21, strategies=False, shapes=SHAPES):
+    rows = []
+    for shape in shapes:
+        for layout in ("nk", "kn"):
+            for cold in (True, False):
+                rows += rows_for(layout, shape, reps, cold, strategies and cold)
+    return rows
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--strategies", action="store_true")
+    parser.add_argument("--shapes", default=None, help="e.g. 1x4096x4096,64x1024x1024")
+    args = parser.parse_args()
+    shapes = SHAPES
+    if args.shapes:
+        shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
+    print(f"kernels: {_ffi.status()}")
+    for row in run(5 if args.quick else 21, args.strategies, shapes):
+        print(
+            f"{row['row']:<58} {row['shape']!s:<18} {row['ratio']:6.2f}x "
+            f"({row['ms']:.3f} ms vs {row['baseline_ms']:.3f} ms {row['baseline']})"
+        )

@@ -1,0 +1,338 @@
+// qarray's CPU product kernels, registered with XLA through jax.ffi.
+//
+// One handler, qarray_product, computes y f32[M, N] from x f32[M, K] and
+// int8 weights with one float32 scale per stored row:
+//
+//   layout nk (linear_q): q[N, K], scale[N]   y[m, n] = scale[n] * sum_k x[m, k] q[n, k]
+//   layout kn (matmul_q): q[K, N], scale[K]   y[m, n] = sum_k (x[m, k] scale[k]) q[k, n]
+//
+// Weight-only (int8 == 0): x stays float32; the int8 weights are widened in
+// registers, so the weights are read as int8 (a quarter of float32's bytes)
+// and never written back as a float32 copy, which is what XLA:CPU does.
+// Int8 activations (int8 == 1): each row v of x (scales folded in for kn) is
+// quantized like qarray.quantize (s = max|v| / 127, round half to even of
+// v / s, correctly rounded division), then
+//   nk: u8 (v + 128) x s8 dot products with vpdpbusd, minus 128 * rowsum(q);
+//   kn: the weight-only kernel on the integer rows (exact f32 sums of
+//       integers up to 2^24), times s.
+// Rows are taken MB at a time so that each weight load serves MB rows; the
+// output channels are split in chunks over XLA's intra-op thread pool.
+//
+// Only AVX-512 (F, BW, VNNI) code is here, compiled with target attributes and
+// used only where qarray_cpu_supported() says the CPU has it; elsewhere
+// qarray uses the XLA formulations (qarray/_kernels.py).
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+#define QARRAY_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+namespace {
+
+constexpr int kRowBlock = 4;  // rows of x per pass over the weights
+constexpr int64_t kKnChunk = 128;  // weight rows per partial sum (layout kn)
+
+// --- per-row quantization of activations (qarray.quantize's numerics)
+
+// scale = max|v| / 127; q = round_half_even(v / scale) clipped to [-127, 127]
+// (an all-zero row: scale 0, q 0). v = x[row] * fold (fold: null or K scales).
+QARRAY_AVX512 float QuantizeRow(const float* x, const float* fold, int64_t k,
+                                float* out_float, uint8_t* out_u8) {
+  __m512 vmax = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += 16) {
+    __mmask16 m = (k - i >= 16) ? 0xFFFF : (__mmask16)((1u << (k - i)) - 1);
+    __m512 v = _mm512_maskz_loadu_ps(m, x + i);
+    if (fold) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, fold + i));
+    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+  }
+  float scale = _mm512_reduce_max_ps(vmax) / 127.0f;
+  __m512 divisor = _mm512_set1_ps(scale > 0.0f ? scale : 1.0f);
+  __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+  for (int64_t i = 0; i < k; i += 16) {
+    __mmask16 m = (k - i >= 16) ? 0xFFFF : (__mmask16)((1u << (k - i)) - 1);
+    __m512 v = _mm512_maskz_loadu_ps(m, x + i);
+    if (fold) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, fold + i));
+    __m512 q = _mm512_roundscale_ps(_mm512_div_ps(v, divisor),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm512_min_ps(_mm512_max_ps(q, lo), hi);
+    if (out_float) _mm512_mask_storeu_ps(out_float + i, m, q);
+    if (out_u8) {
+      // shifted to unsigned for vpdpbusd: q + 128 in [1, 255]
+      __m512i qi = _mm512_add_epi32(_mm512_cvtps_epi32(q), _mm512_set1_epi32(128));
+      _mm_mask_storeu_epi8(out_u8 + i, m, _mm512_cvtepi32_epi8(qi));
+    }
+  }
+  return scale;
+}
+
+// --- layout nk: y[m, n] = sum_k x[m, k] q[n, k], a dot product per (m, n)
+
+QARRAY_AVX512 inline __m512 Widen16(const int8_t* p, __mmask16 m) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+}
+
+template <int MB>
+QARRAY_AVX512 void NkFloatBlock(const float* x, int64_t k, const int8_t* q,
+                                const float* scale, int64_t n0, int64_t n1,
+                                float* y, int64_t n_total) {
+  constexpr int NB = 4;
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) {
+    __m512 acc[MB][NB];
+    for (int r = 0; r < MB; ++r)
+      for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 16) {
+      __mmask16 m = (k - i >= 16) ? 0xFFFF : (__mmask16)((1u << (k - i)) - 1);
+      __m512 w[NB];
+      for (int c = 0; c < NB; ++c) w[c] = Widen16(q + (n + c) * k + i, m);
+      for (int r = 0; r < MB; ++r) {
+        __m512 xv = _mm512_maskz_loadu_ps(m, x + r * k + i);
+        for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_fmadd_ps(xv, w[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < MB; ++r)
+      for (int c = 0; c < NB; ++c)
+        y[r * n_total + n + c] = _mm512_reduce_add_ps(acc[r][c]) * scale[n + c];
+  }
+  for (; n < n1; ++n) {
+    __m512 acc[MB];
+    for (int r = 0; r < MB; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 16) {
+      __mmask16 m = (k - i >= 16) ? 0xFFFF : (__mmask16)((1u << (k - i)) - 1);
+      __m512 w = Widen16(q + n * k + i, m);
+      for (int r = 0; r < MB; ++r)
+        acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + r * k + i), w, acc[r]);
+    }
+    for (int r = 0; r < MB; ++r)
+      y[r * n_total + n] = _mm512_reduce_add_ps(acc[r]) * scale[n];
+  }
+}
+
+// u8 rows xq (k bytes each, k_stride apart), s8 weights: integer dot products
+template <int MB>
+QARRAY_AVX512 void NkInt8Block(const uint8_t* xq, int64_t k_stride,
+                               const float* sx, int64_t k, const int8_t* q,
+                               const float* scale, int64_t n0, int64_t n1,
+                               float* y, int64_t n_total) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t n = n0; n < n1; n += 2) {
+    const int nb = (n + 1 < n1) ? 2 : 1;
+    __m512i acc[MB][2], rowsum[2];
+    for (int c = 0; c < 2; ++c) {
+      rowsum[c] = _mm512_setzero_si512();
+      for (int r = 0; r < MB; ++r) acc[r][c] = _mm512_setzero_si512();
+    }
+    for (int64_t i = 0; i < k; i += 64) {
+      __mmask64 m = (k - i >= 64) ? ~0ULL : ((1ULL << (k - i)) - 1);
+      __m512i w[2];
+      for (int c = 0; c < nb; ++c) {
+        w[c] = _mm512_maskz_loadu_epi8(m, q + (n + c) * k + i);
+        rowsum[c] = _mm512_dpbusd_epi32(rowsum[c], ones, w[c]);
+      }
+      for (int r = 0; r < MB; ++r) {
+        __m512i xv = _mm512_maskz_loadu_epi8(m, xq + r * k_stride + i);
+        for (int c = 0; c < nb; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], xv, w[c]);
+      }
+    }
+    for (int c = 0; c < nb; ++c) {
+      const int64_t correction = 128LL * _mm512_reduce_add_epi32(rowsum[c]);
+      for (int r = 0; r < MB; ++r) {
+        const int64_t dot = _mm512_reduce_add_epi32(acc[r][c]) - correction;
+        y[r * n_total + n + c] = (float)dot * sx[r] * scale[n + c];
+      }
+    }
+  }
+}
+
+// --- layout kn: y[m, n] = sum_k v[m, k] q[k, n], 64 output columns at a time
+
+template <int MB>
+QARRAY_AVX512 void KnFloatBlock(const float* x, const float* fold, int64_t k,
+                                const int8_t* q, int64_t n0, int64_t n1,
+                                float* y, int64_t n_total) {
+  constexpr int NB = 4;  // 4 x 16 columns
+  for (int64_t n = n0; n < n1; n += 16 * NB) {
+    __mmask16 mask[NB];
+    int nb = 0;
+    for (int c = 0; c < NB; ++c) {
+      const int64_t left = n1 - (n + 16 * c);
+      mask[c] = left >= 16 ? 0xFFFF : (left > 0 ? (__mmask16)((1u << left) - 1) : 0);
+      if (left > 0) nb = c + 1;
+    }
+    // two-level sums: a fresh accumulator per kKnChunk rows of the weights,
+    // added into y, so rounding grows with kKnChunk + k / kKnChunk, not k
+    for (int r = 0; r < MB; ++r)
+      for (int c = 0; c < nb; ++c)
+        _mm512_mask_storeu_ps(y + r * n_total + n + 16 * c, mask[c], _mm512_setzero_ps());
+    for (int64_t i0 = 0; i0 < k; i0 += kKnChunk) {
+      const int64_t i1 = std::min(i0 + kKnChunk, k);
+      __m512 acc[MB][NB];
+      for (int r = 0; r < MB; ++r)
+        for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_setzero_ps();
+      for (int64_t i = i0; i < i1; ++i) {
+        const int8_t* row = q + i * n_total + n;
+        __m512 w[NB];
+        for (int c = 0; c < nb; ++c) w[c] = Widen16(row + 16 * c, mask[c]);
+        const float f = fold ? fold[i] : 1.0f;
+        for (int r = 0; r < MB; ++r) {
+          const __m512 xv = _mm512_set1_ps(x[r * k + i] * f);
+          for (int c = 0; c < nb; ++c) acc[r][c] = _mm512_fmadd_ps(xv, w[c], acc[r][c]);
+        }
+      }
+      for (int r = 0; r < MB; ++r)
+        for (int c = 0; c < nb; ++c) {
+          float* out = y + r * n_total + n + 16 * c;
+          const __m512 total = _mm512_maskz_loadu_ps(mask[c], out);
+          _mm512_mask_storeu_ps(out, mask[c], _mm512_add_ps(total, acc[r][c]));
+        }
+    }
+  }
+}
+
+// --- the handler: rows in blocks, output channels in chunks over threads
+
+struct Problem {
+  int64_t m, k, n;
+  bool kn, int8;
+  const float* x;
+  const int8_t* q;
+  const float* scale;
+  float* y;
+  // int8 activations: quantized rows (u8 for nk, float for kn) and scales
+  std::vector<uint8_t> xq;
+  std::vector<float> xf, sx;
+  int64_t k_stride = 0;
+};
+
+template <int MB>
+QARRAY_AVX512 void RunBlock(const Problem& p, int64_t row, int64_t n0, int64_t n1) {
+  float* y = p.y + row * p.n;
+  if (!p.kn && !p.int8) {
+    NkFloatBlock<MB>(p.x + row * p.k, p.k, p.q, p.scale, n0, n1, y, p.n);
+  } else if (!p.kn) {
+    NkInt8Block<MB>(p.xq.data() + row * p.k_stride, p.k_stride, p.sx.data() + row,
+                    p.k, p.q, p.scale, n0, n1, y, p.n);
+  } else if (!p.int8) {
+    KnFloatBlock<MB>(p.x + row * p.k, p.scale, p.k, p.q, n0, n1, y, p.n);
+  } else {
+    KnFloatBlock<MB>(p.xf.data() + row * p.k, nullptr, p.k, p.q, n0, n1, y, p.n);
+    for (int r = 0; r < MB; ++r)
+      for (int64_t j = n0; j < n1; ++j) y[r * p.n + j] *= p.sx[row + r];
+  }
+}
+
+QARRAY_AVX512 void RunChunk(const Problem& p, int64_t n0, int64_t n1) {
+  int64_t row = 0;
+  for (; row + kRowBlock <= p.m; row += kRowBlock) RunBlock<kRowBlock>(p, row, n0, n1);
+  switch (p.m - row) {
+    case 3: RunBlock<3>(p, row, n0, n1); break;
+    case 2: RunBlock<2>(p, row, n0, n1); break;
+    case 1: RunBlock<1>(p, row, n0, n1); break;
+    default: break;
+  }
+}
+
+// Chunks are claimed from a shared counter by the calling thread and by the
+// tasks it schedules; the caller waits only for chunks already claimed (being
+// computed), never for a task that has not started, so a busy pool cannot
+// deadlock it, and a task that starts late finds nothing left to do.
+struct Work {
+  const Problem* problem;
+  int64_t chunk, count;
+  std::atomic<int64_t> next{0}, done{0};
+
+  void Drain() {
+    for (int64_t c; (c = next.fetch_add(1)) < count;) {
+      const int64_t n0 = c * chunk, n1 = std::min(n0 + chunk, problem->n);
+      RunChunk(*problem, n0, n1);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+QARRAY_AVX512 void Prepare(Problem& p) {
+  if (!p.int8) return;
+  p.sx.resize(p.m);
+  if (p.kn) {
+    p.xf.resize(p.m * p.k);
+    for (int64_t r = 0; r < p.m; ++r)
+      p.sx[r] = QuantizeRow(p.x + r * p.k, p.scale, p.k, p.xf.data() + r * p.k, nullptr);
+  } else {
+    p.k_stride = p.k;
+    p.xq.resize(p.m * p.k);
+    for (int64_t r = 0; r < p.m; ++r)
+      p.sx[r] = QuantizeRow(p.x + r * p.k, nullptr, p.k, nullptr, p.xq.data() + r * p.k);
+  }
+}
+
+ffi::Error ProductImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                       ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
+                       ffi::ResultBuffer<ffi::F32> y, int64_t kn, int64_t int8) {
+  auto xd = x.dimensions(), qd = q.dimensions();
+  if (xd.size() != 2 || qd.size() != 2)
+    return ffi::Error::InvalidArgument("qarray_product takes x[M, K] and q of rank 2");
+  auto p = std::make_shared<Problem>();
+  p->m = xd[0];
+  p->k = xd[1];
+  p->n = kn ? qd[1] : qd[0];
+  p->kn = kn != 0;
+  p->int8 = int8 != 0;
+  if ((kn ? qd[0] : qd[1]) != p->k)
+    return ffi::Error::InvalidArgument("qarray_product: x and q do not contract");
+  p->x = x.typed_data();
+  p->q = q.typed_data();
+  p->scale = scale.typed_data();
+  p->y = y->typed_data();
+  if (p->m == 0 || p->n == 0) return ffi::Error::Success();
+  if (p->k == 0) {
+    std::memset(p->y, 0, sizeof(float) * p->m * p->n);
+    return ffi::Error::Success();
+  }
+  Prepare(*p);
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // ~4 chunks per thread, each a multiple of 64 output channels
+  int64_t chunk = (p->n + 4 * threads - 1) / (4 * threads);
+  chunk = std::max<int64_t>(64, (chunk + 63) / 64 * 64);
+  auto work = std::make_shared<Work>();
+  work->problem = p.get();
+  work->chunk = chunk;
+  work->count = (p->n + chunk - 1) / chunk;
+  const int64_t helpers = std::min<int64_t>(threads, work->count) - 1;
+  for (int64_t t = 0; t < helpers; ++t)
+    pool.Schedule([work, p] { work->Drain(); });
+  work->Drain();
+  while (work->done.load(std::memory_order_acquire) < work->count)
+    std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QarrayProduct, ProductImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("kn")
+                                  .Attr<int64_t>("int8"));
+
+// Whether this CPU runs the kernels (AVX-512 F, BW, VL and VNNI).
+extern "C" __attribute__((visibility("default"))) int qarray_cpu_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}

@@ -1,0 +1,64 @@
+"""qarray's CPU kernels (``qarray/_cpu/kernels.cc``) through ``jax.ffi``.
+
+``scripts/build_kernels.sh`` (run by ``make setup`` and the image's build
+stage) compiles them into ``qarray/_cpu/libqarray_cpu.so``. They run where
+the library was built and the CPU has AVX-512 VNNI, unless
+``QARRAY_KERNELS=xla`` asks for the XLA formulations everywhere; ``available``
+says which, and ``_kernels.choose_strategy`` picks them on CPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+LIBRARY = Path(__file__).parent / "_cpu" / "libqarray_cpu.so"
+TARGET = "qarray_product"
+KERNELS_ENV = "QARRAY_KERNELS"  # "xla": never use the CPU kernels
+
+
+@functools.cache
+def status() -> str:
+    """Why the CPU kernels do or do not run in this process: "available",
+    or the reason they do not."""
+    if os.environ.get(KERNELS_ENV, "").strip().lower() == "xla":
+        return f"{KERNELS_ENV}=xla"
+    if not LIBRARY.is_file():
+        return f"not built ({LIBRARY.name} missing: run make setup with a C++ compiler)"
+    try:
+        library = ctypes.CDLL(str(LIBRARY))
+    except OSError as error:
+        return f"{LIBRARY.name} does not load: {error}"
+    if not library.qarray_cpu_supported():
+        return "this CPU lacks AVX-512 (F, BW, VL, VNNI)"
+    jax.ffi.register_ffi_target(
+        TARGET, jax.ffi.pycapsule(library.QarrayProduct), platform="cpu"
+    )
+    return "available"
+
+
+def available() -> bool:
+    """Whether the CPU kernels run in this process (see ``status``)."""
+    return status() == "available"
+
+
+def product(x, qvalue, scale, *, kn: bool, int8: bool):
+    """x f32[m, k] with int8 weights and their per-row scales -> f32[m, n]:
+    ``(x * scale) @ qvalue`` for ``kn`` (q[k, n], scale[k]), else
+    ``(x @ qvalue.T) * scale`` (q[n, k], scale[n]); ``int8``: x's rows
+    quantized per row first (after the scales fold in, for kn)."""
+    if not available():
+        raise RuntimeError(f"qarray's CPU kernels do not run here: {status()}")
+    n = qvalue.shape[1] if kn else qvalue.shape[0]
+    call = jax.ffi.ffi_call(
+        TARGET,
+        jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
+        vmap_method="sequential",
+    )
+    return call(x, qvalue, scale, kn=np.int64(kn), int8=np.int64(int8))
