@@ -18,11 +18,14 @@ $(STAMP): pyproject.toml tesseract_requirements.txt scripts/install.sh \
 	scripts/install.sh $(PY) dev --cpu
 	@touch $@
 
-# every test, and the documentation site built with --strict (a broken link,
-# a missing page or a docstring mkdocstrings cannot render fails)
+# every test (with qarray's CPU kernels where they run), the library's tests
+# again on the XLA formulations alone (QARRAY_KERNELS=xla), and the
+# documentation site built with --strict (a broken link, a missing page or a
+# docstring mkdocstrings cannot render fails)
 test: setup browser
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -q --site-dir $(SCRATCH)-site
 	$(PY) -m pytest
+	QARRAY_KERNELS=xla $(PY) -m pytest -q tests/qarray tests/test_recipes.py -k "not kernel"
 
 # headless Chromium for the /docs page test (installed when root on Debian)
 browser:

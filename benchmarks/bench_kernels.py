@@ -125,7 +125,9 @@ def rows_for(layout, shape, reps, cold, strategies=False):
     best = min(spellings, key=lambda name: times[name])
     rows = []
     for activations, strategy in variants:
-        chosen = strategy or _kernels.choose_strategy(m, k, n, activations, "cpu")
+        chosen = strategy or _kernels.choose_strategy(
+            m, k, n, activations, "cpu", layout
+        )
         target = None
         if strategy is None and cold:
             target = TARGETS.get((activations, shape), FLOORS[activations])

@@ -61,4 +61,12 @@ def product(x, qvalue, scale, *, kn: bool, int8: bool):
         jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
         vmap_method="sequential",
     )
-    return call(x, qvalue, scale, kn=np.int64(kn), int8=np.int64(int8))
+    y = call(x, qvalue, scale, kn=np.int64(kn), int8=np.int64(int8))
+    # inside shard_map the result varies over the manual axes its operands do
+    # (what the typing rules declared); the call's own type says none
+    varying = frozenset().union(
+        *(jax.typeof(a).manual_axis_type.varying for a in (x, qvalue, scale))
+    )
+    if varying:
+        y = jax.lax.pcast(y, tuple(sorted(varying)), to="varying")
+    return y

@@ -115,12 +115,36 @@ def dequantize_rows(qvalue, scale):
     return qvalue.astype(jnp.float32) * scale[..., None]
 
 
-def choose_strategy(m: int, k: int, n: int, activations: str, platform: str) -> str:
-    """The formulation ``matmul`` (x[m, k] @ q8[k, n]) and ``linear``
-    (x[m, k] @ q8[n, k]^T) use (see module doc): measured alike for both."""
+# rows up to which qarray's CPU kernel beats the XLA formulations, by layout
+# and activations (``make bench``, suite kernels, weights cold and hot): at
+# more rows XLA's int8 dots are better blocked
+KERNEL_MAX_ROWS = {
+    ("nk", "float32"): 4,
+    ("nk", "int8"): 8,
+    ("kn", "float32"): 1,
+    ("kn", "int8"): 1,
+}
+
+
+def choose_strategy(
+    m: int,
+    k: int,
+    n: int,
+    activations: str,
+    platform: str,
+    layout: str = "kn",
+    kernels: bool | None = None,
+) -> str:
+    """The formulation ``matmul`` (x[m, k] @ q8[k, n], layout "kn") and
+    ``linear`` (x[m, k] @ q8[n, k]^T, "nk") use (see module doc).
+    ``kernels``: whether qarray's CPU kernels run here (default: ``_ffi``)."""
     del k, n  # measured so far: the best choice depends on M alone
     if platform != "cpu":
         return "int8_dot" if activations == "int8" else "dequantize"
+    if kernels is None:
+        kernels = _ffi.available()
+    if kernels and m <= KERNEL_MAX_ROWS[layout, activations]:
+        return "kernel"
     if m == 1:
         return "chunked"
     return "int8_dot" if activations == "int8" else "split_int8"
@@ -148,7 +172,7 @@ def matmul(x, qvalue, scale, activations="float32", strategy=None):
             return _int8_activations(*quantize_rows(v), qvalue, strategy)
         return _weight_only(v, qvalue, strategy)
 
-    y = _by_platform(run, (m, k, n, activations), strategy)
+    y = _by_platform(run, (m, k, n, activations), strategy, layout="kn")
     return y.reshape(*lead, n)
 
 
@@ -177,16 +201,16 @@ def linear(x, qvalue, scale, activations="float32", strategy=None):
             y = _weight_only(x2, qvalue, strategy, dims=_LAST_BY_LAST)
         return y * scale
 
-    y = _by_platform(run, (m, k, n, activations), strategy)
+    y = _by_platform(run, (m, k, n, activations), strategy, layout="nk")
     return y.reshape(*lead, n)
 
 
-def _by_platform(run, problem, strategy):
-    """``run(strategy)``, or the strategy ``choose_strategy(*problem, platform)``
-    picks per backend, resolved when the computation is lowered."""
+def _by_platform(run, problem, strategy, layout):
+    """``run(strategy)``, or the strategy ``choose_strategy(*problem, platform,
+    layout)`` picks per backend, resolved when the computation is lowered."""
     if strategy is not None:
         return run(strategy)
-    cpu, other = (choose_strategy(*problem, p) for p in ("cpu", "gpu"))
+    cpu, other = (choose_strategy(*problem, p, layout) for p in ("cpu", "gpu"))
     if cpu == other:
         return run(cpu)
     return lax.platform_dependent(cpu=lambda: run(cpu), default=lambda: run(other))

@@ -120,83 +120,143 @@ QARRAY_AVX512 void NkFloatBlock(const float* x, int64_t k, const int8_t* q,
   }
 }
 
-// u8 rows xq (k bytes each, k_stride apart), s8 weights: integer dot products
+// u8 rows xq (k bytes each, k_stride apart), s8 weights: integer dot
+// products of MB rows with NB output channels from n (NB a constant, so that
+// the accumulators live in registers)
+template <int MB, int NB>
+QARRAY_AVX512 inline void NkInt8Tile(const uint8_t* xq, int64_t k_stride,
+                                     const float* sx, int64_t k, const int8_t* q,
+                                     const float* scale, int64_t n, float* y,
+                                     int64_t n_total) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i acc[MB][NB], rowsum[NB];
+  for (int c = 0; c < NB; ++c) {
+    rowsum[c] = _mm512_setzero_si512();
+    for (int r = 0; r < MB; ++r) acc[r][c] = _mm512_setzero_si512();
+  }
+  for (int64_t i = 0; i < k; i += 64) {
+    const __mmask64 m = (k - i >= 64) ? ~0ULL : ((1ULL << (k - i)) - 1);
+    __m512i w[NB];
+    for (int c = 0; c < NB; ++c) {
+      w[c] = _mm512_maskz_loadu_epi8(m, q + (n + c) * k + i);
+      rowsum[c] = _mm512_dpbusd_epi32(rowsum[c], ones, w[c]);
+    }
+    for (int r = 0; r < MB; ++r) {
+      const __m512i xv = _mm512_maskz_loadu_epi8(m, xq + r * k_stride + i);
+      for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], xv, w[c]);
+    }
+  }
+  for (int c = 0; c < NB; ++c) {
+    const int64_t correction = 128LL * _mm512_reduce_add_epi32(rowsum[c]);
+    for (int r = 0; r < MB; ++r) {
+      const int64_t dot = _mm512_reduce_add_epi32(acc[r][c]) - correction;
+      y[r * n_total + n + c] = (float)dot * sx[r] * scale[n + c];
+    }
+  }
+}
+
 template <int MB>
 QARRAY_AVX512 void NkInt8Block(const uint8_t* xq, int64_t k_stride,
                                const float* sx, int64_t k, const int8_t* q,
                                const float* scale, int64_t n0, int64_t n1,
                                float* y, int64_t n_total) {
-  const __m512i ones = _mm512_set1_epi8(1);
-  for (int64_t n = n0; n < n1; n += 2) {
-    const int nb = (n + 1 < n1) ? 2 : 1;
-    __m512i acc[MB][2], rowsum[2];
-    for (int c = 0; c < 2; ++c) {
-      rowsum[c] = _mm512_setzero_si512();
-      for (int r = 0; r < MB; ++r) acc[r][c] = _mm512_setzero_si512();
-    }
-    for (int64_t i = 0; i < k; i += 64) {
-      __mmask64 m = (k - i >= 64) ? ~0ULL : ((1ULL << (k - i)) - 1);
-      __m512i w[2];
-      for (int c = 0; c < nb; ++c) {
-        w[c] = _mm512_maskz_loadu_epi8(m, q + (n + c) * k + i);
-        rowsum[c] = _mm512_dpbusd_epi32(rowsum[c], ones, w[c]);
-      }
-      for (int r = 0; r < MB; ++r) {
-        __m512i xv = _mm512_maskz_loadu_epi8(m, xq + r * k_stride + i);
-        for (int c = 0; c < nb; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], xv, w[c]);
-      }
-    }
-    for (int c = 0; c < nb; ++c) {
-      const int64_t correction = 128LL * _mm512_reduce_add_epi32(rowsum[c]);
-      for (int r = 0; r < MB; ++r) {
-        const int64_t dot = _mm512_reduce_add_epi32(acc[r][c]) - correction;
-        y[r * n_total + n + c] = (float)dot * sx[r] * scale[n + c];
-      }
-    }
-  }
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4)
+    NkInt8Tile<MB, 4>(xq, k_stride, sx, k, q, scale, n, y, n_total);
+  for (; n < n1; ++n) NkInt8Tile<MB, 1>(xq, k_stride, sx, k, q, scale, n, y, n_total);
 }
 
 // --- layout kn: y[m, n] = sum_k v[m, k] q[k, n], 64 output columns at a time
+
+// MB rows and NB groups of 16 columns from n, the last group masked
+template <int MB, int NB>
+QARRAY_AVX512 inline void KnFloatTile(const float* x, const float* fold, int64_t k,
+                                      const int8_t* q, int64_t n, __mmask16 last,
+                                      float* y, int64_t n_total) {
+  // two-level sums: a fresh accumulator per kKnChunk rows of the weights,
+  // added into y, so rounding grows with kKnChunk + k / kKnChunk, not k
+  __m512 total[MB][NB];
+  for (int r = 0; r < MB; ++r)
+    for (int c = 0; c < NB; ++c) total[r][c] = _mm512_setzero_ps();
+  for (int64_t i0 = 0; i0 < k; i0 += kKnChunk) {
+    const int64_t i1 = std::min(i0 + kKnChunk, k);
+    __m512 acc[MB][NB];
+    for (int r = 0; r < MB; ++r)
+      for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t i = i0; i < i1; ++i) {
+      const int8_t* row = q + i * n_total + n;
+      __m512 w[NB];
+      for (int c = 0; c < NB; ++c)
+        w[c] = Widen16(row + 16 * c, c == NB - 1 ? last : (__mmask16)0xFFFF);
+      const float f = fold ? fold[i] : 1.0f;
+      for (int r = 0; r < MB; ++r) {
+        const __m512 xv = _mm512_set1_ps(x[r * k + i] * f);
+        for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_fmadd_ps(xv, w[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < MB; ++r)
+      for (int c = 0; c < NB; ++c) total[r][c] = _mm512_add_ps(total[r][c], acc[r][c]);
+  }
+  for (int r = 0; r < MB; ++r)
+    for (int c = 0; c < NB; ++c)
+      _mm512_mask_storeu_ps(y + r * n_total + n + 16 * c,
+                            c == NB - 1 ? last : (__mmask16)0xFFFF, total[r][c]);
+}
 
 template <int MB>
 QARRAY_AVX512 void KnFloatBlock(const float* x, const float* fold, int64_t k,
                                 const int8_t* q, int64_t n0, int64_t n1,
                                 float* y, int64_t n_total) {
-  constexpr int NB = 4;  // 4 x 16 columns
-  for (int64_t n = n0; n < n1; n += 16 * NB) {
-    __mmask16 mask[NB];
-    int nb = 0;
-    for (int c = 0; c < NB; ++c) {
-      const int64_t left = n1 - (n + 16 * c);
-      mask[c] = left >= 16 ? 0xFFFF : (left > 0 ? (__mmask16)((1u << left) - 1) : 0);
-      if (left > 0) nb = c + 1;
-    }
-    // two-level sums: a fresh accumulator per kKnChunk rows of the weights,
-    // added into y, so rounding grows with kKnChunk + k / kKnChunk, not k
-    for (int r = 0; r < MB; ++r)
-      for (int c = 0; c < nb; ++c)
-        _mm512_mask_storeu_ps(y + r * n_total + n + 16 * c, mask[c], _mm512_setzero_ps());
+  int64_t n = n0;
+  if (MB <= 2) {
+    for (; n + 64 <= n1; n += 64)
+      KnFloatTile<MB, 4>(x, fold, k, q, n, 0xFFFF, y, n_total);
+  } else {
+    for (; n + 32 <= n1; n += 32)
+      KnFloatTile<MB, 2>(x, fold, k, q, n, 0xFFFF, y, n_total);
+  }
+  for (; n < n1; n += 16) {
+    const int64_t left = n1 - n;
+    const __mmask16 m = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+    KnFloatTile<MB, 1>(x, fold, k, q, n, m, y, n_total);
+  }
+}
+
+// A few rows (one block): each weight row's span [n0, n1) is read
+// contiguously, the partial sums stay in a small buffer (L1), so the weights
+// stream from memory in order (the register-blocked form above reads a
+// 64-column strip down all K rows, which the prefetchers follow poorly).
+template <int MB>
+QARRAY_AVX512 void KnStreamBlock(const float* x, const float* fold, int64_t k,
+                                 const int8_t* q, int64_t n0, int64_t n1,
+                                 float* y, int64_t n_total) {
+  constexpr int64_t kSpan = 256;  // columns per pass: MB x kSpan floats of sums
+  alignas(64) float part[MB][kSpan];
+  for (int64_t c0 = n0; c0 < n1; c0 += kSpan) {
+    const int64_t width = std::min(kSpan, n1 - c0);
+    for (int r = 0; r < MB; ++r) std::fill(y + r * n_total + c0, y + r * n_total + c0 + width, 0.0f);
     for (int64_t i0 = 0; i0 < k; i0 += kKnChunk) {
       const int64_t i1 = std::min(i0 + kKnChunk, k);
-      __m512 acc[MB][NB];
-      for (int r = 0; r < MB; ++r)
-        for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_setzero_ps();
+      for (int r = 0; r < MB; ++r) std::fill(part[r], part[r] + width, 0.0f);
       for (int64_t i = i0; i < i1; ++i) {
-        const int8_t* row = q + i * n_total + n;
-        __m512 w[NB];
-        for (int c = 0; c < nb; ++c) w[c] = Widen16(row + 16 * c, mask[c]);
+        const int8_t* row = q + i * n_total + c0;
         const float f = fold ? fold[i] : 1.0f;
-        for (int r = 0; r < MB; ++r) {
-          const __m512 xv = _mm512_set1_ps(x[r * k + i] * f);
-          for (int c = 0; c < nb; ++c) acc[r][c] = _mm512_fmadd_ps(xv, w[c], acc[r][c]);
+        __m512 xv[MB];
+        for (int r = 0; r < MB; ++r) xv[r] = _mm512_set1_ps(x[r * k + i] * f);
+        for (int64_t j = 0; j < width; j += 16) {
+          const __mmask16 m =
+              (width - j >= 16) ? 0xFFFF : (__mmask16)((1u << (width - j)) - 1);
+          const __m512 w = Widen16(row + j, m);
+          for (int r = 0; r < MB; ++r) {
+            const __m512 acc = _mm512_maskz_loadu_ps(m, part[r] + j);
+            _mm512_mask_storeu_ps(part[r] + j, m, _mm512_fmadd_ps(xv[r], w, acc));
+          }
         }
       }
-      for (int r = 0; r < MB; ++r)
-        for (int c = 0; c < nb; ++c) {
-          float* out = y + r * n_total + n + 16 * c;
-          const __m512 total = _mm512_maskz_loadu_ps(mask[c], out);
-          _mm512_mask_storeu_ps(out, mask[c], _mm512_add_ps(total, acc[r][c]));
-        }
+      for (int r = 0; r < MB; ++r) {
+        float* out = y + r * n_total + c0;
+        for (int64_t j = 0; j < width; ++j) out[j] += part[r][j];
+      }
     }
   }
 }
@@ -224,23 +284,35 @@ QARRAY_AVX512 void RunBlock(const Problem& p, int64_t row, int64_t n0, int64_t n
   } else if (!p.kn) {
     NkInt8Block<MB>(p.xq.data() + row * p.k_stride, p.k_stride, p.sx.data() + row,
                     p.k, p.q, p.scale, n0, n1, y, p.n);
-  } else if (!p.int8) {
-    KnFloatBlock<MB>(p.x + row * p.k, p.scale, p.k, p.q, n0, n1, y, p.n);
   } else {
-    KnFloatBlock<MB>(p.xf.data() + row * p.k, nullptr, p.k, p.q, n0, n1, y, p.n);
+    const float* x = p.xf.data() + row * p.k;  // folded (and quantized) rows
+    const float* fold = nullptr;
+    if (p.m <= kRowBlock)
+      KnStreamBlock<MB>(x, fold, p.k, p.q, n0, n1, y, p.n);
+    else
+      KnFloatBlock<MB>(x, fold, p.k, p.q, n0, n1, y, p.n);
+  }
+  if (p.kn && p.int8) {
     for (int r = 0; r < MB; ++r)
       for (int64_t j = n0; j < n1; ++j) y[r * p.n + j] *= p.sx[row + r];
   }
 }
 
+// Output channels in tiles whose weights (tile x K int8) stay in L2 while
+// every block of rows passes over them: weights are read from memory once.
 QARRAY_AVX512 void RunChunk(const Problem& p, int64_t n0, int64_t n1) {
-  int64_t row = 0;
-  for (; row + kRowBlock <= p.m; row += kRowBlock) RunBlock<kRowBlock>(p, row, n0, n1);
-  switch (p.m - row) {
-    case 3: RunBlock<3>(p, row, n0, n1); break;
-    case 2: RunBlock<2>(p, row, n0, n1); break;
-    case 1: RunBlock<1>(p, row, n0, n1); break;
-    default: break;
+  int64_t tile = std::clamp<int64_t>((131072 / p.k) / 4 * 4, 4, 256);
+  if (p.kn) tile = p.m <= kRowBlock ? n1 - n0 : 64;  // one pass: stream it
+  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+    const int64_t t1 = std::min(t0 + tile, n1);
+    int64_t row = 0;
+    for (; row + kRowBlock <= p.m; row += kRowBlock) RunBlock<kRowBlock>(p, row, t0, t1);
+    switch (p.m - row) {
+      case 3: RunBlock<3>(p, row, t0, t1); break;
+      case 2: RunBlock<2>(p, row, t0, t1); break;
+      case 1: RunBlock<1>(p, row, t0, t1); break;
+      default: break;
+    }
   }
 }
 
@@ -263,6 +335,12 @@ struct Work {
 };
 
 QARRAY_AVX512 void Prepare(Problem& p) {
+  if (p.kn && !p.int8) {  // the scales fold into x once: v = x * scale
+    p.xf.resize(p.m * p.k);
+    for (int64_t r = 0; r < p.m; ++r)
+      for (int64_t i = 0; i < p.k; ++i) p.xf[r * p.k + i] = p.x[r * p.k + i] * p.scale[i];
+    return;
+  }
   if (!p.int8) return;
   p.sx.resize(p.m);
   if (p.kn) {

@@ -115,7 +115,32 @@ def test_leading_axes_and_vectors(rng):
     ],
 )
 def test_choose_strategy(m, kn, activations, platform, expected):
-    assert _kernels.choose_strategy(m, kn, kn, activations, platform) == expected
+    """Without qarray's CPU kernels (the XLA formulations)."""
+    got = _kernels.choose_strategy(m, kn, kn, activations, platform, kernels=False)
+    assert got == expected
+
+
+@pytest.mark.parametrize(
+    ("m", "layout", "activations", "platform", "expected"),
+    [
+        (1, "nk", "float32", "cpu", "kernel"),
+        (4, "nk", "float32", "cpu", "kernel"),
+        (5, "nk", "float32", "cpu", "split_int8"),
+        (8, "nk", "int8", "cpu", "kernel"),
+        (9, "nk", "int8", "cpu", "int8_dot"),
+        (1, "kn", "float32", "cpu", "kernel"),
+        (1, "kn", "int8", "cpu", "kernel"),
+        (2, "kn", "float32", "cpu", "split_int8"),
+        (1, "nk", "float32", "gpu", "dequantize"),
+    ],
+)
+def test_choose_strategy_with_the_cpu_kernels(
+    m, layout, activations, platform, expected
+):
+    got = _kernels.choose_strategy(
+        m, 4096, 4096, activations, platform, layout, kernels=True
+    )
+    assert got == expected
 
 
 @pytest.mark.parametrize(
@@ -124,7 +149,7 @@ def test_choose_strategy(m, kn, activations, platform, expected):
 )
 def test_matmul_q_runs_the_chosen_strategy_on_cpu(rng, m, activations):
     x, qvalue, scale = data(rng, m, 64, 32)
-    chosen = _kernels.choose_strategy(m, 64, 32, activations, "cpu")
+    chosen = _kernels.choose_strategy(m, 64, 32, activations, "cpu", "kn")
     forced = jax.jit(lambda x, q, s: _kernels.matmul(x, q, s, activations, chosen))
     auto = jax.jit(lambda x, q, s: qa.matmul_q(x, qa.pack(q, s), activations))
     np.testing.assert_array_equal(auto(x, qvalue, scale), forced(x, qvalue, scale))
@@ -188,7 +213,7 @@ def test_linear_leading_axes_and_vectors(rng):
 )
 def test_linear_q_runs_the_chosen_strategy_on_cpu(rng, m, activations):
     x, qvalue, scale = linear_data(rng, m, 64, 32)
-    chosen = _kernels.choose_strategy(m, 64, 32, activations, "cpu")
+    chosen = _kernels.choose_strategy(m, 64, 32, activations, "cpu", "nk")
     forced = jax.jit(lambda x, q, s: _kernels.linear(x, q, s, activations, chosen))
     auto = jax.jit(lambda x, q, s: qa.linear_q(x, qa.pack(q, s), activations))
     np.testing.assert_array_equal(auto(x, qvalue, scale), forced(x, qvalue, scale))
