@@ -8,7 +8,7 @@ PORT ?= 8000
 HOST ?= 127.0.0.1
 SCRATCH ?= $(or $(TMPDIR),/tmp)/qarray-serve
 
-.PHONY: setup test test-image lint serve bench soak test-compat clean docs browser
+.PHONY: setup test test-image lint serve bench soak test-compat clean docs browser gpu-check
 
 setup: $(STAMP)
 
@@ -59,6 +59,13 @@ test-compat:
 	$(COMPAT_VENV)/bin/python -m pip install -q --disable-pip-version-check "jax==0.11.2" "equinox==0.13.8" "numpy==2.5.4" "pytest==9.2.0" "optax==0.2.8" "safetensors==0.8.0"
 	$(COMPAT_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
 	$(COMPAT_VENV)/bin/python -m pytest tests/qarray
+
+# on a machine with an NVIDIA GPU and jax's CUDA plugin in GPU_PYTHON (the lent
+# machines carry one; nothing is installed): the library tests on the GPU and
+# the product rows on the device, a few minutes, report in gpu_check.json
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) scripts/gpu_check.py --out gpu_check.json
 
 # serves on $(HOST):$(PORT) with base64 array responses; run folders go to $(SCRATCH);
 # qarray-serve is tesseract-runtime serve behind the request guard (qarray/tesseract/)

@@ -10,11 +10,14 @@ quantize(w): caching cannot pay) and three relu layers (a miss recomputes the
 whole forward pass).
 """
 
+import dataclasses
+
 import numpy as np
 from tesseract_core.runtime import jax_recipes
 from tesseract_core.runtime.experimental import set_jax_vjp_cache_size
 
 from benchmarks._timing import interleaved
+from qarray.tesseract import ResidualCache
 
 # (network, (M, K, N) with every layer N x N after the first), target for what ships
 CASES = (
@@ -53,44 +56,63 @@ def _inputs(api, rng, depth, activation, shape):
     return api.InputSchema.model_validate({"x": x, "layers": layers})
 
 
+# a training loop never repeats its weights: that many distinct steps, in turn
+STEPS = 12
+
+
 def run(reps=15):
+    rows = []
+    for loop in (False, True):
+        rows += _rows(reps, loop)
+    return rows
+
+
+def _rows(reps, loop):
+    """Each case with the same inputs every repetition, or (``loop``) with
+    new weights every step, as a training loop sends them."""
+    import itertools
+
     api = _api()
     rows = []
     for network, depth, activation, shape, target in CASES:
         m, _, n = shape
         rng = np.random.default_rng(0)
-        inputs = _inputs(api, rng, depth, activation, shape)
+        steps = [
+            _inputs(api, rng, depth, activation, shape)
+            for _ in range(STEPS if loop else 1)
+        ]
+        inputs = steps[0]
         g = {"y": rng.standard_normal((m, n)).astype(np.float32)}
         paths = {"x"} | {f"layers.[{i}].w" for i in range(depth)}
+        turns = {}  # each variant walks the steps on its own
 
-        def apply_then_vjp(apply, inputs=inputs, g=g, paths=paths):
+        def apply_then_vjp(apply, g=g, paths=paths, steps=steps, turns=turns):
+            walk = turns.setdefault(id(api.RUNTIME.cache), itertools.cycle(steps))
+            inputs = next(walk)
             apply(inputs)
             return api.vector_jacobian_product(inputs, paths, {"y"}, g)
 
-        cache = api.RUNTIME.cache
-        default_intensity = cache.min_intensity
+        # one cache per variant, swapped in for its turn: each keeps its own
+        # LRU across repetitions, as one server would (in a training loop,
+        # stale entries of earlier steps stay alive until evicted)
+        shipped = api.RUNTIME.cache
+        caches = {
+            "off": ResidualCache(0, shipped.min_flops, shipped.min_intensity),
+            "ours": ResidualCache(
+                shipped.size, shipped.min_flops, shipped.min_intensity
+            ),
+            "forced": ResidualCache(shipped.size, shipped.min_flops, 0),
+            "stock": ResidualCache(0, shipped.min_flops, shipped.min_intensity),
+        }
 
-        def off(cache=cache):
-            cache.resize(0)
-            set_jax_vjp_cache_size(0)
-            return apply_then_vjp(api.apply)
-
-        def ours(intensity=default_intensity, cache=cache):
-            cache.resize(8)
-            set_jax_vjp_cache_size(0)
-            saved, cache.min_intensity = cache.min_intensity, intensity
-            try:
-                return apply_then_vjp(api.apply)
-            finally:
-                cache.min_intensity = saved
-
-        def stock(cache=cache):
+        def turn(name, apply=None, caches=caches):
+            api.RUNTIME = dataclasses.replace(api.RUNTIME, cache=caches[name])
             # tesseract-core's own LRU, which the VJP's fallback (jax_vjp) reads
-            cache.resize(0)
-            set_jax_vjp_cache_size(8)
-            return apply_then_vjp(
-                lambda request: jax_recipes.jax_apply(api.apply_jit, request)
-            )
+            set_jax_vjp_cache_size(8 if name == "stock" else 0)
+            return apply_then_vjp(apply or api.apply)
+
+        def stock_apply(request):
+            return jax_recipes.jax_apply(api.apply_jit, request)
 
         cached = inputs.cache_pays()
         variants = {
@@ -103,15 +125,22 @@ def run(reps=15):
             "stock": ("tesseract-core's jax_apply", None),
         }
         times = interleaved(
-            {"off": off, "ours": ours, "forced": lambda: ours(0), "stock": stock},
+            {
+                "off": lambda: turn("off"),
+                "ours": lambda: turn("ours"),
+                "forced": lambda: turn("forced"),
+                "stock": lambda: turn("stock", stock_apply),
+            },
             reps=reps,
         )
         set_jax_vjp_cache_size(0)
-        cache.resize(api.RUNTIME.settings.vjp_cache_size)
+        api.RUNTIME = dataclasses.replace(api.RUNTIME, cache=shipped)
         for name, (label, row_target) in variants.items():
             rows.append(
                 {
-                    "row": f"{network}: apply + vjp, cache on ({label}) / cache off",
+                    "row": f"{network}: apply + vjp"
+                    + (" (training loop, new weights every step)" if loop else "")
+                    + f", cache on ({label}) / cache off",
                     "shape": shape,
                     "baseline": "same in-process endpoints, cache off",
                     "ratio": times[name] / times["off"],

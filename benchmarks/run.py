@@ -1,6 +1,6 @@
 """Run every benchmark side by side and report ratios: `make bench`.
 
-    .venv/bin/python -m benchmarks.run [--quick] [--only matmul,cache,http,scaling,e2e]
+    .venv/bin/python -m benchmarks.run [--quick] [--only kernels,matmul,cache,http,scaling,e2e]
     .venv/bin/python -m benchmarks.run --docs-only   # docs/performance.md again
 
 Prints a table (markdown), writes benchmarks/results.json,
@@ -166,7 +166,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     # e2e runs last: it tunes this process's malloc like the servers' (see
     # bench_e2e.run), which the other suites should not measure under
-    parser.add_argument("--only", default="matmul,cache,http,scaling,e2e")
+    parser.add_argument("--only", default="kernels,matmul,cache,http,scaling,e2e")
     parser.add_argument("--out", default=str(HERE / "results.json"))
     parser.add_argument("--plot", default=str(HERE / "results.png"))
     parser.add_argument(
@@ -185,12 +185,14 @@ def main():
         bench_cache,
         bench_e2e,
         bench_http,
+        bench_kernels,
         bench_matmul,
         bench_scaling,
     )
 
     reps = 5 if args.quick else 41
     suites = {
+        "kernels": lambda: bench_kernels.run(reps=5 if args.quick else 21),
         "matmul": lambda: bench_matmul.run(reps=reps),
         "cache": lambda: bench_cache.run(reps=reps),
         "http": lambda: bench_http.run(reps=50 if args.quick else 600),
