@@ -109,6 +109,14 @@ def rows_for(layout, shape, reps, cold, strategies=False):
             "(w @ x.T).T": jax.jit(lambda x, w: (w @ x.T).T),
         }
     ours = jax.jit(_product(layout), static_argnums=(3, 4))
+    # the faster spelling is chosen first, alone: timed next to ours, the
+    # slower one (x @ w.T at one row copies w transposed) would flush the
+    # caches ours then runs in
+    if len(spellings) > 1:
+        trial = {name: (lambda f=f: f(x, next_w())) for name, f in spellings.items()}
+        trial_times = interleaved(trial, reps=3)
+        fastest = min(trial_times, key=trial_times.get)
+        spellings = {fastest: spellings[fastest]}
     fns = {name: (lambda f=f: f(x, next_w())) for name, f in spellings.items()}
     variants = [(a, None) for a in ("float32", "int8")]
     if strategies:

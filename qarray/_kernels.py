@@ -119,7 +119,7 @@ def dequantize_rows(qvalue, scale):
 # and activations (``make bench``, suite kernels, weights cold and hot): at
 # more rows XLA's int8 dots are better blocked
 KERNEL_MAX_ROWS = {
-    ("nk", "float32"): 4,
+    ("nk", "float32"): 2,
     ("nk", "int8"): 8,
     ("kn", "float32"): 1,
     ("kn", "int8"): 1,

@@ -6,9 +6,11 @@
 //   layout nk (linear_q): q[N, K], scale[N]   y[m, n] = scale[n] * sum_k x[m, k] q[n, k]
 //   layout kn (matmul_q): q[K, N], scale[K]   y[m, n] = sum_k (x[m, k] scale[k]) q[k, n]
 //
-// Weight-only (int8 == 0): x stays float32; the int8 weights are widened in
-// registers, so the weights are read as int8 (a quarter of float32's bytes)
-// and never written back as a float32 copy, which is what XLA:CPU does.
+// Weight-only (int8 == 0): x keeps float32 precision and the weights are read
+// as int8 (a quarter of float32's bytes), never written back as a float32
+// copy, which is what XLA:CPU does. nk: each row of x split in three int8
+// parts (float32-exact, as _kernels' split_int8) through the W8A8 products
+// below; kn: the int8 weights widened in registers.
 // Int8 activations (int8 == 1): each row v of x (scales folded in for kn) is
 // quantized like qarray.quantize (s = max|v| / 127, round half to even of
 // v / s, correctly rounded division), then
@@ -43,6 +45,8 @@ namespace {
 
 constexpr int kRowBlock = 4;  // rows of x per pass over the weights
 constexpr int64_t kKnChunk = 128;  // weight rows per partial sum (layout kn)
+constexpr int64_t kParallelWork = 4 << 20;  // multiply-adds from which to split
+constexpr int kSplit = 3;  // int8 parts of a float32 row (weight-only, nk)
 
 // --- per-row quantization of activations (qarray.quantize's numerics)
 
@@ -79,6 +83,14 @@ QARRAY_AVX512 float QuantizeRow(const float* x, const float* fold, int64_t k,
 
 // --- layout nk: y[m, n] = sum_k x[m, k] q[n, k], a dot product per (m, n)
 
+// The weight rows of the next tile, a cache line each, while this tile is
+// computed: each row of a large matrix starts a new page, where the hardware
+// prefetchers stop (a hint: an address past the end does not fault).
+template <int ROWS>
+inline void Prefetch(const int8_t* p, int64_t stride) {
+  for (int c = 0; c < ROWS; ++c) _mm_prefetch((const char*)(p + c * stride), _MM_HINT_T0);
+}
+
 QARRAY_AVX512 inline __m512 Widen16(const int8_t* p, __mmask16 m) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
 }
@@ -95,6 +107,7 @@ QARRAY_AVX512 void NkFloatBlock(const float* x, int64_t k, const int8_t* q,
       for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_setzero_ps();
     for (int64_t i = 0; i < k; i += 16) {
       __mmask16 m = (k - i >= 16) ? 0xFFFF : (__mmask16)((1u << (k - i)) - 1);
+      if ((i & 63) == 0) Prefetch<NB>(q + (n + 2 * NB) * k + i, k);
       __m512 w[NB];
       for (int c = 0; c < NB; ++c) w[c] = Widen16(q + (n + c) * k + i, m);
       for (int r = 0; r < MB; ++r) {
@@ -136,6 +149,7 @@ QARRAY_AVX512 inline void NkInt8Tile(const uint8_t* xq, int64_t k_stride,
   }
   for (int64_t i = 0; i < k; i += 64) {
     const __mmask64 m = (k - i >= 64) ? ~0ULL : ((1ULL << (k - i)) - 1);
+    Prefetch<NB>(q + (n + 2 * NB) * k + i, k);
     __m512i w[NB];
     for (int c = 0; c < NB; ++c) {
       w[c] = _mm512_maskz_loadu_epi8(m, q + (n + c) * k + i);
@@ -240,6 +254,8 @@ QARRAY_AVX512 void KnStreamBlock(const float* x, const float* fold, int64_t k,
       for (int r = 0; r < MB; ++r) std::fill(part[r], part[r] + width, 0.0f);
       for (int64_t i = i0; i < i1; ++i) {
         const int8_t* row = q + i * n_total + c0;
+        for (int64_t j = 0; j < width; j += 64)
+          _mm_prefetch((const char*)(row + 4 * n_total + j), _MM_HINT_T0);
         const float f = fold ? fold[i] : 1.0f;
         __m512 xv[MB];
         for (int r = 0; r < MB; ++r) xv[r] = _mm512_set1_ps(x[r * k + i] * f);
@@ -266,6 +282,13 @@ QARRAY_AVX512 void KnStreamBlock(const float* x, const float* fold, int64_t k,
 struct Problem {
   int64_t m, k, n;
   bool kn, int8;
+  // weight-only nk runs as W8A8 on each row of x split in kSplit int8 parts,
+  // each quantizing what the previous left (x to ~1e-7 of its row's largest
+  // entry: float32 precision): integer dot products of rows = kSplit * m,
+  // summed into y at the end
+  bool split = false;
+  int64_t rows = 0;
+  std::vector<float> y_parts;
   const float* x;
   const int8_t* q;
   const float* scale;
@@ -279,7 +302,11 @@ struct Problem {
 template <int MB>
 QARRAY_AVX512 void RunBlock(const Problem& p, int64_t row, int64_t n0, int64_t n1) {
   float* y = p.y + row * p.n;
-  if (!p.kn && !p.int8) {
+  if (p.split) {
+    NkInt8Block<MB>(p.xq.data() + row * p.k, p.k, p.sx.data() + row, p.k, p.q,
+                    p.scale, n0, n1, const_cast<float*>(p.y_parts.data()) + row * p.n,
+                    p.n);
+  } else if (!p.kn && !p.int8) {
     NkFloatBlock<MB>(p.x + row * p.k, p.k, p.q, p.scale, n0, n1, y, p.n);
   } else if (!p.kn) {
     NkInt8Block<MB>(p.xq.data() + row * p.k_stride, p.k_stride, p.sx.data() + row,
@@ -301,18 +328,30 @@ QARRAY_AVX512 void RunBlock(const Problem& p, int64_t row, int64_t n0, int64_t n
 // Output channels in tiles whose weights (tile x K int8) stay in L2 while
 // every block of rows passes over them: weights are read from memory once.
 QARRAY_AVX512 void RunChunk(const Problem& p, int64_t n0, int64_t n1) {
+  // nk: tiles of output channels that stay in L2 (four at a time, in L1,
+  // measured no better); kn: one pass streams the weights for a few rows
   int64_t tile = std::clamp<int64_t>((131072 / p.k) / 4 * 4, 4, 256);
-  if (p.kn) tile = p.m <= kRowBlock ? n1 - n0 : 64;  // one pass: stream it
+  if (p.kn) tile = p.m <= kRowBlock ? n1 - n0 : 64;
   for (int64_t t0 = n0; t0 < n1; t0 += tile) {
     const int64_t t1 = std::min(t0 + tile, n1);
     int64_t row = 0;
-    for (; row + kRowBlock <= p.m; row += kRowBlock) RunBlock<kRowBlock>(p, row, t0, t1);
-    switch (p.m - row) {
+    for (; row + kRowBlock <= p.rows; row += kRowBlock)
+      RunBlock<kRowBlock>(p, row, t0, t1);
+    switch (p.rows - row) {
       case 3: RunBlock<3>(p, row, t0, t1); break;
       case 2: RunBlock<2>(p, row, t0, t1); break;
       case 1: RunBlock<1>(p, row, t0, t1); break;
       default: break;
     }
+  }
+  if (p.split) {  // the parts' products, summed
+    for (int64_t r = 0; r < p.m; ++r)
+      for (int64_t j = n0; j < n1; ++j) {
+        float sum = 0.0f;
+        for (int part = 0; part < kSplit; ++part)
+          sum += p.y_parts[(kSplit * r + part) * p.n + j];
+        p.y[r * p.n + j] = sum;
+      }
   }
 }
 
@@ -335,6 +374,25 @@ struct Work {
 };
 
 QARRAY_AVX512 void Prepare(Problem& p) {
+  p.rows = p.m;
+  if (p.split) {
+    p.rows = kSplit * p.m;
+    p.xq.resize(p.rows * p.k);
+    p.sx.resize(p.rows);
+    p.y_parts.resize(p.rows * p.n);
+    std::vector<float> rest(p.k), levels(p.k);
+    for (int64_t r = 0; r < p.m; ++r) {
+      std::copy(p.x + r * p.k, p.x + (r + 1) * p.k, rest.begin());
+      for (int part = 0; part < kSplit; ++part) {
+        const int64_t at = kSplit * r + part;
+        const float a = QuantizeRow(rest.data(), nullptr, p.k, levels.data(),
+                                    p.xq.data() + at * p.k);
+        p.sx[at] = a;
+        for (int64_t i = 0; i < p.k; ++i) rest[i] -= levels[i] * a;
+      }
+    }
+    return;
+  }
   if (p.kn && !p.int8) {  // the scales fold into x once: v = x * scale
     p.xf.resize(p.m * p.k);
     for (int64_t r = 0; r < p.m; ++r)
@@ -367,6 +425,7 @@ ffi::Error ProductImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   p->n = kn ? qd[1] : qd[0];
   p->kn = kn != 0;
   p->int8 = int8 != 0;
+  p->split = !p->kn && !p->int8;
   if ((kn ? qd[0] : qd[1]) != p->k)
     return ffi::Error::InvalidArgument("qarray_product: x and q do not contract");
   p->x = x.typed_data();
@@ -379,7 +438,11 @@ ffi::Error ProductImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::Success();
   }
   Prepare(*p);
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // small products stay on the calling thread: waking the pool's threads
+  // costs more than their share of the work (make bench, suite kernels)
+  const int64_t work_bytes = p->m * p->k * p->n;
+  const int64_t threads =
+      work_bytes < kParallelWork ? 1 : std::max<int64_t>(1, pool.num_threads());
   // ~4 chunks per thread, each a multiple of 64 output channels
   int64_t chunk = (p->n + 4 * threads - 1) / (4 * threads);
   chunk = std::max<int64_t>(64, (chunk + 63) / 64 * 64);

@@ -124,8 +124,8 @@ def test_choose_strategy(m, kn, activations, platform, expected):
     ("m", "layout", "activations", "platform", "expected"),
     [
         (1, "nk", "float32", "cpu", "kernel"),
-        (4, "nk", "float32", "cpu", "kernel"),
-        (5, "nk", "float32", "cpu", "split_int8"),
+        (2, "nk", "float32", "cpu", "kernel"),
+        (3, "nk", "float32", "cpu", "split_int8"),
         (8, "nk", "int8", "cpu", "kernel"),
         (9, "nk", "int8", "cpu", "int8_dot"),
         (1, "kn", "float32", "cpu", "kernel"),
