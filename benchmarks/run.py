@@ -1,6 +1,6 @@
 """Run every benchmark side by side and report ratios: `make bench`.
 
-    .venv/bin/python -m benchmarks.run [--quick] [--only kernels,matmul,cache,http,scaling,e2e]
+    .venv/bin/python -m benchmarks.run [--quick] [--only kernels,matmul,cache,...]
     .venv/bin/python -m benchmarks.run --docs-only   # docs/performance.md again
 
 Prints a table (markdown), writes benchmarks/results.json,

@@ -70,6 +70,15 @@ def run_rows(reps: int = 15) -> list[dict]:
     from benchmarks._timing import interleaved
     from qarray import _kernels
 
+    f32 = jax.jit(lambda x, w: x @ w.T)
+    bf16 = jax.jit(
+        lambda x, w: jax.lax.dot_general(
+            x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+    )
+    ours = jax.jit(
+        lambda x, q, s, a: qa.linear_q(x, qa.pack(q, s), a), static_argnums=3
+    )
     rows = []
     for m, k, n in SHAPES:
         rng = np.random.default_rng(0)
@@ -77,15 +86,6 @@ def run_rows(reps: int = 15) -> list[dict]:
         w = jnp.asarray(rng.standard_normal((n, k)), jnp.float32)  # (out, in)
         q, s = jax.block_until_ready(qa.unpack(qa.quantize(w)))
         wb, xb = w.astype(jnp.bfloat16), x.astype(jnp.bfloat16)
-        f32 = jax.jit(lambda x, w: x @ w.T)
-        bf16 = jax.jit(
-            lambda x, w: jax.lax.dot_general(
-                x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-            )
-        )
-        ours = jax.jit(
-            lambda x, q, s, a: qa.linear_q(x, qa.pack(q, s), a), static_argnums=3
-        )
         times = interleaved(
             {
                 "float32": lambda x=x, w=w: f32(x, w),

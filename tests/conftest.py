@@ -12,9 +12,9 @@ if PLATFORM == "cpu":
     ).strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax
-import numpy as np
-import pytest
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 
