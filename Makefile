@@ -8,7 +8,7 @@ PORT ?= 8000
 HOST ?= 127.0.0.1
 SCRATCH ?= $(or $(TMPDIR),/tmp)/qarray-serve
 
-.PHONY: setup test test-image lint serve bench soak test-compat clean docs browser gpu-check
+.PHONY: setup test test-image lint serve bench bench-peers soak test-compat clean docs browser gpu-check
 
 setup: $(STAMP)
 
@@ -81,6 +81,17 @@ serve: setup
 bench: setup
 	$(PY) -m benchmarks.run
 
+# what a user would pick instead, side by side with ours: torchao's int8
+# nn.Linear, eager and under torch.compile, at the same shapes with the same
+# data and threads (its own venv: torch's PyPI wheel brings ~4 GB of CUDA
+# libraries even for CPU use). Writes benchmarks/peers_results.json.
+PEERS_VENV ?= .venv-peers
+bench-peers: setup
+	@test -x $(PEERS_VENV)/bin/python || { python=$$(scripts/find_python.sh) && "$$python" -m venv $(PEERS_VENV); }
+	$(PEERS_VENV)/bin/python -m pip install -q --disable-pip-version-check "torch==2.14.0" "torchao==0.18.0" "numpy==2.5.4"
+	$(PEERS_VENV)/bin/python benchmarks/bench_peers.py --out benchmarks/peers.json
+	$(PY) -m benchmarks.compare_peers benchmarks/peers.json
+
 # a real qarray-serve under mixed apply / vjp / jvp traffic from several client
 # processes, bad requests interleaved, every answer checked against NumPy; fails
 # on a wrong answer, a 5xx other than load shedding, or growing memory. Writes
@@ -92,4 +103,4 @@ soak: setup
 	$(PY) scripts/soak.py --seconds $(SOAK_SECONDS) $(SOAK_ARGS)
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENV) site
+	rm -rf $(VENV) $(COMPAT_VENV) $(PEERS_VENV) site

@@ -3,8 +3,10 @@
 The baseline is benchmarks/dense_api.py: a plain JAX network written the way
 tesseract-core's examples are (``@eqx.filter_jit apply_jit``, the
 ``jax_recipes`` helpers, no qarray), taking the same request and answering y
-in float32. Both are real ``qarray-serve`` processes on loopback (same runtime,
-same guard, base64 arrays), started here and stopped by PID. Each row times
+in float32, served by stock ``tesseract-runtime serve`` (what a user would run
+instead); ours by ``qarray-serve`` (tesseract-core's app behind our guard).
+Both are real processes on loopback (base64 arrays), started here and
+stopped by PID. Each row times
 ours and the baseline in one interleaved run (benchmarks/_timing.py: warm-up
 excluded, rotating order, medians) and reports ours / dense, lower is better.
 
@@ -36,7 +38,10 @@ import numpy as np
 import requests
 
 from benchmarks._timing import interleaved
-from tests.tesseract.server import ROOT, b64, serve
+from tests.tesseract.server import ROOT, RUNTIME, SERVE, b64, serve
+
+# the baseline runs as a user would run it: stock tesseract-runtime serve
+PROGRAMS = {"ours": SERVE, "dense": RUNTIME}
 
 DENSE_API = ROOT / "benchmarks/dense_api.py"
 BASELINE = (
@@ -269,7 +274,9 @@ def _resident_rows(tmp, apis, reps, breakdown_reps):
                 folder = tmp / f"resident-{depth}-{k}"
                 folder.mkdir()
                 env = {"QARRAY_MODEL": str(path)}
-                urls[k] = stack.enter_context(serve(folder, api_path, env=env))
+                urls[k] = stack.enter_context(
+                    serve(folder, api_path, env=env, program=PROGRAMS[k])
+                )
             times = interleaved(
                 {k: poster(session, urls[k], "apply", data) for k in urls}, reps=reps
             )
@@ -315,7 +322,9 @@ def run(reps=31, breakdown_reps=5):
                 ("dense", DENSE_API),
             ):
                 (tmp / k).mkdir()
-                urls[k] = stack.enter_context(serve(tmp / k, api_path))
+                urls[k] = stack.enter_context(
+                    serve(tmp / k, api_path, program=PROGRAMS[k])
+                )
             rows = _apply_rows(urls, apis, reps, breakdown_reps)
             rows += _qat_rows(urls, apis, reps, breakdown_reps)
         rows += _resident_rows(tmp, apis, reps, breakdown_reps)

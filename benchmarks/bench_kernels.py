@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +25,7 @@ import numpy as np
 
 import qarray as qa
 from benchmarks._timing import interleaved
+from benchmarks.peer_shapes import last_level_cache_bytes
 from qarray import _ffi, _kernels
 
 SHAPES = [
@@ -48,20 +48,6 @@ TARGETS = {
     ("int8", (16, 4096, 4096)): 3.0,
 }
 FLOORS = {"float32": 1.2, "int8": 2.0}  # every other shape, cold
-
-
-def last_level_cache_bytes() -> int:
-    """The largest CPU cache (sysfs), or 64 MiB when it cannot be read."""
-    sizes = []
-    root = "/sys/devices/system/cpu/cpu0/cache"
-    for index in os.listdir(root) if os.path.isdir(root) else []:
-        try:
-            text = open(f"{root}/{index}/size").read().strip()
-        except OSError:
-            continue
-        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1], 1)
-        sizes.append(int(text.rstrip("KMG")) * scale)
-    return max(sizes, default=64 * 2**20)
 
 
 def copies_beyond_cache(nbytes: int) -> int:

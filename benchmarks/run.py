@@ -153,6 +153,21 @@ def write_docs(report: dict, path: Path) -> None:
 
         lines += ["", "## Where the time goes", "", "ms per request, ours / dense:"]
         lines += ["", bench_e2e.table(rows)]
+    peers = HERE / "peers_results.json"
+    if peers.is_file():  # make bench-peers
+        report_peers = json.loads(peers.read_text())
+        lines += [
+            "",
+            "## Against torchao",
+            "",
+            f"`make bench-peers`: torch {report_peers['torch']}, torchao "
+            f"{report_peers['torchao']}, {report_peers['threads']} threads; ours "
+            f"with its CPU kernels {report_peers['kernels']}. Microseconds per "
+            "call, weights hot / cold (a buffer of twice the last-level cache "
+            "read between calls); the last column above 1 means ours is faster.",
+            "",
+            report_peers["table"],
+        ]
     lines += [
         "",
         "[Performance notes](performance-notes.md) record what was profiled, "

@@ -96,10 +96,13 @@ class Settings:
     )
     vjp_cache_min_intensity: int = _setting(
         "QARRAY_VJP_CACHE_MIN_INTENSITY",
-        2**20,
-        "A linear network stores its pullback only when its products cost at "
-        "least this many flops per input element (its VJP never needs the "
-        "forward pass); 0 caches every apply, whatever its size.",
+        0,
+        "0 (the default): every apply stores its pullback, linear or not, "
+        "whatever its size (a hit measured faster than recomputing at every "
+        "size in a training loop: `make bench`, suite cache). Above 0: a linear "
+        "network stores it only when its products cost at least this many "
+        "flops per input element, a nonlinear one from "
+        "QARRAY_VJP_CACHE_MIN_FLOPS.",
         minimum=0,
     )
     model: str | None = _setting(
