@@ -306,7 +306,7 @@ def _as_dict(inputs: InputSchema) -> dict:
 
 def apply(inputs: InputSchema) -> OutputSchema:
     """The network's output y and per-layer diagnostics."""
-    if inputs.cache_pays():
+    if RUNTIME.cache.arriving(inputs.cache_pays()):
         return RUNTIME.cache.apply(_outputs, _as_dict(inputs), (RUNTIME.resident,))
     return apply_jit(_as_dict(inputs))
 

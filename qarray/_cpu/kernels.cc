@@ -244,35 +244,59 @@ template <int MB>
 QARRAY_AVX512 void KnStreamBlock(const float* x, const float* fold, int64_t k,
                                  const int8_t* q, int64_t n0, int64_t n1,
                                  float* y, int64_t n_total) {
-  constexpr int64_t kSpan = 256;  // columns per pass: MB x kSpan floats of sums
-  alignas(64) float part[MB][kSpan];
-  for (int64_t c0 = n0; c0 < n1; c0 += kSpan) {
-    const int64_t width = std::min(kSpan, n1 - c0);
-    for (int r = 0; r < MB; ++r) std::fill(y + r * n_total + c0, y + r * n_total + c0 + width, 0.0f);
-    for (int64_t i0 = 0; i0 < k; i0 += kKnChunk) {
-      const int64_t i1 = std::min(i0 + kKnChunk, k);
-      for (int r = 0; r < MB; ++r) std::fill(part[r], part[r] + width, 0.0f);
-      for (int64_t i = i0; i < i1; ++i) {
-        const int8_t* row = q + i * n_total + c0;
-        for (int64_t j = 0; j < width; j += 64)
-          _mm_prefetch((const char*)(row + 4 * n_total + j), _MM_HINT_T0);
-        const float f = fold ? fold[i] : 1.0f;
-        __m512 xv[MB];
-        for (int r = 0; r < MB; ++r) xv[r] = _mm512_set1_ps(x[r * k + i] * f);
-        for (int64_t j = 0; j < width; j += 16) {
-          const __mmask16 m =
-              (width - j >= 16) ? 0xFFFF : (__mmask16)((1u << (width - j)) - 1);
-          const __m512 w = Widen16(row + j, m);
-          for (int r = 0; r < MB; ++r) {
-            const __m512 acc = _mm512_maskz_loadu_ps(m, part[r] + j);
-            _mm512_mask_storeu_ps(part[r] + j, m, _mm512_fmadd_ps(xv[r], w, acc));
-          }
+  // the whole span [n0, n1) of each weight row in one pass: every row (a page
+  // of its own in a large matrix) is visited once, not once per strip
+  const int64_t width = n1 - n0;
+  std::vector<float> part(MB * width);
+  for (int r = 0; r < MB; ++r) std::fill(y + r * n_total + n0, y + r * n_total + n1, 0.0f);
+  for (int64_t i0 = 0; i0 < k; i0 += kKnChunk) {
+    const int64_t i1 = std::min(i0 + kKnChunk, k);
+    std::fill(part.begin(), part.end(), 0.0f);
+    int64_t i = i0;
+    // four weight rows per pass over the sums: a load and a store of the sums
+    // per four products, not per product
+    for (; i + 4 <= i1; i += 4) {
+      const int8_t* row = q + i * n_total + n0;
+      for (int64_t j = 0; j < width; j += 64)
+        for (int u = 0; u < 4; ++u)
+          _mm_prefetch((const char*)(row + (8 + u) * n_total + j), _MM_HINT_T0);
+      __m512 xv[MB][4];
+      for (int r = 0; r < MB; ++r)
+        for (int u = 0; u < 4; ++u)
+          xv[r][u] = _mm512_set1_ps(x[r * k + i + u] * (fold ? fold[i + u] : 1.0f));
+      for (int64_t j = 0; j < width; j += 16) {
+        const __mmask16 m =
+            (width - j >= 16) ? 0xFFFF : (__mmask16)((1u << (width - j)) - 1);
+        __m512 w[4];
+        for (int u = 0; u < 4; ++u) w[u] = Widen16(row + u * n_total + j, m);
+        for (int r = 0; r < MB; ++r) {
+          float* acc = part.data() + r * width + j;
+          __m512 sum = _mm512_maskz_loadu_ps(m, acc);
+          for (int u = 0; u < 4; ++u) sum = _mm512_fmadd_ps(xv[r][u], w[u], sum);
+          _mm512_mask_storeu_ps(acc, m, sum);
         }
       }
-      for (int r = 0; r < MB; ++r) {
-        float* out = y + r * n_total + c0;
-        for (int64_t j = 0; j < width; ++j) out[j] += part[r][j];
+    }
+    for (; i < i1; ++i) {
+      const int8_t* row = q + i * n_total + n0;
+      const float f = fold ? fold[i] : 1.0f;
+      __m512 xv[MB];
+      for (int r = 0; r < MB; ++r) xv[r] = _mm512_set1_ps(x[r * k + i] * f);
+      for (int64_t j = 0; j < width; j += 16) {
+        const __mmask16 m =
+            (width - j >= 16) ? 0xFFFF : (__mmask16)((1u << (width - j)) - 1);
+        const __m512 w = Widen16(row + j, m);
+        for (int r = 0; r < MB; ++r) {
+          float* acc = part.data() + r * width + j;
+          _mm512_mask_storeu_ps(acc, m,
+                                _mm512_fmadd_ps(xv[r], w, _mm512_maskz_loadu_ps(m, acc)));
+        }
       }
+    }
+    for (int r = 0; r < MB; ++r) {
+      float* out = y + r * n_total + n0;
+      const float* sums = part.data() + r * width;
+      for (int64_t j = 0; j < width; ++j) out[j] += sums[j];
     }
   }
 }
@@ -443,8 +467,10 @@ ffi::Error ProductImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t work_bytes = p->m * p->k * p->n;
   const int64_t threads =
       work_bytes < kParallelWork ? 1 : std::max<int64_t>(1, pool.num_threads());
-  // ~4 chunks per thread, each a multiple of 64 output channels
-  int64_t chunk = (p->n + 4 * threads - 1) / (4 * threads);
+  // ~4 chunks per thread, each a multiple of 64 output channels; kn with a
+  // few rows: one chunk per thread (each streams its columns of every row once)
+  const int64_t per_thread = (p->kn && p->m <= kRowBlock) ? 1 : 4;
+  int64_t chunk = (p->n + per_thread * threads - 1) / (per_thread * threads);
   chunk = std::max<int64_t>(64, (chunk + 63) / 64 * 64);
   auto work = std::make_shared<Work>();
   work->problem = p.get();

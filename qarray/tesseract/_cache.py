@@ -137,6 +137,11 @@ class ResidualCache:
         self.min_flops = min_flops
         self.min_intensity = min_intensity
         self._entries: OrderedDict = OrderedDict()
+        # applies since the last VJP request: past ``size`` of them the traffic
+        # is inference, and storing pullbacks only costs (residual buffers on
+        # every apply: make bench, suite e2e, resident rows); the next VJP
+        # request turns storing back on
+        self._applies_without_vjp = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -157,14 +162,22 @@ class ResidualCache:
         Otherwise a nonlinear function (whose backward pass needs the forward
         activations) caches from ``min_flops``, and a linear one (whose VJP
         never needs its outputs) from ``min_intensity`` flops per input element.
+        Never while the last ``size`` applies had no VJP after them (inference
+        traffic); the next VJP request (``vjp``) resumes it.
         """
-        if self.size == 0:
+        if self.size == 0 or self._applies_without_vjp >= self.size:
             return False
         if self.min_intensity == 0:
             return True
         if not linear:
             return flops >= self.min_flops
         return flops >= self.min_intensity * max(elements, 1)
+
+    def arriving(self, store: bool) -> bool:
+        """Counts an apply (``pays`` counts applies since the last VJP) and
+        gives back ``store``, whether ``apply`` (else a plain call) serves it."""
+        self._applies_without_vjp += 1
+        return store
 
     def apply(self, fn: Callable, inputs: dict, constants=(), outputs=("y",)) -> dict:
         """``fn(inputs, *constants)``, keeping its pullback for ``vjp``."""
@@ -183,6 +196,7 @@ class ResidualCache:
         """The cotangents at ``paths`` (input paths, ``layers.[0].w``) for
         output ``cotangents`` (every differentiable output, by name), from
         the pullback ``apply`` kept for these inputs; None if none was kept."""
+        self._applies_without_vjp = 0  # VJPs follow applies: store again
         if not self._entries:
             return None
         key = _HostKey(fn, *split_request(inputs))

@@ -83,7 +83,9 @@ class Settings:
         "QARRAY_VJP_CACHE_SIZE",
         8,
         "Entries in the VJP residual cache (apply's pullback, kept for the "
-        "vector_jacobian_product that follows it); 0 turns it off.",
+        "vector_jacobian_product that follows it); 0 turns it off. After this "
+        "many applies with no VJP request (inference traffic) apply stops "
+        "storing pullbacks until the next VJP request.",
         minimum=0,
     )
     vjp_cache_min_flops: int = _setting(

@@ -255,3 +255,18 @@ def test_cache_policy(api_module, rng, monkeypatch):
     assert not linear.cache_pays()
     monkeypatch.setattr(cache, "min_intensity", 0)
     assert linear.cache_pays()
+
+
+def test_inference_traffic_stops_storing_pullbacks(api_module, inputs, rng):
+    """After QARRAY_VJP_CACHE_SIZE applies with no VJP, apply stops keeping
+    pullbacks (inference traffic pays for nothing); a VJP request resumes it."""
+    cache = api_module.RUNTIME.cache
+    model = api_module.InputSchema.model_validate(inputs)
+    g = net.normal(rng, net.forward(inputs).shape)
+    api_module.vector_jacobian_product(model, {"x"}, {"y"}, {"y": g})  # a VJP: on
+    assert model.cache_pays()
+    for _ in range(cache.size):
+        api_module.apply(model)
+    assert not model.cache_pays()  # only applies since the last VJP
+    api_module.vector_jacobian_product(model, {"x"}, {"y"}, {"y": g})
+    assert model.cache_pays()
