@@ -68,5 +68,9 @@ def product(x, qvalue, scale, *, kn: bool, int8: bool):
         *(jax.typeof(a).manual_axis_type.varying for a in (x, qvalue, scale))
     )
     if varying:
-        y = jax.lax.pcast(y, tuple(sorted(varying)), to="varying")
+        axes = tuple(sorted(varying))
+        if hasattr(jax.lax, "pcast"):
+            y = jax.lax.pcast(y, axes, to="varying")
+        else:  # jax 0.11 (what the lent GPU machines carry)
+            y = jax.lax.pvary(y, axes)
     return y
