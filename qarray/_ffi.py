@@ -19,6 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 LIBRARY = Path(__file__).parent / "_cpu" / "libqarray_cpu.so"
+# the jaxlib whose FFI headers built LIBRARY (scripts/build_kernels.sh): XLA
+# refuses a handler built for another FFI API version only when it compiles
+BUILT_FOR = LIBRARY.with_suffix(".jaxlib")
 TARGET = "qarray_product"
 KERNELS_ENV = "QARRAY_KERNELS"  # "xla": never use the CPU kernels
 
@@ -31,6 +34,14 @@ def status() -> str:
         return f"{KERNELS_ENV}=xla"
     if not LIBRARY.is_file():
         return f"not built ({LIBRARY.name} missing: run make setup with a C++ compiler)"
+    import jaxlib
+
+    built_for = BUILT_FOR.read_text().strip() if BUILT_FOR.is_file() else "unknown"
+    if built_for != jaxlib.__version__:
+        return (
+            f"built for jaxlib {built_for}, running {jaxlib.__version__} "
+            "(run make setup, or scripts/build_kernels.sh, to rebuild)"
+        )
     try:
         library = ctypes.CDLL(str(LIBRARY))
     except OSError as error:

@@ -16,16 +16,20 @@ out=qarray/_cpu/libqarray_cpu.so
 if ! command -v "$cxx" >/dev/null 2>&1; then
     echo "build_kernels: no C++ compiler ('$cxx'): qarray will use its XLA formulations" >&2
     echo "build_kernels: install g++ (Debian: apt-get install g++) and run make setup again" >&2
-    rm -f "$out"
+    rm -f "$out" "${out%.so}.jaxlib"
     exit 0
 fi
 include=$("$python" -c 'import jax; print(jax.ffi.include_dir())')
+# the FFI API version is jaxlib's: the library records which jaxlib built it,
+# and qarray/_ffi.py uses it only under that jaxlib
+built_for=$("$python" -c 'import jaxlib; print(jaxlib.__version__)')
 tmp="$out.tmp.$$"
 if "$cxx" -O3 -std=c++17 -shared -fPIC \
     -I"$include" qarray/_cpu/kernels.cc -o "$tmp"; then
     mv "$tmp" "$out"
-    echo "build_kernels: built $out"
+    echo "$built_for" >"${out%.so}.jaxlib"
+    echo "build_kernels: built $out (jaxlib $built_for)"
 else
-    rm -f "$tmp" "$out"
+    rm -f "$tmp" "$out" "${out%.so}.jaxlib"
     echo "build_kernels: the kernels did not compile (above): qarray will use its XLA formulations" >&2
 fi

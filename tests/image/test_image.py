@@ -143,6 +143,20 @@ def test_server_runs_as_a_non_root_user(served):
     assert "qarray-serve" in cmdline  # the guarded server is PID 1
 
 
+def test_image_runs_the_cpu_kernels_without_a_compiler(served):
+    """Built in the build stage for the image's own jaxlib; the image itself
+    has no compiler. (On a CPU without AVX-512 VNNI the XLA formulations
+    serve, and the status says so.)"""
+    _, container = served
+    code = "from qarray import _ffi; print(_ffi.status())"
+    status = docker("exec", container, "python", "-c", code).stdout.strip()
+    with open("/proc/cpuinfo") as f:
+        vnni = "avx512_vnni" in f.read()
+    assert status == "available" if vnni else "lacks AVX-512" in status, status
+    compilers = docker("exec", container, "sh", "-c", "command -v g++ cc || true")
+    assert compilers.stdout.strip() == ""
+
+
 def test_bad_input_is_a_4xx_naming_the_field(served, rng):
     url, _ = served
     inputs, *_ = request_inputs(rng)
