@@ -22,9 +22,8 @@ TIMEOUT = 60
 CLIENTS = 8
 
 
-@pytest.fixture(scope="module")
-def two_workers(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("two-workers")
+def serve_two_workers(tmp):
+    """`serve --num-workers 2` with the counting API; yields (url, counter)."""
     counter = tmp / "forward_passes"
     counter.touch()
     env = {
@@ -35,6 +34,20 @@ def two_workers(tmp_path_factory):
     api = ROOT / "tests/tesseract/counting_api.py"
     with serve(tmp, api_path=api, env=env, workers=2) as url:
         yield url, counter
+
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory):
+    yield from serve_two_workers(tmp_path_factory.mktemp("two-workers"))
+
+
+@pytest.fixture
+def fresh_two_workers(tmp_path):
+    """Workers no earlier test has sent applies to: a worker that has served
+    ``QARRAY_VJP_CACHE_SIZE`` applies with no VJP since stops storing
+    pullbacks (inference traffic), which the fresh-connection test leaves
+    behind on the worker its applies reached."""
+    yield from serve_two_workers(tmp_path)
 
 
 def passes(counter) -> int:
@@ -120,10 +133,10 @@ def test_vjp_on_another_connection_misses_and_recomputes(two_workers, rng):
     assert "miss" in outcomes, "every fresh connection reached the same worker"
 
 
-def test_concurrent_clients_get_correct_answers(two_workers, rng):
+def test_concurrent_clients_get_correct_answers(fresh_two_workers, rng):
     """8 clients at once, each on its own connection with its own networks:
     every answer right, and (keep-alive) every vjp a cache hit."""
-    url, counter = two_workers
+    url, counter = fresh_two_workers
     work = [[Pair(rng) for _ in range(3)] for _ in range(CLIENTS)]
     failures = []
 
