@@ -79,3 +79,108 @@ def equations(closed_jaxpr):
             )
         )
     return out
+
+
+def _conv_windows(x_shape, w_shape, strides, pads, dilation):
+    """For each kernel offset: the strided slices of the padded input that
+    meet it, and the output's spatial shape."""
+    nsp = len(w_shape) - 2
+    padded = [x_shape[2 + i] + sum(pads[i]) for i in range(nsp)]
+    out = [
+        (padded[i] - (w_shape[2 + i] - 1) * dilation[i] - 1) // strides[i] + 1
+        for i in range(nsp)
+    ]
+    windows = []
+    for off in np.ndindex(*w_shape[2:]):
+        starts = [off[i] * dilation[i] for i in range(nsp)]
+        sl = tuple(
+            slice(starts[i], starts[i] + strides[i] * (out[i] - 1) + 1, strides[i])
+            for i in range(nsp)
+        )
+        windows.append((off, (slice(None), slice(None), *sl)))
+    return windows, out
+
+
+def conv(x, w, strides, pads, dilation, groups=1):
+    """Channels-first convolution in float64, by kernel offsets.
+
+    x (B, C, *spatial) or (C, *spatial); w (O, C / groups, *kernel);
+    pads ((low, high), ...) of zeros; as lax.conv_general_dilated defines it.
+    """
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    single = x.ndim == w.ndim - 1
+    x = x[None] if single else x
+    xp = np.pad(x, [(0, 0), (0, 0), *pads])
+    windows, out = _conv_windows(x.shape, w.shape, strides, pads, dilation)
+    o, cin = w.shape[0] // groups, w.shape[1]
+    y = np.zeros((x.shape[0], w.shape[0], *out))
+    for off, sl in windows:
+        patch = xp[sl]
+        for g in range(groups):
+            wg = w[(slice(g * o, (g + 1) * o), slice(None), *off)]
+            y[:, g * o : (g + 1) * o] += np.einsum(
+                "bc...,oc->bo...", patch[:, g * cin : (g + 1) * cin], wg
+            )
+    return y[0] if single else y
+
+
+def conv_vjp(x, w, g, strides, pads, dilation, groups=1):
+    """Cotangents (of x, of w) of ``conv`` for output cotangent g."""
+    x, w, g = (np.asarray(a, np.float64) for a in (x, w, g))
+    single = x.ndim == w.ndim - 1
+    x, g = (x[None], g[None]) if single else (x, g)
+    xp = np.pad(x, [(0, 0), (0, 0), *pads])
+    windows, _ = _conv_windows(x.shape, w.shape, strides, pads, dilation)
+    o, cin = w.shape[0] // groups, w.shape[1]
+    gxp, gw = np.zeros_like(xp), np.zeros_like(w)
+    for off, sl in windows:
+        patch = xp[sl]
+        for grp in range(groups):
+            outs, ins = slice(grp * o, (grp + 1) * o), slice(grp * cin, (grp + 1) * cin)
+            wg = w[(outs, slice(None), *off)]
+            region = gxp[sl]  # a view: accumulate into the padded cotangent
+            region[:, ins] += np.einsum("bo...,oc->bc...", g[:, outs], wg)
+            summed = [0, *range(2, g.ndim)]  # examples and positions
+            gw[(outs, slice(None), *off)] += np.tensordot(
+                g[:, outs], patch[:, ins], axes=(summed, summed)
+            )
+    crop = tuple(
+        slice(lo, lo + n) for (lo, _), n in zip(pads, x.shape[2:], strict=True)
+    )
+    gx = gxp[(slice(None), slice(None), *crop)]
+    return (gx[0] if single else gx), gw
+
+
+def conv_q(
+    x,
+    qvalue,
+    scale,
+    kernel_size,
+    strides,
+    pads,
+    dilation,
+    groups=1,
+    activations="float32",
+):
+    """conv_q in float64: weights qvalue (O, C/groups * prod(kernel)) with one
+    scale per output channel; int8 activations: one scale per example."""
+    w = dequantize(qvalue, scale).reshape(qvalue.shape[0], -1, *kernel_size)
+    if activations == "int8":
+        x = np.asarray(x, np.float32)
+        nsp = len(kernel_size)
+        lead = x.shape[: x.ndim - nsp - 1]
+        xq, xs = quantize(x.reshape(*lead, -1))
+        acc = conv(
+            xq.reshape(x.shape),
+            qvalue.reshape(w.shape),
+            strides,
+            pads,
+            dilation,
+            groups,
+        )
+        return (
+            acc
+            * xs.reshape(*lead, 1, *(1,) * nsp)
+            * np.asarray(scale, np.float64).reshape(-1, *(1,) * nsp)
+        )
+    return conv(x, w, strides, pads, dilation, groups)

@@ -164,6 +164,7 @@ QUANTIZATION_API = {
     "QArrayP",
     "QArraySpec",
     "QArrayTy",
+    "conv_q",
     "dequantize",
     "linear_q",
     "matmul_q",

@@ -133,8 +133,91 @@ def _mm_case(name, x_shape, activations, product="matmul_q"):
     )
 
 
+# --- conv_q: F(x, w) = sin(conv_q(x, quantize(w), ...)), w (out, C/g * prod(k))
+#
+# ``conv`` holds the convolution's parameters with explicit (low, high) pads,
+# which is what the reference takes; conv_q gets ``padding`` as written.
+
+
+def _conv_case(
+    name, x_shape, out, kernel, padding, pads, activations="float32", **conv
+):
+    strides = conv.get("window_strides") or (1,) * len(kernel)
+    dilation = conv.get("rhs_dilation") or (1,) * len(kernel)
+    groups = conv.get("feature_group_count", 1)
+    per_out = x_shape[-len(kernel) - 1] // groups * int(np.prod(kernel))
+    geometry = (strides, pads, dilation, groups)
+
+    def dense(w):
+        return ref.roundtrip(w).reshape(out, -1, *kernel)
+
+    def F(x, w):
+        y = qa.conv_q(
+            x, qa.quantize(w), kernel, padding=padding, activations=activations, **conv
+        )
+        return jnp.sin(y)
+
+    def y(x, w):
+        return ref.conv_q(x, *ref.quantize(w), kernel, *geometry, activations)
+
+    def ref_vjp(args, g):
+        x, w = args
+        gx, gw = ref.conv_vjp(x, dense(w), g * np.cos(y(x, w)), *geometry)
+        return gx, gw.reshape(w.shape)
+
+    def ref_hessian(args):
+        # sum(sin(J x)) has Hessian J^T diag(-sin(J x)) J, J the dense conv in x
+        x, w = args
+        basis = np.eye(x.size).reshape(x.size, *x.shape)
+        jac = np.stack([ref.conv(e, dense(w), *geometry).ravel() for e in basis], 1)
+        hess = jac.T @ (-np.sin(y(x, w)).ravel()[:, None] * jac)
+        return hess.reshape(x.shape * 2)
+
+    return Case(
+        name,
+        F,
+        lambda x, w: np.sin(y(x, w)),
+        ref_vjp,
+        ref_hessian,
+        (x_shape, (out, per_out)),
+    )
+
+
+CONV_CASES = [
+    _conv_case("conv_q-2d", (2, 3, 5, 5), 4, (3, 3), "SAME", ((1, 1), (1, 1))),
+    _conv_case(
+        "conv_q-1d-unbatched-strided-dilated",
+        (3, 9),
+        2,
+        (3,),
+        1,
+        ((1, 1),),
+        window_strides=(2,),
+        rhs_dilation=(2,),
+    ),
+    _conv_case(
+        "conv_q-2d-groups-int8",
+        (2, 4, 4, 4),
+        4,
+        (2, 2),
+        "VALID",
+        ((0, 0), (0, 0)),
+        "int8",
+        feature_group_count=2,
+    ),
+    _conv_case(
+        "conv_q-3d-unbatched",
+        (2, 3, 3, 4),
+        2,
+        (2, 2, 2),
+        ((1, 0), (0, 0), (0, 1)),
+        ((1, 0), (0, 0), (0, 1)),
+    ),
+]
+
 CASES = [
     QUANTIZE,
+    *CONV_CASES,
     _mm_case("matmul_q", (3, 4), "float32"),
     _mm_case("matmul_q-vector-x", (4,), "float32"),
     _mm_case("matmul_q-rank3-x", (2, 2, 4), "float32"),

@@ -1,0 +1,398 @@
+"""conv_q: a convolution with int8 weights, as a hijax primitive.
+
+The weights ``(out, in / groups, *kernel_size)`` (PyTorch's and
+``eqx.nn.Conv``'s layout) are the 2-D QArray ``quantize(w.reshape(out, -1))``:
+one scale per output channel, as ``linear_q``'s weights, so the type and every
+QArray rule stay as they are and the scales factor out of the convolution,
+``y = conv(x, qvalue) * scale[o]``. Inputs are channels-first, ``(C, *spatial)``
+or ``(B, C, *spatial)``, with 1 to 3 spatial axes.
+
+Derivatives are those of ``lax.conv_general_dilated(x, W)`` with
+``W = dequantize(qw).reshape(out, in / groups, *kernel_size)``
+(straight-through), in float32. The tangent product in ``x`` is conv_q itself
+(weight-only), so every rule is traced code and higher-order AD works.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.hijax import (
+    GradAccum,
+    HiPrim,
+    ShapedArray,
+    Zero,
+    instantiate_zeros,
+    linearize_from_jvp,
+)
+
+from . import _kernels
+from ._ops import (
+    ACTIVATION_PRECISIONS,
+    _explicit_spec,
+    _product_rule,
+    _require_float32,
+    _require_qarray,
+    _sum_to_type,
+    _union_mat,
+    dequantize,
+    type_str,
+)
+from ._qarray import FLOAT32, full_spec, with_spec
+
+PADDINGS = ("VALID", "SAME", "SAME_LOWER")
+
+# How the forward convolution runs (`make bench`, suite conv, measures them
+# against float32 `lax.conv_general_dilated`): "dequantized" converts the int8
+# weights to float32 (weight-only); for int8 activations "float_sums" convolves
+# the integer-valued float32 operands (exact while every sum stays below 2**24,
+# i.e. C/groups * prod(kernel) <= 1040) and "int8_conv" asks XLA for int8 x
+# int8 -> int32, which XLA:CPU runs as a slow generic loop.
+CONV_STRATEGIES = ("dequantized", "float_sums", "int8_conv")
+
+
+def _positive_ints(name: str, value, nsp: int) -> tuple[int, ...]:
+    """``value`` (an int, or one int per spatial axis) as ``nsp`` positive ints."""
+    values = (value,) * nsp if isinstance(value, int) else tuple(value)
+    if len(values) != nsp or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values
+    ):
+        raise ValueError(
+            f"conv_q requires {name} to be {nsp} positive int(s), got {value!r}."
+        )
+    return values
+
+
+def _explicit_padding(padding, spatial, window, strides) -> tuple:
+    """``padding`` (a name in PADDINGS, an int, or (low, high) per spatial
+    axis) as ((low, high), ...) for the given spatial input shape."""
+    nsp = len(spatial)
+    if isinstance(padding, str):
+        if padding.upper() not in PADDINGS:
+            raise ValueError(
+                f"conv_q requires padding in {PADDINGS} or (low, high) pairs, "
+                f"got {padding!r}."
+            )
+        return tuple(
+            tuple(p) for p in lax.padtype_to_pads(spatial, window, strides, padding)
+        )
+    if isinstance(padding, int) and not isinstance(padding, bool):
+        padding = ((padding, padding),) * nsp
+    try:
+        pairs = tuple((int(lo), int(hi)) for lo, hi in padding)
+        ok = len(pairs) == nsp and all(
+            lo >= 0 and hi >= 0 and (lo, hi) == tuple(p)
+            for (lo, hi), p in zip(pairs, padding, strict=True)
+        )
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"conv_q requires padding to be {nsp} (low, high) pair(s) of "
+            f"non-negative ints, a non-negative int or one of {PADDINGS}, "
+            f"got {padding!r}."
+        )
+    return pairs
+
+
+def _dimension_numbers(nsp: int):
+    """Channels first for inputs and outputs, (out, in, *kernel) weights."""
+    space = "DHW"[3 - nsp :]
+    return ("NC" + space, "OI" + space, "NC" + space)
+
+
+class ConvQ(HiPrim):
+    """f32 ``x (B?, C, *spatial)`` convolved with q8 ``qw (out, C/groups *
+    prod(kernel_size))`` -> f32 ``(B?, out, *out_spatial)``.
+
+    ``activations="int8"`` quantizes each example of ``x`` (all its channels
+    and positions: one scale per example) for an int8 x int8 convolution with
+    int32 sums; ``"float32"`` (weight-only) keeps ``x`` as it is.
+    """
+
+    def __init__(
+        self,
+        x_aval,
+        qw_aval,
+        kernel_size,
+        window_strides=None,
+        padding="VALID",
+        rhs_dilation=None,
+        feature_group_count=1,
+        activations="float32",
+    ):
+        ks = (kernel_size,) if isinstance(kernel_size, int) else tuple(kernel_size)
+        if not 1 <= len(ks) <= 3:
+            raise ValueError(
+                f"conv_q supports 1 to 3 spatial axes, got kernel_size={kernel_size!r}."
+            )
+        nsp = len(ks)
+        ks = _positive_ints("kernel_size", ks, nsp)
+        strides = _positive_ints(
+            "window_strides", 1 if window_strides is None else window_strides, nsp
+        )
+        dilation = _positive_ints(
+            "rhs_dilation", 1 if rhs_dilation is None else rhs_dilation, nsp
+        )
+        (groups,) = _positive_ints("feature_group_count", feature_group_count, 1)
+        if activations not in ACTIVATION_PRECISIONS:
+            raise ValueError(
+                f"conv_q requires activations in {ACTIVATION_PRECISIONS}, got "
+                f"{activations!r}."
+            )
+        _require_float32("conv_q", "x", x_aval, min_rank=1)
+        _require_qarray("conv_q", "qw", qw_aval)
+        operands = f"x: {type_str(x_aval)}, qw: {type_str(qw_aval)}"
+        if x_aval.ndim not in (nsp + 1, nsp + 2):
+            raise TypeError(
+                f"conv_q with {nsp} spatial axes (kernel_size={ks}) requires x of "
+                f"shape (C, *spatial) or (B, C, *spatial), rank {nsp + 1} or "
+                f"{nsp + 2}, got {operands}."
+            )
+        batched = x_aval.ndim == nsp + 2
+        channels, spatial = x_aval.shape[-nsp - 1], x_aval.shape[-nsp:]
+        out_channels, per_out = (*qw_aval.shape, 0, 0)[:2]
+        window = math.prod(ks)
+        if (
+            qw_aval.ndim != 2
+            or channels % groups
+            or out_channels % groups
+            or per_out != channels // groups * window
+        ):
+            raise TypeError(
+                f"conv_q requires qw of shape (out, C / groups * prod(kernel_size)) "
+                f"= (out, {channels} / {groups} * {window}) with out divisible by "
+                f"feature_group_count={groups} (weights quantized as "
+                f"quantize(w.reshape(out, -1))), got {operands}."
+            )
+        dilated = tuple((k - 1) * d + 1 for k, d in zip(ks, dilation, strict=True))
+        pads = _explicit_padding(padding, spatial, dilated, strides)
+        padded = tuple(n + lo + hi for n, (lo, hi) in zip(spatial, pads, strict=True))
+        out_spatial = tuple(
+            (n - k) // s + 1 if n >= k else 0
+            for n, k, s in zip(padded, dilated, strides, strict=True)
+        )
+        if not all(out_spatial):
+            raise TypeError(
+                f"conv_q: the (dilated) kernel {dilated} is larger than the padded "
+                f"input {padded}, got {operands}."
+            )
+        x_spec = full_spec(x_aval.sharding, x_aval.ndim)
+        batch_spec = x_spec[:1] if batched else ()
+        if any(p is not None for p in x_spec[len(batch_spec) :]) or any(
+            p is not None for p in qw_aval.spec
+        ):
+            raise TypeError(
+                "conv_q shards only x's batch axis (channels, positions and the "
+                f"weights replicated), got {operands}."
+            )
+        out_spec = (*batch_spec, *(None,) * (nsp + 1))
+        sharding = (
+            x_aval.sharding if x_aval.sharding.mesh.axis_names else qw_aval.sharding
+        )
+        self.in_avals = (x_aval, qw_aval)
+        self.out_aval = ShapedArray(
+            (*x_aval.shape[: len(batch_spec)], out_channels, *out_spatial),
+            FLOAT32,
+            sharding=with_spec(sharding, out_spec),
+            manual_axis_type=_union_mat(x_aval.manual_axis_type, qw_aval.mat),
+        )
+        self.params = {
+            "kernel_size": ks,
+            "window_strides": strides,
+            "padding": pads,
+            "rhs_dilation": dilation,
+            "feature_group_count": groups,
+            "activations": activations,
+        }
+        super().__init__()
+
+    @property
+    def _static(self) -> dict:
+        """The convolution's parameters, for calling conv_q again."""
+        return {k: v for k, v in self.params.items() if k != "activations"}
+
+    def _conv(self, x, w, preferred=None, explicit=True):
+        """``lax.conv_general_dilated`` with this primitive's parameters on
+        ``w (out, C/groups, *kernel_size)``, ``x`` batched or not, summing in
+        ``preferred`` (default: the operands' dtype); ``explicit``: give the
+        output sharding of explicit mode (False inside ``auto_axes``)."""
+        batched = x.ndim == len(self.kernel_size) + 2
+        out_sharding = _explicit_spec(self.out_aval) if batched and explicit else None
+        out = lax.conv_general_dilated(
+            x if batched else x[None],
+            w,
+            self.window_strides,
+            self.padding,
+            rhs_dilation=self.rhs_dilation,
+            dimension_numbers=_dimension_numbers(len(self.kernel_size)),
+            feature_group_count=self.feature_group_count,
+            preferred_element_type=preferred,
+            out_sharding=out_sharding,
+        )
+        return out if batched else out[0]
+
+    @property
+    def _w_shape(self) -> tuple[int, ...]:
+        """The dense weights' shape, (out, C/groups, *kernel_size)."""
+        out, per_out = self.in_avals[1].shape
+        ks = self.kernel_size
+        return (out, per_out // math.prod(ks), *ks)
+
+    def _dense_w(self, w2d):
+        """(out, C/groups * prod(kernel)) -> (out, C/groups, *kernel)."""
+        return w2d.reshape(self._w_shape)
+
+    def expand(self, x, qw):
+        return self.forward(x, qw.qvalue, qw.scale)
+
+    def forward(self, x, qvalue, scale, strategy=None):
+        """The convolution of ``x`` with the parts of ``qw``, in the
+        formulation ``strategy`` (one of CONV_STRATEGIES; default: "float_sums"
+        for int8 activations, which measured fastest, else "dequantized")."""
+        nsp = len(self.kernel_size)
+        w = self._dense_w(qvalue)
+        scale = scale.reshape(-1, *(1,) * nsp)
+        if self.activations == "float32":
+            return self._conv(x, w.astype(FLOAT32)) * scale
+        # one scale per example: a row of all its channels and positions
+        lead = x.shape[: x.ndim - nsp - 1]
+        xq, sx = _kernels.quantize_rows(x.reshape(*lead, -1))
+        xq, sx = xq.reshape(x.shape), sx.reshape(*lead, 1, *(1,) * nsp)
+        if strategy == "int8_conv":
+            sums = self._conv(xq, w, preferred=jnp.int32).astype(FLOAT32)
+        else:  # integer-valued float32 operands
+            sums = self._conv(xq.astype(FLOAT32), w.astype(FLOAT32))
+        return sums * (sx * scale)
+
+    # d conv(x, W) = conv(dx, W) + conv(x, dW), with W = dequantize(qw); the
+    # first term is the weight-only conv_q whatever the activations
+    def jvp(self, primals, tangents):
+        (x, qw), (tx, tw) = primals, tangents
+        return self(x, qw), _product_rule(
+            self.out_aval,
+            (tx, lambda t: conv_q(t, qw, **self._static)),
+            (tw, lambda t: self._conv(x, self._dense_w(t))),
+        )
+
+    lin, linearized = linearize_from_jvp
+
+    def vjp_fwd(self, nzs_in, x, qw):
+        needs_x, needs_qw = nzs_in
+        return self(x, qw), (x if needs_qw else None, qw if needs_x else None)
+
+    def vjp_bwd_retval(self, res, g):
+        x, qw = res
+        g = instantiate_zeros(g)
+        ct_x = None if qw is None else self._ct_x(g, qw)
+        ct_qw = None if x is None else self._ct_w(x, g)
+        return ct_x, ct_qw
+
+    def _ct_x(self, g, qw):
+        """``g`` pulled back through the convolution with ``W``, typed like x."""
+        x_aval = self.in_avals[0]
+        w = self._dense_w(dequantize(qw))
+        like = jax.ShapeDtypeStruct(
+            x_aval.shape,
+            FLOAT32,
+            sharding=x_aval.sharding,
+            manual_axis_type=x_aval.manual_axis_type,
+        )
+        (ct_x,) = jax.linear_transpose(lambda t: self._conv(t, w), like)(g)
+        return _sum_to_type(ct_x, x_aval)
+
+    def _ct_w(self, x, g):
+        """``g`` pulled back to the weights, laid out (and typed) like qw."""
+        w_aval = self.in_avals[1].to_tangent_aval()
+        like = jax.ShapeDtypeStruct(self._w_shape, FLOAT32)
+
+        def pull(x, g, explicit=True):
+            conv = lambda w: self._conv(x, w, explicit=explicit)  # noqa: E731
+            (ct_w,) = jax.linear_transpose(conv, like)(g)
+            return ct_w.reshape(w_aval.shape)
+
+        if _explicit_spec(self.in_avals[0]) is None:
+            return _sum_to_type(pull(x, g), w_aval)
+        # a sum over x's sharded batch axis, whose result sharding explicit
+        # mode cannot infer (lax's transpose rule takes no out_sharding): let
+        # the partitioner place it, then as the weights are
+        return jax.sharding.auto_axes(
+            lambda x, g: pull(x, g, explicit=False),
+            out_sharding=_explicit_spec(w_aval),
+        )(x, g)
+
+    # linear in x: what jax.linear_transpose (and reverse mode over a
+    # linearized jvp, whose tangent products are weight-only conv_q) needs
+    def transpose(self, ct, x, qw):
+        if self.activations != "float32":
+            raise TypeError(
+                f"conv_q with activations={self.activations!r} is not linear in "
+                "x: transpose the weight-only convolution instead."
+            )
+        if isinstance(qw, GradAccum) or not isinstance(x, GradAccum):
+            raise NotImplementedError("conv_q transposes in x only, with qw known.")
+        if not isinstance(ct, Zero):
+            x.accum(self._ct_x(ct, qw))
+
+    def batch(self, axis_data, args, dims):
+        (x, qw), (dx, dq) = args, dims
+        params = dict(self._static, activations=self.activations)
+        if dq is None:
+            if dx is None:
+                return self(x, qw), None
+            x = jnp.moveaxis(x, dx, 0)
+            if x.ndim == len(self.kernel_size) + 2:  # unbatched examples
+                return conv_q(x, qw, **params), 0
+            # batched examples: merge the two batch axes, one example per row
+            size, batch = x.shape[:2]
+            y = conv_q(x.reshape(size * batch, *x.shape[2:]), qw, **params)
+            return y.reshape(size, batch, *y.shape[1:]), 0
+        # one weight matrix per example: loop over the stacked QArray
+        if dx is None:
+            body = lambda _, q: (None, conv_q(x, q, **params))  # noqa: E731
+            xs = qw
+        else:
+            body = lambda _, xq: (None, conv_q(*xq, **params))  # noqa: E731
+            xs = (jnp.moveaxis(x, dx, 0), qw)
+        _, ys = lax.scan(body, None, xs, length=axis_data.size)
+        return ys, 0
+
+
+def conv_q(
+    x,
+    qw,
+    kernel_size: int | Sequence[int],
+    *,
+    window_strides: int | Sequence[int] | None = None,
+    padding="VALID",
+    rhs_dilation: int | Sequence[int] | None = None,
+    feature_group_count: int = 1,
+    activations: str = "float32",
+):
+    """A convolution of f32 ``x`` with int8 weights: ``(C, *spatial)`` or
+    ``(B, C, *spatial)`` -> ``(out, *out_spatial)`` or ``(B, out, ...)``.
+
+    ``qw = quantize(w.reshape(out, -1))`` for weights ``w (out, C / groups,
+    *kernel_size)`` (PyTorch's and ``eqx.nn.Conv``'s layout), one scale per
+    output channel. Computes ``lax.conv_general_dilated(x,
+    dequantize(qw).reshape(w.shape), window_strides, padding, rhs_dilation=...,
+    feature_group_count=...)`` with channels-first dimension numbers; 1 to 3
+    spatial axes. ``padding``: "VALID", "SAME", "SAME_LOWER", an int or
+    ``(low, high)`` per spatial axis. ``activations="int8"`` quantizes each
+    example of ``x`` with one scale for an int8 x int8 convolution.
+    Derivatives are those of the dense convolution (straight-through).
+    """
+    return ConvQ(
+        jax.typeof(x),
+        jax.typeof(qw),
+        kernel_size,
+        window_strides,
+        padding,
+        rhs_dilation,
+        feature_group_count,
+        activations,
+    )(x, qw)
