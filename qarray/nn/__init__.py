@@ -6,8 +6,10 @@ equinox models.
     served = qnn.quantize(mlp)                  # int8 weights, stored
     qat = qnn.quantize(mlp, trainable=True)     # float32, quantized every call
     exported = qnn.freeze(qat)                  # after training: int8
+    cnn = qnn.quantize(my_cnn)                  # eqx.nn.Conv layers too
 """
 
+from ._conv import Conv as Conv
 from ._linear import Linear as Linear
 from ._network import ACTIVATIONS as ACTIVATIONS
 from ._network import Network as Network

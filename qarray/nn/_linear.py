@@ -27,16 +27,24 @@ def _dtype_str(a) -> str:
     return f"{np.dtype(a.dtype).name}{tuple(a.shape)}"
 
 
-def _require(name: str, a, dtype, min_rank: int) -> None:
+def _require(name: str, a, dtype, min_rank: int, owner: str = "Linear") -> None:
     if not hasattr(a, "dtype") or np.dtype(a.dtype) != dtype:
         got = _dtype_str(a) if hasattr(a, "dtype") else type(a).__name__
         raise TypeError(
-            f"Linear requires {name} to be a {np.dtype(dtype).name} array, got {got}."
+            f"{owner} requires {name} to be a {np.dtype(dtype).name} array, got {got}."
         )
     if a.ndim < min_rank:
         raise TypeError(
-            f"Linear requires {name} of rank >= {min_rank}, got {_dtype_str(a)}."
+            f"{owner} requires {name} of rank >= {min_rank}, got {_dtype_str(a)}."
         )
+
+
+def relative_error(w, qw):
+    """``||w - dequantize(qw)|| / ||w||`` (0 for zero weights), without a
+    derivative: a diagnostic."""
+    norm = jnp.linalg.norm(w)
+    error = jnp.linalg.norm(w - dequantize(qw)) / jnp.where(norm > 0, norm, 1)
+    return lax.stop_gradient(error)
 
 
 class Linear(eqx.Module):
@@ -197,11 +205,8 @@ class Linear(eqx.Module):
         diagnostic: it carries no derivative."""
         if not self.trainable:
             return jnp.float32(self.stored_error or 0.0)
-        w = jnp.asarray(self.weight)
         qw = self.quantized() if qw is None else qw
-        norm = jnp.linalg.norm(w)
-        error = jnp.linalg.norm(w - dequantize(qw)) / jnp.where(norm > 0, norm, 1)
-        return lax.stop_gradient(error)
+        return relative_error(jnp.asarray(self.weight), qw)
 
     def frozen(self) -> Linear:
         """The stored int8 layer a trainable one quantizes to (itself if

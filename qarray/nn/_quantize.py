@@ -8,11 +8,13 @@ from collections.abc import Callable
 import equinox as eqx
 import jax
 
+from ._conv import Conv
 from ._linear import Linear
 
 
-def _replace(model, kind: type, convert: Callable):
-    """``model`` with every node of type ``kind`` replaced by ``convert(node)``."""
+def _replace(model, kind, convert: Callable):
+    """``model`` with every node of type ``kind`` (a type or a tuple of them)
+    replaced by ``convert(node)``."""
     return jax.tree.map(
         lambda node: convert(node) if isinstance(node, kind) else node,
         model,
@@ -23,14 +25,16 @@ def _replace(model, kind: type, convert: Callable):
 def quantize(
     model,
     *,
-    where: Callable[[eqx.nn.Linear], bool] | None = None,
+    where: Callable[[eqx.Module], bool] | None = None,
     trainable: bool = False,
     activations: str = "float32",
 ):
-    """A copy of ``model`` with every ``eqx.nn.Linear`` that ``where(layer)``
-    accepts (default: all) replaced by a ``qarray.nn.Linear`` (weights
-    ``(out, in)``: layout "nk", one scale per output channel); every other
-    node is kept as it is, float32.
+    """A copy of ``model`` with every ``eqx.nn.Linear`` and ``eqx.nn.Conv``
+    (``Conv1d``, ``Conv2d``, ``Conv3d``) that ``where(layer)`` accepts
+    (default: all) replaced by a ``qarray.nn.Linear`` (weights ``(out, in)``:
+    layout "nk", one scale per output channel) or ``qarray.nn.Conv``; every
+    other node (normalisation, convolutions with non-zero padding modes, ...)
+    is kept as it is, float32.
 
     ``trainable=False``: weights quantized now and stored int8 (serving);
     ``True``: kept float32 and quantized on every call with a straight-through
@@ -44,10 +48,14 @@ def quantize(
     float: one input or output feature leaves nothing to gain.
     """
 
-    def convert(layer: eqx.nn.Linear):
-        if "scalar" in (layer.in_features, layer.out_features):
-            return layer
+    def convert(layer):
         if where is not None and not where(layer):
+            return layer
+        if isinstance(layer, eqx.nn.Conv):
+            if layer.padding_mode != "ZEROS":
+                return layer
+            return Conv.from_eqx(layer, trainable=trainable, activations=activations)
+        if "scalar" in (layer.in_features, layer.out_features):
             return layer
         return Linear.from_float(
             layer.weight,
@@ -57,12 +65,12 @@ def quantize(
             activations=activations,
         )
 
-    return _replace(model, eqx.nn.Linear, convert)
+    return _replace(model, (eqx.nn.Linear, eqx.nn.Conv), convert)
 
 
 def freeze(model):
-    """A copy of ``model`` with every trainable ``qarray.nn.Linear`` stored as
-    the int8 weights and scales it quantizes to (the export after
-    quantization-aware training: the same outputs, a quarter of the bytes).
-    Eager: call it outside ``jit``."""
-    return _replace(model, Linear, Linear.frozen)
+    """A copy of ``model`` with every trainable ``qarray.nn.Linear`` and
+    ``qarray.nn.Conv`` stored as the int8 weights and scales it quantizes to
+    (the export after quantization-aware training: the same outputs, a
+    quarter of the bytes). Eager: call it outside ``jit``."""
+    return _replace(model, (Linear, Conv), lambda layer: layer.frozen())

@@ -1,0 +1,223 @@
+"""``qarray.nn.Conv``: one quantized convolution as an equinox module."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._conv import conv_q
+from .._ops import ACTIVATION_PRECISIONS, pack, quantize, unpack
+from ._linear import _dtype_str, _require, relative_error
+
+
+class Conv(eqx.Module):
+    """One quantized convolution, ``eqx.nn.Conv``'s conventions: channels
+    first, an unbatched ``x (C, *spatial) -> (out, *out_spatial)`` (``vmap``
+    for batches; a batched ``(B, C, *spatial)`` works too), 1 to 3 spatial
+    axes, zero padding.
+
+    Weights ``(out, C / groups, *kernel_size)`` are quantized as the 2-D
+    QArray ``quantize(w.reshape(out, -1))``, one scale per output channel
+    (``conv_q``). As ``Linear``: stored (``qvalue (out, C / groups *
+    prod(kernel_size))`` int8 and ``scale (out,)``) for serving, or trainable
+    (``weight`` float32, quantized on every call, straight-through gradient).
+    ``bias``: ``(out,)``.
+    """
+
+    weight: jax.Array | None
+    qvalue: jax.Array | None
+    scale: jax.Array | None
+    bias: jax.Array | None
+    kernel_size: tuple[int, ...] = eqx.field(static=True)
+    stride: tuple[int, ...] = eqx.field(static=True)
+    padding: str | tuple[tuple[int, int], ...] = eqx.field(static=True)
+    dilation: tuple[int, ...] = eqx.field(static=True)
+    groups: int = eqx.field(static=True)
+    activations: str = eqx.field(static=True)
+    stored_error: float | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        weight=None,
+        bias=None,
+        *,
+        qvalue=None,
+        scale=None,
+        kernel_size: Sequence[int] | None = None,
+        stride: int | Sequence[int] = 1,
+        padding: str | int | Sequence = 0,
+        dilation: int | Sequence[int] = 1,
+        groups: int = 1,
+        activations: str = "float32",
+        stored_error: float | None = None,
+    ):
+        if activations not in ACTIVATION_PRECISIONS:
+            raise ValueError(
+                f"Conv requires activations in {ACTIVATION_PRECISIONS}, got "
+                f"{activations!r}."
+            )
+        if (weight is None) == (qvalue is None and scale is None):
+            got = "both" if weight is not None else "neither"
+            raise TypeError(
+                "Conv takes either weight (trainable) or qvalue, scale and "
+                f"kernel_size (stored), got {got}."
+            )
+        if weight is None:
+            if qvalue is None or scale is None or kernel_size is None:
+                raise TypeError("Conv takes qvalue, scale and kernel_size together.")
+            _require("qvalue", qvalue, np.int8, 2, "Conv")
+            _require("scale", scale, np.float32, 1, "Conv")
+            if tuple(scale.shape) != tuple(qvalue.shape[:1]) or qvalue.ndim != 2:
+                raise TypeError(
+                    "Conv requires qvalue (out, C / groups * prod(kernel_size)) and "
+                    f"scale (out,), got {_dtype_str(qvalue)} and {_dtype_str(scale)}."
+                )
+            kernel_size = tuple(int(k) for k in kernel_size)
+            if qvalue.shape[1] % math.prod(kernel_size):
+                raise TypeError(
+                    f"Conv: qvalue {_dtype_str(qvalue)} has no whole number of "
+                    f"input channels for kernel_size {kernel_size}."
+                )
+        else:
+            _require("weight", weight, np.float32, 3, "Conv")
+            if not 3 <= weight.ndim <= 5:
+                raise TypeError(
+                    "Conv requires weight (out, C / groups, *kernel_size) with 1 "
+                    f"to 3 spatial axes, got {_dtype_str(weight)}."
+                )
+            kernel_size = tuple(weight.shape[2:])
+        nsp = len(kernel_size)
+
+        def per_axis(v):
+            return (int(v),) * nsp if isinstance(v, int) else tuple(int(a) for a in v)
+
+        self.weight, self.qvalue, self.scale = weight, qvalue, scale
+        self.kernel_size, self.stride, self.dilation = (
+            kernel_size,
+            per_axis(stride),
+            per_axis(dilation),
+        )
+        if isinstance(padding, str):
+            self.padding = padding.upper()
+        elif isinstance(padding, int):
+            self.padding = ((padding, padding),) * nsp
+        else:
+            self.padding = tuple(
+                (int(p), int(p)) if isinstance(p, int) else (int(p[0]), int(p[1]))
+                for p in padding
+            )
+        self.groups, self.activations, self.stored_error = (
+            int(groups),
+            activations,
+            stored_error,
+        )
+        if bias is not None:
+            _require("bias", bias, np.float32, 1, "Conv")
+            if tuple(bias.shape) != (self.out_channels,):
+                raise TypeError(
+                    f"Conv requires bias of shape ({self.out_channels},), got "
+                    f"{_dtype_str(bias)}."
+                )
+        self.bias = bias
+
+    @classmethod
+    def from_float(
+        cls,
+        weight,
+        bias=None,
+        *,
+        trainable: bool = False,
+        **conv,
+    ) -> Conv:
+        """A layer from float32 weights ``(out, C / groups, *kernel_size)``,
+        kept float and quantized every call (``trainable=True``) or stored
+        int8 (the default); ``conv``: stride, padding, dilation, groups,
+        activations."""
+        bias = None if bias is None else jnp.asarray(bias).reshape(-1)
+        layer = cls(jnp.asarray(weight), bias, **conv)
+        return layer if trainable else layer.frozen()
+
+    @classmethod
+    def from_eqx(cls, conv: eqx.nn.Conv, *, trainable=False, activations="float32"):
+        """The quantized counterpart of an ``eqx.nn.Conv`` (zero padding)."""
+        if conv.padding_mode != "ZEROS":
+            raise ValueError(
+                f"Conv supports zero padding, got padding_mode={conv.padding_mode!r}."
+            )
+        return cls.from_float(
+            conv.weight,
+            conv.bias,
+            trainable=trainable,
+            stride=conv.stride,
+            padding=conv.padding,
+            dilation=conv.dilation,
+            groups=conv.groups,
+            activations=activations,
+        )
+
+    @property
+    def trainable(self) -> bool:
+        """Float32 weights quantized on every call (else stored int8)."""
+        return self.weight is not None
+
+    @property
+    def out_channels(self) -> int:
+        return (self.weight if self.trainable else self.qvalue).shape[0]
+
+    @property
+    def in_channels(self) -> int:
+        if self.trainable:
+            return self.weight.shape[1] * self.groups
+        return self.qvalue.shape[1] // math.prod(self.kernel_size) * self.groups
+
+    def quantized(self):
+        """The weights as the 2-D QArray ``q8[out, C/groups * prod(kernel)]``."""
+        if self.trainable:
+            w = jnp.asarray(self.weight)
+            return quantize(w.reshape(w.shape[0], -1))
+        return pack(jnp.asarray(self.qvalue), jnp.asarray(self.scale))
+
+    def __call__(self, x, qw=None):
+        """``x (C, *spatial)`` or ``(B, C, *spatial)`` -> ``(out, ...)``."""
+        qw = self.quantized() if qw is None else qw
+        y = conv_q(
+            jnp.asarray(x),
+            qw,
+            self.kernel_size,
+            window_strides=self.stride,
+            padding=self.padding,
+            rhs_dilation=self.dilation,
+            feature_group_count=self.groups,
+            activations=self.activations,
+        )
+        if self.bias is None:
+            return y
+        return y + self.bias.reshape(-1, *(1,) * len(self.kernel_size))
+
+    def weight_error(self, qw=None):
+        """``||w - W|| / ||w||`` of the float weights (as ``Linear``'s)."""
+        if not self.trainable:
+            return jnp.float32(self.stored_error or 0.0)
+        w = jnp.asarray(self.weight)
+        qw = self.quantized() if qw is None else qw
+        return relative_error(w.reshape(w.shape[0], -1), qw)
+
+    def frozen(self) -> Conv:
+        """The stored int8 layer a trainable one quantizes to. Eager."""
+        if not self.trainable:
+            return self
+        qw = self.quantized()
+        qvalue, scale = unpack(qw)
+        return dataclasses.replace(
+            self,
+            weight=None,
+            qvalue=qvalue,
+            scale=scale,
+            stored_error=float(self.weight_error(qw)),
+        )
