@@ -18,6 +18,13 @@ into a model file of int8 "nk" layers with one scale per output channel.
     qarray-serve convert state_dict.safetensors model.safetensors \\
         --layers fc1:relu,fc2:none
 
+Any other equinox model (a CNN, your own) has its model file keyed by its
+pytree paths: ``save_tree``, ``load_tree``, ``load_quantized`` and
+``convert_tree`` (PyTorch conv and linear layers, BatchNorm folded)::
+
+    qarray-serve convert state_dict.safetensors model.safetensors --tree \\
+        --fold conv1+bn1,conv2+bn2
+
 Needs the ``safetensors`` package (installed with ``qarray[tesseract]``).
 """
 
@@ -30,16 +37,19 @@ from pathlib import Path
 
 import numpy as np
 
+from ._tree_checkpoint import ModelFileError as ModelFileError
+from ._tree_checkpoint import convert_tree as convert_tree
+from ._tree_checkpoint import fold_batchnorm as fold_batchnorm
+from ._tree_checkpoint import leaf_paths as leaf_paths
+from ._tree_checkpoint import load_quantized as load_quantized
+from ._tree_checkpoint import load_tree as load_tree
+from ._tree_checkpoint import save_tree as save_tree
 from .nn import ACTIVATIONS, LAYOUTS, Linear, Network
 
 _ACTIVATION_NAMES = tuple(ACTIVATIONS)
 
 _TENSOR = re.compile(r"layers\.(\d+)\.(w|w_q\.qvalue|w_q\.scale|bias)")
 _METADATA = re.compile(r"layers\.(\d+)\.(layout|activation)")
-
-
-class ModelFileError(ValueError):
-    """A model file that cannot be served; the message names the tensor."""
 
 
 @dataclass(frozen=True)
@@ -368,23 +378,65 @@ def convert_state_dict(
     return errors
 
 
+def _pairs(text: str | None, sep: str) -> list[tuple[str, str]]:
+    pairs = []
+    for item in (text or "").split(","):
+        if item.strip():
+            left, _, right = item.strip().partition(sep)
+            pairs.append((left, right))
+    return pairs
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``qarray-serve convert SRC DST --layers fc1:relu,fc2:none``."""
+    """``qarray-serve convert SRC DST --layers fc1:relu,fc2:none`` (a network)
+    or ``... --tree [--fold conv1+bn1] [--rename old=new]`` (any model)."""
     parser = argparse.ArgumentParser(
         prog="qarray-serve convert",
-        description="Convert a PyTorch-style state dict (safetensors; nn.Linear "
-        "weights (out, in)) to a qarray model file (int8, layout 'nk', one scale "
-        "per output channel) for QARRAY_MODEL.",
+        description="Convert a PyTorch-style state dict (safetensors) to a qarray "
+        "model file: with --layers, the Tesseract contract's network (nn.Linear "
+        "weights (out, in) -> int8 layout 'nk', one scale per output channel, for "
+        "QARRAY_MODEL); with --tree, any model's file keyed by its pytree paths "
+        "(Linear and Conv weights int8, one scale per output channel).",
     )
     parser.add_argument("src", help="state dict, .safetensors")
     parser.add_argument("dst", help="model file to write, .safetensors")
-    parser.add_argument(
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument(
         "--layers",
-        required=True,
         help="comma-separated NAME:ACTIVATION in order, e.g. fc1:relu,fc2:none "
         f"(activations: {', '.join(_ACTIVATION_NAMES)})",
     )
+    mode.add_argument(
+        "--tree", action="store_true", help="keep the state dict's names (paths)"
+    )
+    parser.add_argument(
+        "--fold",
+        help="with --tree: LAYER+BATCHNORM pairs, e.g. conv1+bn1,conv2+bn2: each "
+        "BatchNorm (inference statistics) folded into the layer before it",
+    )
+    parser.add_argument(
+        "--rename",
+        help="with --tree: OLD=NEW name prefixes, e.g. features=features.layers",
+    )
+    parser.add_argument("--bn-eps", type=float, default=1e-5, help="BatchNorm eps")
     args = parser.parse_args(argv)
+    if args.tree:
+        try:
+            errors = convert_tree(
+                args.src,
+                args.dst,
+                fold=_pairs(args.fold, "+"),
+                rename=_pairs(args.rename, "="),
+                eps=args.bn_eps,
+            )
+        except ModelFileError as error:
+            parser.exit(2, f"qarray-serve convert: {error}\n")
+        for name, error in errors.items():
+            print(f"{name}: int8, weight error {error:.3e}")
+        print(f"wrote {args.dst}")
+        return 0
+    if args.fold or args.rename:
+        parser.error("--fold and --rename need --tree")
     layers = []
     for item in args.layers.split(","):
         name, _, activation = item.strip().partition(":")

@@ -17,6 +17,7 @@ from qarray.checkpoint import (
     save_model,
 )
 from tests import reference as ref
+from tests.qarray.test_tree_checkpoint import pytorch_cnn_state_dict
 from tests.tesseract import network as net
 from tests.tesseract.server import (
     ROOT,
@@ -362,6 +363,38 @@ def test_convert_command_line(tmp_path, rng):
         assert bad.returncode == 2
         assert expected in bad.stderr, bad.stderr
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_convert_tree_command_line(tmp_path, rng):
+    pytorch_cnn_state_dict(rng, tmp_path / "sd.safetensors")
+    command = [
+        str(SERVE),
+        "convert",
+        str(tmp_path / "sd.safetensors"),
+        str(tmp_path / "m.safetensors"),
+    ]
+    ok = subprocess.run(
+        [*command, "--tree", "--fold", "conv1+bn1,features.0+bn2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert "conv1: int8, weight error" in ok.stdout
+    bad = subprocess.run(
+        [*command, "--tree", "--fold", "conv1+bn9"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "cannot fold 'bn9' into 'conv1'" in bad.stderr
+    both = subprocess.run(
+        [*command, "--fold", "conv1+bn1", "--layers", "a:relu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert both.returncode == 2 and "need --tree" in both.stderr
 
 
 # --- over HTTP: requests carry only x

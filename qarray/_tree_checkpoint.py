@@ -1,0 +1,208 @@
+"""Model files of any equinox model: safetensors keyed by the model's pytree
+paths (``conv1.weight``, ``blocks.0.qvalue``), and a converter from PyTorch
+state dicts that folds BatchNorm and quantizes Linear and Conv weights.
+
+A float file holds the float model's leaves (``conv1.weight``, ``conv1.bias``);
+a quantized file holds ``qarray.nn.quantize(model)``'s (``conv1.qvalue`` int8
+``(out, in/groups * prod(kernel))``, ``conv1.scale`` ``(out,)``, ``conv1.bias``
+``(out,)``). ``load_quantized`` takes either, given the model's skeleton (its
+class built with any key: the file supplies every array).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import numpy as np
+
+from .nn import Conv, Linear
+from .nn import quantize as quantize_model
+
+FORMAT = "qarray-tree"
+
+
+class ModelFileError(ValueError):
+    """A model file that cannot be served; the message names the tensor."""
+
+
+def _key_name(key) -> str:
+    for attr in ("name", "idx", "key"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def leaf_paths(model) -> dict[str, np.ndarray]:
+    """``{path: leaf}`` for every array leaf of ``model`` (``a.b.0.c``)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(eqx.filter(model, eqx.is_array))
+    return {".".join(_key_name(k) for k in path): leaf for path, leaf in flat}
+
+
+def save_tree(path: str | Path, model) -> None:
+    """Write ``model``'s array leaves (float or quantized) keyed by path."""
+    from safetensors.numpy import save_file
+
+    tensors = {k: np.ascontiguousarray(v) for k, v in leaf_paths(model).items()}
+    save_file(tensors, str(path), metadata={"format": FORMAT})
+
+
+def _read(path: str | Path) -> dict[str, np.ndarray]:
+    from safetensors import SafetensorError, safe_open
+
+    if not Path(path).is_file():
+        raise ModelFileError(f"model file {str(path)!r} does not exist")
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError, ValueError) as error:
+        raise ModelFileError(
+            f"{path}: not a readable safetensors file ({error})"
+        ) from None
+
+
+def _fill(path, tensors: Mapping[str, np.ndarray], like):
+    """``like`` with each array leaf replaced by the tensor of its path."""
+    wanted = leaf_paths(like)
+    missing = sorted(set(wanted) - set(tensors))
+    unexpected = sorted(set(tensors) - set(wanted))
+    if missing or unexpected:
+        raise ModelFileError(
+            f"{path}: the file's tensors do not match the model's leaves "
+            f"(missing: {', '.join(missing[:5]) or 'none'}; unexpected: "
+            f"{', '.join(unexpected[:5]) or 'none'})"
+        )
+    leaves = []
+    for name, leaf in wanted.items():
+        got = tensors[name]
+        if np.dtype(got.dtype) != np.dtype(leaf.dtype):
+            raise ModelFileError(
+                f"{path}: {name} must be {np.dtype(leaf.dtype).name}, got "
+                f"{got.dtype.name}"
+            )
+        squeeze = lambda s: tuple(d for d in s if d != 1)  # noqa: E731
+        if tuple(got.shape) != tuple(leaf.shape):
+            if squeeze(got.shape) != squeeze(leaf.shape):
+                raise ModelFileError(
+                    f"{path}: {name} must have shape {tuple(leaf.shape)}, got "
+                    f"{tuple(got.shape)}"
+                )
+            got = got.reshape(leaf.shape)  # e.g. a conv bias (out,) -> (out, 1, 1)
+        if got.dtype.kind == "f" and not np.isfinite(got).all():
+            raise ModelFileError(f"{path}: {name} has NaN or Inf entries")
+        leaves.append(got)
+    arrays, rest = eqx.partition(like, eqx.is_array)
+    return eqx.combine(jax.tree.unflatten(jax.tree.structure(arrays), leaves), rest)
+
+
+def load_tree(path: str | Path, like):
+    """``like`` (a model of the file's structure) with the file's arrays."""
+    return _fill(path, _read(path), like)
+
+
+def load_quantized(path: str | Path, like, **quantize_options):
+    """The quantized model of a file: ``like`` is the float model's skeleton.
+
+    A float file (keys: ``like``'s leaves) is quantized at load with
+    ``qarray.nn.quantize(model, **quantize_options)``; a quantized file (keys:
+    the quantized skeleton's) is taken as stored. Arrays stay NumPy.
+    """
+    tensors = _read(path)
+    # a stored layer's tensors end in .qvalue: without any, a float file (and
+    # a mismatch is reported against the float model's leaves)
+    if not any(name.endswith(".qvalue") for name in tensors):
+        return quantize_model(_fill(path, tensors, like), **quantize_options)
+    skeleton = quantize_model(like, **quantize_options)
+    # the skeleton's recorded weight errors are its random weights': unknown
+    skeleton = jax.tree.map(
+        lambda n: (
+            dataclasses.replace(n, stored_error=None)
+            if isinstance(n, Linear | Conv)
+            else n
+        ),
+        skeleton,
+        is_leaf=lambda n: isinstance(n, Linear | Conv),
+    )
+    return _fill(path, tensors, skeleton)
+
+
+def fold_batchnorm(weight, bias, bn: Mapping[str, np.ndarray], eps: float = 1e-5):
+    """A conv or linear layer followed by an inference-mode BatchNorm as one
+    layer: ``(weight', bias')`` with the normalisation folded in per output
+    channel (``bn``: PyTorch's weight, bias, running_mean, running_var)."""
+    gamma = np.asarray(bn.get("weight", 1.0), np.float64)
+    beta = np.asarray(bn.get("bias", 0.0), np.float64)
+    factor = gamma / np.sqrt(np.asarray(bn["running_var"], np.float64) + eps)
+    factor = np.broadcast_to(factor, (weight.shape[0],))
+    folded_w = weight.astype(np.float64) * factor.reshape(-1, *(1,) * (weight.ndim - 1))
+    b = np.zeros(weight.shape[0]) if bias is None else bias.astype(np.float64)
+    folded_b = (b - np.asarray(bn["running_mean"], np.float64)) * factor + beta
+    return folded_w.astype(np.float32), folded_b.astype(np.float32)
+
+
+def convert_tree(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    fold: Sequence[tuple[str, str]] = (),
+    rename: Sequence[tuple[str, str]] = (),
+    eps: float = 1e-5,
+    quantizer: Callable | None = None,
+) -> dict[str, float]:
+    """A PyTorch state dict (safetensors) -> a quantized tree model file.
+
+    ``fold``: ``(layer, batchnorm)`` name pairs, the BatchNorm folded into the
+    layer before it (its tensors then dropped); every ``{name}.weight`` of
+    rank >= 2 (``nn.Linear (out, in)``, ``nn.Conv* (out, in/groups, *k)``)
+    becomes ``{name}.qvalue`` / ``{name}.scale`` (one scale per output
+    channel) and its bias ``(out,)``; other tensors are kept as float32.
+    ``rename``: ``(old_prefix, new_prefix)`` pairs mapping PyTorch's names to
+    the equinox model's paths. Returns each quantized layer's relative
+    weight error.
+    """
+    from .checkpoint import quantize_rows, relative_error
+
+    quantizer = quantizer or quantize_rows
+    tensors = _read(src)
+    for layer, bn in fold:
+        stats = {
+            key[len(bn) + 1 :]: tensors.pop(key)
+            for key in [k for k in tensors if k.startswith(f"{bn}.")]
+        }
+        if "running_var" not in stats or f"{layer}.weight" not in tensors:
+            raise ModelFileError(
+                f"{src}: cannot fold {bn!r} into {layer!r}: need {layer}.weight and "
+                f"{bn}.running_mean / running_var"
+            )
+        w, b = fold_batchnorm(
+            tensors[f"{layer}.weight"], tensors.get(f"{layer}.bias"), stats, eps
+        )
+        tensors[f"{layer}.weight"], tensors[f"{layer}.bias"] = w, b
+    out, errors = {}, {}
+    for key, value in tensors.items():
+        if key.endswith("num_batches_tracked"):
+            continue
+        name, _, leaf = key.rpartition(".")
+        if leaf == "weight" and value.ndim >= 2:
+            w = value.astype(np.float32).reshape(value.shape[0], -1)
+            qvalue, scale = quantizer(w)
+            errors[name] = relative_error(w, qvalue, scale)
+            out[f"{name}.qvalue"], out[f"{name}.scale"] = qvalue, scale
+        elif value.dtype.kind == "f":
+            out[key] = value.astype(np.float32)
+        else:
+            out[key] = value
+    renamed = {}
+    for key, value in out.items():
+        for old, new in rename:
+            if key == old or key.startswith(f"{old}."):
+                key = new + key[len(old) :]
+                break
+        renamed[key] = np.ascontiguousarray(value)
+    from safetensors.numpy import save_file
+
+    save_file(renamed, str(dst), metadata={"format": FORMAT})
+    return errors

@@ -1,0 +1,190 @@
+"""Model files of any equinox model (keyed by pytree paths) and the PyTorch
+converter with BatchNorm folding, against NumPy."""
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import qarray.nn as qnn
+from qarray.checkpoint import (
+    ModelFileError,
+    convert_tree,
+    fold_batchnorm,
+    leaf_paths,
+    load_quantized,
+    load_tree,
+    save_tree,
+)
+from tests import reference as ref
+
+
+class Net(eqx.Module):
+    conv1: eqx.nn.Conv2d
+    blocks: list
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k = jax.random.split(key, 4)
+        self.conv1 = eqx.nn.Conv2d(1, 4, 3, padding=1, key=k[0])
+        self.blocks = [eqx.nn.Conv2d(4, 4, 3, padding=1, key=k[1]), eqx.nn.LayerNorm(4)]
+        self.head = eqx.nn.Linear(4 * 5 * 5, 2, key=k[2])
+
+    def __call__(self, x):
+        h = jax.nn.relu(self.conv1(x))
+        h = jax.nn.relu(self.blocks[0](h))
+        h = jax.vmap(jax.vmap(self.blocks[1], 1, 1), 2, 2)(h)
+        return self.head(h.ravel())
+
+
+def test_leaf_paths_name_the_model_tree():
+    paths = leaf_paths(Net(jax.random.key(0)))
+    assert set(paths) == {
+        "conv1.weight", "conv1.bias", "blocks.0.weight", "blocks.0.bias",
+        "blocks.1.weight", "blocks.1.bias", "head.weight", "head.bias",
+    }  # fmt: skip
+    q = leaf_paths(qnn.quantize(Net(jax.random.key(0))))
+    assert {"conv1.qvalue", "conv1.scale", "head.qvalue", "blocks.1.weight"} <= set(q)
+    assert q["conv1.qvalue"].shape == (4, 9) and q["conv1.bias"].shape == (4,)
+
+
+@pytest.mark.parametrize("stored", ["float", "quantized"])
+def test_float_and_quantized_files_load_into_the_skeleton(tmp_path, rng, stored):
+    trained = Net(jax.random.key(1))
+    file = tmp_path / "m.safetensors"
+    save_tree(file, trained if stored == "float" else qnn.quantize(trained))
+    skeleton = Net(jax.random.key(99))  # other weights: the file supplies all
+    model = load_quantized(file, skeleton)
+    assert isinstance(model.conv1, qnn.Conv) and not model.conv1.trainable
+    want = qnn.quantize(trained)
+    x = rng.standard_normal((1, 5, 5)).astype(np.float32)
+    np.testing.assert_allclose(model(x), want(x), rtol=1e-6, atol=1e-6)
+    # the weight error is recorded for a float file, unknown for a stored one
+    w = np.asarray(trained.conv1.weight).reshape(4, -1)
+    err = np.linalg.norm(w - ref.roundtrip(w)) / np.linalg.norm(w)
+    if stored == "float":
+        assert model.conv1.stored_error == pytest.approx(err, rel=1e-5)
+    else:
+        assert model.conv1.stored_error is None
+    # the float file back into a float model, leaf for leaf
+    if stored == "float":
+        back = load_tree(file, skeleton)
+        for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(trained), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_mismatched_files_name_the_tensor(tmp_path):
+    model = Net(jax.random.key(0))
+    tensors = {k: np.asarray(v) for k, v in leaf_paths(model).items()}
+    cases = {
+        "missing": (
+            {k: v for k, v in tensors.items() if k != "head.bias"},
+            "missing: head.bias",
+        ),
+        "extra": (
+            {**tensors, "fc9.weight": np.zeros(2, np.float32)},
+            "unexpected: fc9.weight",
+        ),
+        "shape": (
+            {**tensors, "head.bias": np.zeros(3, np.float32)},
+            r"head.bias must have shape \(2,\)",
+        ),
+        "dtype": (
+            {**tensors, "head.bias": np.zeros(2, np.float64)},
+            "head.bias must be float32",
+        ),
+        "nan": ({**tensors, "head.bias": np.full(2, np.nan, np.float32)}, "NaN or Inf"),
+    }
+    for name, (bad, match) in cases.items():
+        save_file(bad, str(tmp_path / f"{name}.safetensors"))
+        with pytest.raises(ModelFileError, match=match):
+            load_quantized(tmp_path / f"{name}.safetensors", model)
+    with pytest.raises(ModelFileError, match="does not exist"):
+        load_tree(tmp_path / "nope.safetensors", model)
+
+
+def _batchnorm(rng, c):
+    return {
+        "weight": rng.uniform(0.5, 2, c).astype(np.float32),
+        "bias": rng.standard_normal(c).astype(np.float32),
+        "running_mean": rng.standard_normal(c).astype(np.float32),
+        "running_var": rng.uniform(0.5, 2, c).astype(np.float32),
+    }
+
+
+def test_fold_batchnorm_is_conv_then_batchnorm(rng):
+    w = rng.standard_normal((3, 2, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(3).astype(np.float32)
+    bn = _batchnorm(rng, 3)
+    x = rng.standard_normal((2, 6, 6))
+    geometry = ((1, 1), ((1, 1), (1, 1)), (1, 1), 1)
+    y = ref.conv(x, w, *geometry) + b[:, None, None]
+    shape = (-1, 1, 1)
+    want = (y - bn["running_mean"].reshape(shape)) / np.sqrt(
+        bn["running_var"].reshape(shape) + 1e-5
+    ) * bn["weight"].reshape(shape) + bn["bias"].reshape(shape)
+    fw, fb = fold_batchnorm(w, b, bn)
+    got = ref.conv(x, fw, *geometry) + fb[:, None, None]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def pytorch_cnn_state_dict(rng, path):
+    """What torch.save(model.state_dict()) holds for Conv2d(1,4,3)+BatchNorm2d,
+    Conv2d(4,4,3)+BatchNorm2d, LayerNorm(4), Linear(100, 2), as safetensors."""
+    sd = {
+        "conv1.weight": rng.standard_normal((4, 1, 3, 3)).astype(np.float32),
+        "conv1.bias": rng.standard_normal(4).astype(np.float32),
+        "features.0.weight": rng.standard_normal((4, 4, 3, 3)).astype(np.float32),
+        "features.1.weight": rng.standard_normal(4).astype(np.float32),
+        "features.1.bias": rng.standard_normal(4).astype(np.float32),
+        "head.weight": rng.standard_normal((2, 100)).astype(np.float32),
+        "head.bias": rng.standard_normal(2).astype(np.float32),
+    }
+    for name in ("bn1", "bn2"):
+        for k, v in _batchnorm(rng, 4).items():
+            sd[f"{name}.{k}"] = v
+        sd[f"{name}.num_batches_tracked"] = np.array(7, np.int64)
+    save_file(sd, str(path))
+    return sd
+
+
+def test_convert_a_pytorch_cnn_with_batchnorm(tmp_path, rng):
+    sd = pytorch_cnn_state_dict(rng, tmp_path / "sd.safetensors")
+    errors = convert_tree(
+        tmp_path / "sd.safetensors",
+        tmp_path / "m.safetensors",
+        fold=[("conv1", "bn1"), ("features.0", "bn2")],
+        rename=[("features.0", "blocks.0"), ("features.1", "blocks.1")],
+    )
+    assert set(errors) == {"conv1", "features.0", "head"}
+    assert all(0 < e < 0.01 for e in errors.values())
+    stored = load_file(str(tmp_path / "m.safetensors"))
+    assert stored["conv1.qvalue"].dtype == np.int8 and stored["conv1.qvalue"].shape == (
+        4,
+        9,
+    )
+    model = load_quantized(tmp_path / "m.safetensors", Net(jax.random.key(5)))
+    # PyTorch's forward pass in float64, BatchNorm in inference mode, on the
+    # folded and quantized weights
+    x = rng.standard_normal((1, 5, 5)).astype(np.float32)
+    geometry = ((1, 1), ((1, 1), (1, 1)), (1, 1), 1)
+
+    def conv_bn(h, name, bn):
+        w, b = fold_batchnorm(
+            sd[f"{name}.weight"],
+            sd.get(f"{name}.bias"),
+            {k: sd[f"{bn}.{k}"] for k in _batchnorm(rng, 1)},
+        )
+        wq = ref.roundtrip(w.reshape(4, -1)).reshape(w.shape)
+        return np.maximum(ref.conv(h, wq, *geometry) + b[:, None, None], 0)
+
+    h = conv_bn(conv_bn(x, "conv1", "bn1"), "features.0", "bn2")
+    mean, var = h.mean(0, keepdims=True), h.var(0, keepdims=True)
+    h = (h - mean) / np.sqrt(var + 1e-5) * sd["features.1.weight"][:, None, None]
+    h = h + sd["features.1.bias"][:, None, None]
+    want = (
+        ref.roundtrip(sd["head.weight"]).astype(np.float64) @ h.ravel()
+        + sd["head.bias"]
+    )
+    np.testing.assert_allclose(model(x), want, rtol=1e-4, atol=1e-4)
