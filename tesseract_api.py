@@ -14,13 +14,13 @@ import math
 from typing import Annotated, Any, ClassVar, Literal, Self
 
 import numpy as np
-from fastapi import HTTPException
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tesseract_core.runtime import Array, Differentiable, Float32, Int8, jax_recipes
 
 import qarray.nn as qnn
 from qarray.tesseract import (
     Runtime,
+    checked_vectors,
     declared_shape,
     first_index,
     install_gradient_path_check,
@@ -28,6 +28,7 @@ from qarray.tesseract import (
     lookup_path,
     require_at_least,
     require_finite,
+    unprocessable,
 )
 
 RUNTIME = Runtime.from_env()
@@ -320,10 +321,6 @@ def abstract_eval(abstract_inputs):
 # call into the recipes
 
 
-def _bad_request(message: str) -> HTTPException:
-    return HTTPException(status_code=422, detail=message)
-
-
 def _given(inputs: InputSchema, paths: set[str], field: str) -> dict[str, tuple]:
     """Each path's array shape; a 422 naming the field for one not given."""
     shapes = {}
@@ -331,26 +328,8 @@ def _given(inputs: InputSchema, paths: set[str], field: str) -> dict[str, tuple]
         try:
             shapes[path] = tuple(inputs.lookup(path).shape)
         except ValueError as error:
-            raise _bad_request(f"{field}: {error}") from None
+            raise unprocessable(f"{field}: {error}") from None
     return shapes
-
-
-def _checked_vectors(field: str, vectors: dict, like) -> dict[str, Any]:
-    """Tangents / cotangents, checked: ``like(path)`` names the array each
-    must match and its shape; they must be finite. Returned as float32."""
-    for path, v in vectors.items():
-        try:
-            name, shape = like(path)
-        except ValueError as error:
-            raise _bad_request(f"{field}: {error}") from None
-        if tuple(np.shape(v)) != shape:
-            raise _bad_request(
-                f"{field}[{path!r}] must have the shape of {name} {shape}, got "
-                f"{tuple(np.shape(v))}"
-            )
-        if not np.isfinite(v).all():
-            raise _bad_request(f"{field}[{path!r}] must be finite")
-    return {path: np.asarray(v, np.float32) for path, v in vectors.items()}
 
 
 def jacobian(inputs: InputSchema, jac_inputs: set[str], jac_outputs: set[str]):
@@ -367,7 +346,7 @@ def jacobian(inputs: InputSchema, jac_inputs: set[str], jac_outputs: set[str]):
             what = f"the Jacobian of y {y} with respect to {path} {input_shape}"
             LIMITS.check_elements(what, passes * math.prod(input_shape))
     except ValueError as error:
-        raise _bad_request(f"{error}{advice}") from None
+        raise unprocessable(f"{error}{advice}") from None
     return jax_recipes.jax_jacobian(apply_jit, inputs, jac_inputs, jac_outputs)
 
 
@@ -376,7 +355,7 @@ def jacobian_vector_product(
 ):
     """Tangent of y for tangents of jvp_inputs (each shaped like its input)."""
     _given(inputs, jvp_inputs, "jvp_inputs")
-    tangents = _checked_vectors(
+    tangents = checked_vectors(
         "tangent_vector", tangent_vector, lambda p: (p, inputs.lookup(p).shape)
     )
     return jax_recipes.jax_jvp(apply_jit, inputs, jvp_inputs, jvp_outputs, tangents)
@@ -388,7 +367,7 @@ def vector_jacobian_product(
     """Cotangents of vjp_inputs for a cotangent of y (shaped like y)."""
     _given(inputs, vjp_inputs, "vjp_inputs")
     y = inputs.network_shape().y
-    cotangents = _checked_vectors(
+    cotangents = checked_vectors(
         "cotangent_vector", cotangent_vector, lambda p: ("y", y)
     )
     full = {"y": cotangents.get("y", np.zeros(y, np.float32))}

@@ -5,6 +5,9 @@
   cache of one API module (``RUNTIME = Runtime.from_env()``);
 - ``Limits``: request size limits as schema validators and endpoint checks;
 - ``ResidualCache``: apply's pullback kept for the VJP that follows;
+- ``ModelTesseract``: any equinox model, quantized and resident, as a
+  Tesseract with all five endpoints (a user's ``tesseract_api.py`` in a few
+  lines: ``examples/cnn_surrogate/``);
 - ``jit_request``: an endpoint function of the request dict, compiled;
 - ``RequestGuard``, ``create_app``, ``main``: the guarded server
   (``qarray-serve``);
@@ -27,7 +30,10 @@ from ._limits import require_at_least as require_at_least
 from ._limits import require_finite as require_finite
 from ._mesh import make_mesh as make_mesh
 from ._mesh import on_mesh as on_mesh
+from ._model import ModelTesseract as ModelTesseract
 from ._paths import lookup_path as lookup_path
+from ._requests import checked_vectors as checked_vectors
+from ._requests import unprocessable as unprocessable
 from ._resident import load_resident as load_resident
 from ._runtime import Runtime as Runtime
 from ._server import create_app as create_app

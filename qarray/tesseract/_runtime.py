@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 
@@ -25,7 +26,7 @@ class Runtime:
     limits: Limits
     cache: ResidualCache
     mesh: jax.sharding.Mesh | None = None
-    resident: Network | None = None
+    resident: Network | Any | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Runtime:
@@ -36,11 +37,17 @@ class Runtime:
         return cls.from_settings(Settings.from_env(environ))
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> Runtime:
+    def from_settings(
+        cls,
+        settings: Settings,
+        load_model: Callable[[str, jax.sharding.Mesh | None], Any] = load_resident,
+    ) -> Runtime:
+        """``load_model(path, mesh)`` loads ``settings.model`` (default: the
+        Tesseract contract's network; ``ModelTesseract`` gives its own)."""
         mesh = make_mesh(settings.mesh) if settings.mesh else None
         if mesh is not None:
             jax.set_mesh(mesh)
-        resident = load_resident(settings.model, mesh) if settings.model else None
+        resident = load_model(settings.model, mesh) if settings.model else None
         cache = ResidualCache(
             settings.vjp_cache_size,
             settings.vjp_cache_min_flops,

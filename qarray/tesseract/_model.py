@@ -1,0 +1,238 @@
+"""``ModelTesseract``: any equinox model, quantized and resident, as a
+Tesseract with all five endpoints.
+
+A Tesseract for your own model is a short ``tesseract_api.py``: the model's
+skeleton, a ``forward(model, inputs) -> outputs`` on the request as a dict,
+the input and output schemas, and one call::
+
+    TESSERACT = ModelTesseract(Surrogate(key=jax.random.key(0)), forward,
+                               model_file=HERE / "surrogate.safetensors")
+    RUNTIME = TESSERACT.runtime          # qarray-serve reads its settings
+    ...                                  # InputSchema, OutputSchema
+    (apply, abstract_eval, jacobian, jacobian_vector_product,
+     vector_jacobian_product) = TESSERACT.endpoints(InputSchema, OutputSchema)
+
+The weights come from a safetensors file keyed by the model's pytree paths
+(``qarray.checkpoint.save_tree``; ``QARRAY_MODEL`` overrides ``model_file``):
+float weights are quantized at load with ``qarray.nn.quantize``, stored ones
+used as they are, and the model stays on the device. Around it: the request
+guard (``qarray-serve``), the size limits (``QARRAY_MAX_ELEMENTS`` on every
+declared array with ``TESSERACT.limits.array``, and on every output and
+Jacobian), the residual cache (apply keeps its pullback for the VJP that
+follows), ``abstract_eval``, and every client error a 422 naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from pydantic import BaseModel
+from tesseract_core.runtime import jax_recipes
+
+from .._tree_checkpoint import ModelFileError, load_quantized
+from ._jit import jit_request, merge_request, split_request
+from ._paths import lookup_path
+from ._requests import checked_vectors, unprocessable
+from ._runtime import Runtime
+from ._settings import Settings
+
+
+class ModelTesseract:
+    """One equinox model served quantized (module doc).
+
+    ``skeleton``: the float model (its class built with any key: the file
+    supplies every array, the skeleton every static field, so keep values
+    learned or fitted in training, such as output scales, as array leaves);
+    ``forward(model, inputs)``: the outputs (a dict of
+    arrays) for a request's inputs (the InputSchema as a dict of NumPy
+    arrays and other values), traced under ``jax.jit``; ``quantize_options``:
+    passed to ``qarray.nn.quantize`` (``where``, ``activations``).
+    """
+
+    def __init__(
+        self,
+        skeleton: eqx.Module,
+        forward: Callable[[Any, dict], dict],
+        *,
+        model_file: str | Path | None = None,
+        environ: Mapping[str, str] | None = None,
+        **quantize_options,
+    ):
+        settings = Settings.from_env(environ)
+        if settings.model is None:
+            if model_file is None:
+                raise RuntimeError("ModelTesseract needs model_file or QARRAY_MODEL")
+            settings = dataclasses.replace(settings, model=str(model_file))
+        if settings.mesh:
+            raise RuntimeError(
+                "QARRAY_MESH: a ModelTesseract runs on one device (unset it)"
+            )
+
+        def load(path: str, mesh) -> Any:
+            try:
+                model = load_quantized(path, skeleton, **quantize_options)
+            except ModelFileError as error:
+                raise RuntimeError(f"QARRAY_MODEL: {error}") from None
+            model = jax.tree.map(jnp.asarray, model)
+            size = sum(
+                a.nbytes for a in jax.tree.leaves(eqx.filter(model, eqx.is_array))
+            )
+            print(  # for whoever reads the server's log
+                f"QARRAY_MODEL: {path}: {size / 2**10:.1f} KiB resident",
+                file=sys.stderr,
+                flush=True,
+            )
+            return model
+
+        self.runtime = Runtime.from_settings(settings, load_model=load)
+        self.limits = self.runtime.limits
+        self.model = self.runtime.resident
+        self.forward = forward
+        self._compiled = jit_request(self._run)
+        self._shapes: dict = {}
+
+    def _run(self, inputs: dict, model) -> dict:
+        return self.forward(model, inputs)
+
+    def apply_jit(self, inputs: dict) -> dict:
+        """What tesseract-core's jax_recipes differentiate."""
+        return self._compiled(inputs, self.model)
+
+    def output_shapes(self, inputs: dict) -> dict[str, jax.ShapeDtypeStruct]:
+        """The outputs' shapes and dtypes for these inputs (traced once per
+        input signature); a 422 when the model cannot take them, or an
+        output would pass QARRAY_MAX_ELEMENTS."""
+        arrays, static = split_request(inputs)
+        key = (static, tuple((np.shape(a), np.result_type(a)) for a in arrays))
+        if key not in self._shapes:
+            try:
+                shapes = jax.eval_shape(
+                    lambda arrays: self._run(merge_request(arrays, static), self.model),
+                    [
+                        jax.ShapeDtypeStruct(np.shape(a), np.result_type(a))
+                        for a in arrays
+                    ],
+                )
+                for name, shape in shapes.items():
+                    self.limits.check_result(name, shape.shape)
+            except (TypeError, ValueError) as error:
+                raise unprocessable(f"inputs: {error}") from None
+            self._shapes[key] = shapes
+        return self._shapes[key]
+
+    def _float_outputs(self, inputs: dict) -> tuple[str, ...]:
+        shapes = self.output_shapes(inputs)
+        return tuple(
+            k for k, s in shapes.items() if jnp.issubdtype(s.dtype, jnp.floating)
+        )
+
+    def endpoints(self, input_schema: type[BaseModel], output_schema: type[BaseModel]):
+        """``(apply, abstract_eval, jacobian, jacobian_vector_product,
+        vector_jacobian_product)`` for the API module."""
+        cache, limits = self.runtime.cache, self.limits
+
+        def given(inputs: BaseModel, paths, field: str) -> dict[str, tuple]:
+            shapes = {}
+            for path in sorted(paths):
+                try:
+                    shapes[path] = tuple(np.shape(lookup_path(inputs, path)))
+                except ValueError as error:
+                    raise unprocessable(f"{field}: {error}") from None
+            return shapes
+
+        def known(shapes: dict):
+            def like(path: str):
+                if path not in shapes:
+                    raise ValueError(f"no array {path!r}")
+                return path, shapes[path]
+
+            return like
+
+        def apply(inputs: input_schema) -> output_schema:
+            """The model's outputs."""
+            request = inputs.model_dump()
+            outputs = self._float_outputs(request)
+            # a model is taken as nonlinear: its pullback pays for itself
+            if cache.arriving(
+                cache.pays(limits.settings.vjp_cache_min_flops, 1, False)
+            ):
+                return cache.apply(self._run, request, (self.model,), outputs)
+            return self.apply_jit(request)
+
+        def abstract_eval(abstract_inputs):
+            """Output shapes and dtypes from input shapes and dtypes."""
+            return jax_recipes.jax_abstract_eval(self.apply_jit, abstract_inputs)
+
+        def jacobian(inputs: input_schema, jac_inputs: set[str], jac_outputs: set[str]):
+            """d outputs / d inputs, each of shape output.shape + input.shape."""
+            shapes = given(inputs, jac_inputs, "jac_inputs")
+            out = self.output_shapes(inputs.model_dump())
+            for name in sorted(jac_outputs):
+                for path, shape in shapes.items():
+                    what = (
+                        f"the Jacobian of {name} {out[name].shape} with respect "
+                        f"to {path} {shape}"
+                    )
+                    try:
+                        limits.check_elements(
+                            what, math.prod(out[name].shape) * math.prod(shape)
+                        )
+                    except ValueError as error:
+                        raise unprocessable(
+                            f"{error}: use vector_jacobian_product or "
+                            "jacobian_vector_product"
+                        ) from None
+            return jax_recipes.jax_jacobian(
+                self.apply_jit, inputs, jac_inputs, jac_outputs
+            )
+
+        def jacobian_vector_product(
+            inputs: input_schema, jvp_inputs, jvp_outputs, tangent_vector
+        ):
+            """Tangents of jvp_outputs for tangents of jvp_inputs."""
+            shapes = given(inputs, jvp_inputs, "jvp_inputs")
+            tangents = checked_vectors("tangent_vector", tangent_vector, known(shapes))
+            return jax_recipes.jax_jvp(
+                self.apply_jit, inputs, jvp_inputs, jvp_outputs, tangents
+            )
+
+        def vector_jacobian_product(
+            inputs: input_schema, vjp_inputs, vjp_outputs, cotangent_vector
+        ):
+            """Cotangents of vjp_inputs for cotangents of vjp_outputs."""
+            given(inputs, vjp_inputs, "vjp_inputs")
+            request = inputs.model_dump()
+            out = self.output_shapes(request)
+            shapes = {
+                name: tuple(out[name].shape) for name in vjp_outputs if name in out
+            }
+            cotangents = checked_vectors(
+                "cotangent_vector", cotangent_vector, known(shapes)
+            )
+            full = {
+                name: cotangents.get(name, np.zeros(out[name].shape, np.float32))
+                for name in self._float_outputs(request)
+            }
+            cached = cache.vjp(self._run, request, full, vjp_inputs)
+            if cached is not None:
+                return cached
+            return jax_recipes.jax_vjp(
+                self.apply_jit, inputs, vjp_inputs, vjp_outputs, cotangents
+            )
+
+        return (
+            apply,
+            abstract_eval,
+            jacobian,
+            jacobian_vector_product,
+            vector_jacobian_product,
+        )
