@@ -42,12 +42,15 @@ docs: setup
 # BASE_IMAGE: any Debian-like image with Python >= 3.12 (default: the Dockerfile's);
 # the image gets CPU-only jax. Containers are removed by id; the image stays.
 IMAGE ?= qarray:test
+# the CNN surrogate example's image, built on top of IMAGE
+CNN_IMAGE ?= qarray-cnn-surrogate:test
 BASE_IMAGE ?=
 test-image: setup
 	docker build --network host --build-arg JAX=cpu \
 		$(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t $(IMAGE) .
-	QARRAY_TEST_IMAGE=$(IMAGE) $(if $(BASE_IMAGE),BASE_IMAGE=$(BASE_IMAGE)) \
-		$(PY) -m pytest tests/image
+	docker build --build-arg QARRAY_IMAGE=$(IMAGE) -t $(CNN_IMAGE) examples/cnn_surrogate
+	QARRAY_TEST_IMAGE=$(IMAGE) QARRAY_TEST_CNN_IMAGE=$(CNN_IMAGE) \
+		$(if $(BASE_IMAGE),BASE_IMAGE=$(BASE_IMAGE)) $(PY) -m pytest tests/image
 
 lint: setup
 	$(PY) -m ruff check .

@@ -1,0 +1,55 @@
+"""A CNN surrogate of the steady heat equation, served int8 with gradients.
+
+log_k (B, 32, 32), the log-conductivity fields -> u (B, 32, 32), the
+temperatures (heat_surrogate.py). The weights come from surrogate.safetensors
+beside this file (QARRAY_MODEL overrides it), float32, quantized to int8 once
+at start-up; qarray.tesseract.ModelTesseract gives the endpoints, the request
+guard, the limits and the residual cache.
+"""
+
+from pathlib import Path
+from typing import Annotated
+
+import jax
+from heat_surrogate import GRID, Surrogate
+from pydantic import BaseModel, Field
+from tesseract_core.runtime import Array, Differentiable, Float32
+
+from qarray.tesseract import ModelTesseract
+
+
+def forward(model, inputs: dict) -> dict:
+    """Each field through the surrogate (equinox models take one example)."""
+    return {"u": jax.vmap(model)(inputs["log_k"][:, None])[:, 0]}
+
+
+TESSERACT = ModelTesseract(
+    Surrogate(jax.random.key(0)),
+    forward,
+    model_file=Path(__file__).with_name("surrogate.safetensors"),
+)
+RUNTIME = TESSERACT.runtime  # qarray-serve reads the settings here
+Fields = Differentiable[Array[(None, GRID, GRID), Float32]]
+
+
+class InputSchema(BaseModel):
+    log_k: Annotated[Fields, TESSERACT.limits.array("float32")] = Field(
+        description=f"Log-conductivity fields, (B, {GRID}, {GRID}) on the unit "
+        "square's cell centres."
+    )
+
+
+class OutputSchema(BaseModel):
+    u: Fields = Field(
+        description=f"Temperatures (B, {GRID}, {GRID}): -div(exp(log_k) grad u) = 1, "
+        "u = 0 on the boundary, as the int8 surrogate predicts them."
+    )
+
+
+(
+    apply,
+    abstract_eval,
+    jacobian,
+    jacobian_vector_product,
+    vector_jacobian_product,
+) = TESSERACT.endpoints(InputSchema, OutputSchema)
