@@ -46,10 +46,30 @@ class OutputSchema(BaseModel):
     )
 
 
-(
-    apply,
-    abstract_eval,
-    jacobian,
-    jacobian_vector_product,
-    vector_jacobian_product,
-) = TESSERACT.endpoints(InputSchema, OutputSchema)
+def apply(inputs: InputSchema) -> OutputSchema:
+    """The temperatures the int8 surrogate predicts."""
+    return TESSERACT.apply(inputs)
+
+
+def abstract_eval(abstract_inputs):
+    return TESSERACT.abstract_eval(abstract_inputs)
+
+
+def jacobian(inputs: InputSchema, jac_inputs: set[str], jac_outputs: set[str]):
+    return TESSERACT.jacobian(inputs, jac_inputs, jac_outputs)
+
+
+def jacobian_vector_product(
+    inputs: InputSchema, jvp_inputs, jvp_outputs, tangent_vector
+):
+    return TESSERACT.jacobian_vector_product(
+        inputs, jvp_inputs, jvp_outputs, tangent_vector
+    )
+
+
+def vector_jacobian_product(
+    inputs: InputSchema, vjp_inputs, vjp_outputs, cotangent_vector
+):
+    return TESSERACT.vector_jacobian_product(
+        inputs, vjp_inputs, vjp_outputs, cotangent_vector
+    )

@@ -9,8 +9,12 @@ the input and output schemas, and one call::
                                model_file=HERE / "surrogate.safetensors")
     RUNTIME = TESSERACT.runtime          # qarray-serve reads its settings
     ...                                  # InputSchema, OutputSchema
-    (apply, abstract_eval, jacobian, jacobian_vector_product,
-     vector_jacobian_product) = TESSERACT.endpoints(InputSchema, OutputSchema)
+
+    def apply(inputs: InputSchema) -> OutputSchema:
+        return TESSERACT.apply(inputs)
+    ...                                  # the other four endpoints alike
+
+(module-level ``def``s, which ``tesseract build`` looks for).
 
 The weights come from a safetensors file keyed by the model's pytree paths
 (``qarray.checkpoint.save_tree``; ``QARRAY_MODEL`` overrides ``model_file``):
@@ -135,104 +139,92 @@ class ModelTesseract:
             k for k, s in shapes.items() if jnp.issubdtype(s.dtype, jnp.floating)
         )
 
-    def endpoints(self, input_schema: type[BaseModel], output_schema: type[BaseModel]):
-        """``(apply, abstract_eval, jacobian, jacobian_vector_product,
-        vector_jacobian_product)`` for the API module."""
-        cache, limits = self.runtime.cache, self.limits
+    def _given(self, inputs: BaseModel, paths, field: str) -> dict[str, tuple]:
+        """Each path's array shape; a 422 naming the field for one not given."""
+        shapes = {}
+        for path in sorted(paths):
+            try:
+                shapes[path] = tuple(np.shape(lookup_path(inputs, path)))
+            except ValueError as error:
+                raise unprocessable(f"{field}: {error}") from None
+        return shapes
 
-        def given(inputs: BaseModel, paths, field: str) -> dict[str, tuple]:
-            shapes = {}
-            for path in sorted(paths):
+    # --- the endpoints: the API module's functions call these
+
+    def apply(self, inputs: BaseModel) -> dict:
+        """The model's outputs."""
+        cache, request = self.runtime.cache, inputs.model_dump()
+        outputs = self._float_outputs(request)
+        # a model is taken as nonlinear: its pullback pays for itself
+        if cache.arriving(
+            cache.pays(self.limits.settings.vjp_cache_min_flops, 1, False)
+        ):
+            return cache.apply(self._run, request, (self.model,), outputs)
+        return self.apply_jit(request)
+
+    def abstract_eval(self, abstract_inputs) -> dict:
+        """Output shapes and dtypes from input shapes and dtypes."""
+        return jax_recipes.jax_abstract_eval(self.apply_jit, abstract_inputs)
+
+    def jacobian(self, inputs: BaseModel, jac_inputs, jac_outputs) -> dict:
+        """d outputs / d inputs, each of shape output.shape + input.shape."""
+        shapes = self._given(inputs, jac_inputs, "jac_inputs")
+        out = self.output_shapes(inputs.model_dump())
+        for name in sorted(jac_outputs):
+            for path, shape in shapes.items():
+                what = (
+                    f"the Jacobian of {name} {out[name].shape} with respect "
+                    f"to {path} {shape}"
+                )
                 try:
-                    shapes[path] = tuple(np.shape(lookup_path(inputs, path)))
+                    size = math.prod(out[name].shape) * math.prod(shape)
+                    self.limits.check_elements(what, size)
                 except ValueError as error:
-                    raise unprocessable(f"{field}: {error}") from None
-            return shapes
+                    raise unprocessable(
+                        f"{error}: use vector_jacobian_product or "
+                        "jacobian_vector_product"
+                    ) from None
+        return jax_recipes.jax_jacobian(self.apply_jit, inputs, jac_inputs, jac_outputs)
 
-        def known(shapes: dict):
-            def like(path: str):
-                if path not in shapes:
-                    raise ValueError(f"no array {path!r}")
-                return path, shapes[path]
-
-            return like
-
-        def apply(inputs: input_schema) -> output_schema:
-            """The model's outputs."""
-            request = inputs.model_dump()
-            outputs = self._float_outputs(request)
-            # a model is taken as nonlinear: its pullback pays for itself
-            if cache.arriving(
-                cache.pays(limits.settings.vjp_cache_min_flops, 1, False)
-            ):
-                return cache.apply(self._run, request, (self.model,), outputs)
-            return self.apply_jit(request)
-
-        def abstract_eval(abstract_inputs):
-            """Output shapes and dtypes from input shapes and dtypes."""
-            return jax_recipes.jax_abstract_eval(self.apply_jit, abstract_inputs)
-
-        def jacobian(inputs: input_schema, jac_inputs: set[str], jac_outputs: set[str]):
-            """d outputs / d inputs, each of shape output.shape + input.shape."""
-            shapes = given(inputs, jac_inputs, "jac_inputs")
-            out = self.output_shapes(inputs.model_dump())
-            for name in sorted(jac_outputs):
-                for path, shape in shapes.items():
-                    what = (
-                        f"the Jacobian of {name} {out[name].shape} with respect "
-                        f"to {path} {shape}"
-                    )
-                    try:
-                        limits.check_elements(
-                            what, math.prod(out[name].shape) * math.prod(shape)
-                        )
-                    except ValueError as error:
-                        raise unprocessable(
-                            f"{error}: use vector_jacobian_product or "
-                            "jacobian_vector_product"
-                        ) from None
-            return jax_recipes.jax_jacobian(
-                self.apply_jit, inputs, jac_inputs, jac_outputs
-            )
-
-        def jacobian_vector_product(
-            inputs: input_schema, jvp_inputs, jvp_outputs, tangent_vector
-        ):
-            """Tangents of jvp_outputs for tangents of jvp_inputs."""
-            shapes = given(inputs, jvp_inputs, "jvp_inputs")
-            tangents = checked_vectors("tangent_vector", tangent_vector, known(shapes))
-            return jax_recipes.jax_jvp(
-                self.apply_jit, inputs, jvp_inputs, jvp_outputs, tangents
-            )
-
-        def vector_jacobian_product(
-            inputs: input_schema, vjp_inputs, vjp_outputs, cotangent_vector
-        ):
-            """Cotangents of vjp_inputs for cotangents of vjp_outputs."""
-            given(inputs, vjp_inputs, "vjp_inputs")
-            request = inputs.model_dump()
-            out = self.output_shapes(request)
-            shapes = {
-                name: tuple(out[name].shape) for name in vjp_outputs if name in out
-            }
-            cotangents = checked_vectors(
-                "cotangent_vector", cotangent_vector, known(shapes)
-            )
-            full = {
-                name: cotangents.get(name, np.zeros(out[name].shape, np.float32))
-                for name in self._float_outputs(request)
-            }
-            cached = cache.vjp(self._run, request, full, vjp_inputs)
-            if cached is not None:
-                return cached
-            return jax_recipes.jax_vjp(
-                self.apply_jit, inputs, vjp_inputs, vjp_outputs, cotangents
-            )
-
-        return (
-            apply,
-            abstract_eval,
-            jacobian,
-            jacobian_vector_product,
-            vector_jacobian_product,
+    def jacobian_vector_product(
+        self, inputs: BaseModel, jvp_inputs, jvp_outputs, tangent_vector
+    ) -> dict:
+        """Tangents of jvp_outputs for tangents of jvp_inputs."""
+        shapes = self._given(inputs, jvp_inputs, "jvp_inputs")
+        tangents = checked_vectors("tangent_vector", tangent_vector, _known(shapes))
+        return jax_recipes.jax_jvp(
+            self.apply_jit, inputs, jvp_inputs, jvp_outputs, tangents
         )
+
+    def vector_jacobian_product(
+        self, inputs: BaseModel, vjp_inputs, vjp_outputs, cotangent_vector
+    ) -> dict:
+        """Cotangents of vjp_inputs for cotangents of vjp_outputs."""
+        self._given(inputs, vjp_inputs, "vjp_inputs")
+        request = inputs.model_dump()
+        out = self.output_shapes(request)
+        shapes = {name: tuple(out[name].shape) for name in vjp_outputs if name in out}
+        cotangents = checked_vectors(
+            "cotangent_vector", cotangent_vector, _known(shapes)
+        )
+        full = {
+            name: cotangents.get(name, np.zeros(out[name].shape, np.float32))
+            for name in self._float_outputs(request)
+        }
+        cached = self.runtime.cache.vjp(self._run, request, full, vjp_inputs)
+        if cached is not None:
+            return cached
+        return jax_recipes.jax_vjp(
+            self.apply_jit, inputs, vjp_inputs, vjp_outputs, cotangents
+        )
+
+
+def _known(shapes: dict):
+    """``checked_vectors``'s ``like`` for the arrays named in ``shapes``."""
+
+    def like(path: str):
+        if path not in shapes:
+            raise ValueError(f"no array {path!r}")
+        return path, shapes[path]
+
+    return like
