@@ -23,6 +23,7 @@ LIBRARY = Path(__file__).parent / "_cpu" / "libqarray_cpu.so"
 # refuses a handler built for another FFI API version only when it compiles
 BUILT_FOR = LIBRARY.with_suffix(".jaxlib")
 TARGET = "qarray_product"
+TARGET_INT4 = "qarray_product_int4"
 KERNELS_ENV = "QARRAY_KERNELS"  # "xla": never use the CPU kernels
 
 
@@ -51,6 +52,9 @@ def status() -> str:
     jax.ffi.register_ffi_target(
         TARGET, jax.ffi.pycapsule(library.QarrayProduct), platform="cpu"
     )
+    jax.ffi.register_ffi_target(
+        TARGET_INT4, jax.ffi.pycapsule(library.QarrayProductInt4), platform="cpu"
+    )
     return "available"
 
 
@@ -59,24 +63,21 @@ def available() -> bool:
     return status() == "available"
 
 
-def product(x, qvalue, scale, *, kn: bool, int8: bool):
-    """x f32[m, k] with int8 weights and their per-row scales -> f32[m, n]:
-    ``(x * scale) @ qvalue`` for ``kn`` (q[k, n], scale[k]), else
-    ``(x @ qvalue.T) * scale`` (q[n, k], scale[n]); ``int8``: x's rows
-    quantized per row first (after the scales fold in, for kn)."""
+def _call(target, x, n, operands, **attrs):
+    """The kernel ``target`` on ``operands`` -> f32[x.shape[0], n], typed
+    like the operands inside shard_map."""
     if not available():
         raise RuntimeError(f"qarray's CPU kernels do not run here: {status()}")
-    n = qvalue.shape[1] if kn else qvalue.shape[0]
     call = jax.ffi.ffi_call(
-        TARGET,
+        target,
         jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
         vmap_method="sequential",
     )
-    y = call(x, qvalue, scale, kn=np.int64(kn), int8=np.int64(int8))
+    y = call(*operands, **attrs)
     # inside shard_map the result varies over the manual axes its operands do
     # (what the typing rules declared); the call's own type says none
     varying = frozenset().union(
-        *(jax.typeof(a).manual_axis_type.varying for a in (x, qvalue, scale))
+        *(jax.typeof(a).manual_axis_type.varying for a in operands)
     )
     if varying:
         axes = tuple(sorted(varying))
@@ -85,3 +86,18 @@ def product(x, qvalue, scale, *, kn: bool, int8: bool):
         else:  # jax 0.11 (what the lent GPU machines carry)
             y = jax.lax.pvary(y, axes)
     return y
+
+
+def product_int4(x, packed, scale):
+    """x f32[m, k] @ W^T for int4 weights W[n, k] (packed uint8[n, k / 2], one
+    scale per group of k: f32[n, k / G], G a multiple of 32) -> f32[m, n]."""
+    return _call(TARGET_INT4, x, packed.shape[0], (x, packed, scale))
+
+
+def product(x, qvalue, scale, *, kn: bool, int8: bool):
+    """x f32[m, k] with int8 weights and their per-row scales -> f32[m, n]:
+    ``(x * scale) @ qvalue`` for ``kn`` (q[k, n], scale[k]), else
+    ``(x @ qvalue.T) * scale`` (q[n, k], scale[n]); ``int8``: x's rows
+    quantized per row first (after the scales fold in, for kn)."""
+    n = qvalue.shape[1] if kn else qvalue.shape[0]
+    return _call(TARGET, x, n, (x, qvalue, scale), kn=np.int64(kn), int8=np.int64(int8))

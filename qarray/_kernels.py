@@ -115,6 +115,49 @@ def dequantize_rows(qvalue, scale):
     return qvalue.astype(jnp.float32) * scale[..., None]
 
 
+QMAX4 = 7.0
+
+
+def quantize_groups(x, group_size: int):
+    """Symmetric absmax int4 per group of ``group_size`` entries of a row,
+    packed: x f32[..., n] -> (uint8[..., n / 2], scale f32[..., n / G]).
+
+    ``scale = max|group| / 7``, values ``round_half_even(x / scale)`` in
+    [-7, 7] (an all-zero group: scale 0, values 0), two per byte as 4-bit
+    two's complement, the low nibble holding the even index.
+    """
+    *lead, n = x.shape
+    groups = x.reshape(*lead, n // group_size, group_size)
+    scale = jnp.max(jnp.abs(groups), axis=-1, initial=0.0) / QMAX4
+    divisor = jnp.where(scale > 0, scale, 1.0)[..., None]
+    scaled = jnp.round(groups / divisor)
+    scaled = jnp.where(jnp.isnan(scaled), 0.0, scaled)
+    values = jnp.clip(scaled, -QMAX4, QMAX4).astype(jnp.int8).reshape(*lead, n)
+    return pack_nibbles(values), scale
+
+
+def pack_nibbles(values):
+    """int8[..., n] in [-8, 7] -> uint8[..., n / 2]: low nibble = even index."""
+    nibbles = values.astype(jnp.uint8) & 0xF
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed):
+    """uint8[..., n / 2] -> int8[..., n]: each nibble as 4-bit two's complement."""
+    low = ((packed & 0xF) ^ 8).astype(jnp.int8) - 8
+    high = ((packed >> 4) ^ 8).astype(jnp.int8) - 8
+    return jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], -1)
+
+
+def dequantize_groups(packed, scale):
+    """uint8[..., n / 2], f32[..., n / G] -> f32[..., n]: each value times
+    its group's scale."""
+    values = unpack_nibbles(packed).astype(jnp.float32)
+    *lead, n = values.shape
+    groups = values.reshape(*lead, scale.shape[-1], -1) * scale[..., None]
+    return groups.reshape(*lead, n)
+
+
 # rows up to which qarray's CPU kernel beats the XLA formulations, by layout
 # and activations (``make bench``, suite kernels, weights cold and hot): at
 # more rows XLA's int8 dots are better blocked
@@ -202,6 +245,49 @@ def linear(x, qvalue, scale, activations="float32", strategy=None):
         return y * scale
 
     y = _by_platform(run, (m, k, n, activations), strategy, layout="nk")
+    return y.reshape(*lead, n)
+
+
+# rows up to which the int4 CPU kernel beats dequantizing and a float32 dot
+# (``make bench``, suite kernels)
+INT4_KERNEL_MAX_ROWS = 16
+
+
+def linear_int4(x, packed, scale, strategy=None):
+    """x f32[..., k] @ W^T with int4 weights W[n, k] (packed uint8[n, k / 2],
+    one scale per group along k: f32[n, k / G]) -> f32[..., n], weight-only.
+
+    ``"kernel"``: qarray's CPU kernel (nibbles unpacked in registers, the
+    group scales applied to each group's sums); ``"dequantize"``: W in float32,
+    then one dot (the reference formulation, and what runs elsewhere).
+    """
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = packed.shape[0]
+    m = math.prod(lead)
+    if _explicitly_sharded(x) or _explicitly_sharded(packed):
+        dims = (((x.ndim - 1,), (1,)), ((), ()))
+        return lax.dot_general(x, dequantize_groups(packed, scale), dims)
+    x2 = x.reshape(m, k)
+
+    def run(strategy):
+        if strategy == "kernel":
+            return _ffi.product_int4(x2, packed, scale)
+        if strategy == "dequantize":
+            w = dequantize_groups(packed, scale)
+            return lax.dot_general(x2, w, _LAST_BY_LAST)
+        raise ValueError(f"unknown int4 strategy {strategy!r}")
+
+    if strategy is None:
+        group = k // max(scale.shape[-1], 1)
+        kernel = _ffi.available() and m <= INT4_KERNEL_MAX_ROWS and group % 32 == 0
+        if kernel:
+            y = lax.platform_dependent(
+                cpu=lambda: run("kernel"), default=lambda: run("dequantize")
+            )
+        else:
+            y = run("dequantize")
+    else:
+        y = run(strategy)
     return y.reshape(*lead, n)
 
 

@@ -26,7 +26,16 @@ from jax.experimental.hijax import (
 from jax.sharding import AxisType
 
 from . import _kernels
-from ._qarray import FLOAT32, INT8, QArray, QArraySpec, QArrayTy, full_spec, with_spec
+from ._qarray import (
+    FLOAT32,
+    INT8,
+    UINT8,
+    QArray,
+    QArraySpec,
+    QArrayTy,
+    full_spec,
+    with_spec,
+)
 
 # what a product may do with its activations: keep them (weight-only) or
 # quantize them per row (int8 x int8)
@@ -56,8 +65,38 @@ def _require_float32(name: str, what: str, aval, min_rank: int) -> None:
 def _require_qarray(name: str, what: str, aval) -> None:
     if not isinstance(aval, QArrayTy):
         raise TypeError(
-            f"{name} requires {what} to be a QArray (q8), got {type_str(aval)}."
+            f"{name} requires {what} to be a QArray (q8 or q4), got {type_str(aval)}."
         )
+
+
+BITS = (8, 4)
+DEFAULT_GROUP_SIZE = 128  # int4: entries of a row per scale, GPTQ's and torchao's
+
+
+def _check_bits(name: str, bits, group_size) -> int | None:
+    """The group size for ``bits`` (int4: ``group_size`` or the default, a
+    positive even int; int8: none), or a ValueError naming the parameter."""
+    if bits not in BITS:
+        raise ValueError(f"{name} requires bits in {BITS}, got {bits!r}.")
+    if bits == 8:
+        if group_size is not None:
+            raise ValueError(
+                f"{name}: group_size is for bits=4 (int8 has one scale per row), "
+                f"got group_size={group_size!r}."
+            )
+        return None
+    group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
+    if (
+        not isinstance(group_size, int)
+        or isinstance(group_size, bool)
+        or group_size < 2
+        or group_size % 2
+    ):
+        raise ValueError(
+            f"{name} requires group_size to be a positive even int (two int4 "
+            f"values per byte), got {group_size!r}."
+        )
+    return group_size
 
 
 def _union_mat(a, b):
@@ -122,16 +161,32 @@ def _same_tangent(tangent, out_aval):
 
 
 class Quantize(HiPrim):
-    """f32[..., n] -> q8[..., n]: symmetric per-row absmax int8 quantization."""
+    """f32[..., n] -> q8[..., n]: symmetric per-row absmax int8 quantization;
+    with ``bits=4``, -> q4[..., n]: int4 per group of ``group_size``, packed."""
 
-    def __init__(self, x_aval):
+    def __init__(self, x_aval, bits=8, group_size=None):
+        group_size = _check_bits("quantize", bits, group_size)
         _require_float32("quantize", "x", x_aval, min_rank=1)
+        if bits == 4:
+            n = x_aval.shape[-1]
+            if n % group_size:
+                raise TypeError(
+                    f"quantize with bits=4 requires the last axis to be a multiple "
+                    f"of group_size={group_size}, got {type_str(x_aval)}."
+                )
+            if full_spec(x_aval.sharding, x_aval.ndim)[-1] is not None:
+                raise TypeError(
+                    "quantize with bits=4 requires an unsharded last axis (its "
+                    f"groups), got {type_str(x_aval)}."
+                )
         self.in_avals = (x_aval,)
-        self.out_aval = QArrayTy.like(x_aval)
-        self.params = {}
+        self.out_aval = QArrayTy.like(x_aval, bits=bits, group_size=group_size)
+        self.params = {"bits": bits, "group_size": group_size}
         super().__init__()
 
     def expand(self, x):
+        if self.bits == 4:
+            return QArray(*_kernels.quantize_groups(x, self.group_size))
         return QArray(*_kernels.quantize_rows(x))
 
     # straight-through estimator: the identity for tangents and cotangents
@@ -150,10 +205,11 @@ class Quantize(HiPrim):
     def batch(self, axis_data, args, dims):
         (x,), (d,) = args, dims
         if d is None:
-            return quantize(x), None
+            return self(x), None
         # per-row quantization acts on the last axis of each element, which
         # stays last once the batch axis is moved to the front
-        return quantize(jnp.moveaxis(x, d, 0)), QArraySpec()
+        moved = jnp.moveaxis(x, d, 0)
+        return quantize(moved, self.bits, self.group_size), QArraySpec()
 
 
 class Dequantize(HiPrim):
@@ -167,6 +223,8 @@ class Dequantize(HiPrim):
         super().__init__()
 
     def expand(self, q):
+        if self.in_avals[0].bits == 4:
+            return _kernels.dequantize_groups(q.qvalue, q.scale)
         return _kernels.dequantize_rows(q.qvalue, q.scale)
 
     # straight-through estimator: the identity for tangents and cotangents
@@ -220,6 +278,18 @@ class _QProduct(HiPrim):
         _require_float32(name, "x", x_aval, min_rank=1)
         _require_qarray(name, "qw", qw_aval)
         operands = self.operands_fmt.format(x=type_str(x_aval), qw=type_str(qw_aval))
+        if qw_aval.bits == 4:
+            if self.w_axis == 0:
+                raise TypeError(
+                    f"matmul_q does not take int4 weights (their groups run along "
+                    f'each stored row): store them (N, K), layout "nk", and use '
+                    f"linear_q, got {operands}."
+                )
+            if activations != "float32":
+                raise TypeError(
+                    f"{name} with int4 weights is weight-only (activations="
+                    f"'float32'), got activations={activations!r} for {operands}."
+                )
         if qw_aval.ndim != 2:
             raise TypeError(f"{name} requires qw of rank 2, got {operands}.")
         if x_aval.shape[-1] != qw_aval.shape[self.w_axis]:
@@ -306,7 +376,14 @@ class _QProduct(HiPrim):
     def _ct_x(self, g, qw):
         """``g`` contracted with qw's output axis, typed like ``x``."""
         x_aval, qw_aval = self.in_avals
-        if _explicit_spec(x_aval) is None and _explicit_spec(qw_aval) is None:
+        if qw_aval.bits == 4:  # no int4 matmul_q: the dequantized weights
+            ct_x = lax.dot_general(
+                g,
+                dequantize(qw),
+                (((g.ndim - 1,), (1 - self.w_axis,)), ((), ())),
+                out_sharding=_explicit_spec(x_aval),
+            )
+        elif _explicit_spec(x_aval) is None and _explicit_spec(qw_aval) is None:
             ct_x = self.transposed(g, qw)  # runs on the int8 payload
         else:
             # explicit sharding: the contraction (qw's output axis) may be
@@ -383,6 +460,8 @@ class LinearQ(_QProduct):
     op_name, w_axis, w_out, operands_fmt = "linear_q", 1, "rows", "{x} @ {qw}^T"
 
     def expand(self, x, qw):
+        if self.in_avals[1].bits == 4:
+            return _kernels.linear_int4(x, qw.qvalue, qw.scale)
         return _kernels.linear(x, qw.qvalue, qw.scale, self.activations)
 
     def transposed(self, g, qw):
@@ -399,33 +478,53 @@ class Pack(HiPrim):
     ``qvalue`` is integer and has no tangent.
     """
 
-    def __init__(self, qvalue_aval, scale_aval):
+    def __init__(self, qvalue_aval, scale_aval, bits=8, group_size=None):
+        group_size = _check_bits("pack", bits, group_size)
         got_q, got_s = type_str(qvalue_aval), type_str(scale_aval)
-        if not isinstance(qvalue_aval, ShapedArray) or qvalue_aval.dtype != INT8:
-            raise TypeError(f"pack requires qvalue to be an int8 array, got {got_q}.")
+        dtype = INT8 if bits == 8 else UINT8
+        what = "int8" if bits == 8 else "uint8 (two int4 values per byte)"
+        if not isinstance(qvalue_aval, ShapedArray) or qvalue_aval.dtype != dtype:
+            raise TypeError(f"pack requires qvalue to be a {what} array, got {got_q}.")
         if qvalue_aval.ndim < 1:
             raise TypeError(f"pack requires qvalue of rank >= 1, got {got_q}.")
         if not isinstance(scale_aval, ShapedArray) or scale_aval.dtype != FLOAT32:
             raise TypeError(f"pack requires scale to be a float32 array, got {got_s}.")
-        if scale_aval.shape != qvalue_aval.shape[:-1]:
+        if bits == 8:
+            want, shape = qvalue_aval.shape[:-1], qvalue_aval.shape
+            expected = "qvalue.shape[:-1] (one scale per row)"
+        else:
+            *lead, half = qvalue_aval.shape
+            shape = (*lead, 2 * half)
+            if 2 * half % group_size:
+                raise TypeError(
+                    f"pack with bits=4 requires rows of a multiple of group_size="
+                    f"{group_size} values, got {got_q} ({2 * half} values a row)."
+                )
+            want = (*lead, 2 * half // group_size)
+            expected = f"{want} (one per group of {group_size} values)"
+        if scale_aval.shape != want:
             raise TypeError(
-                "pack requires scale.shape == qvalue.shape[:-1] (one scale per row), "
-                f"got {got_q} and {got_s}."
+                f"pack requires scale of shape {expected}, got {got_q} and {got_s}."
             )
         self.in_avals = (qvalue_aval, scale_aval)
-        self.out_aval = QArrayTy.like(qvalue_aval)
-        self.params = {}
+        self.out_aval = QArrayTy.like(qvalue_aval, shape, None, bits, group_size)
+        self.params = {"bits": bits, "group_size": group_size}
         super().__init__()
 
     def expand(self, qvalue, scale):
         return QArray(qvalue, scale)
+
+    def _represented(self, qvalue, scale):
+        if self.bits == 4:
+            return _kernels.dequantize_groups(qvalue, scale)
+        return _kernels.dequantize_rows(qvalue, scale)
 
     def jvp(self, primals, tangents):
         (qvalue, scale), (_, t_scale) = primals, tangents
         out = self(qvalue, scale)
         if isinstance(t_scale, Zero):
             return out, Zero(self.out_aval.to_tangent_aval())
-        return out, _kernels.dequantize_rows(qvalue, t_scale)
+        return out, self._represented(qvalue, t_scale)
 
     lin, linearized = linearize_from_jvp
 
@@ -434,16 +533,21 @@ class Pack(HiPrim):
 
     def vjp_bwd_retval(self, qvalue, g):
         g = instantiate_zeros(g)
+        if self.bits == 4:
+            values = _kernels.unpack_nibbles(qvalue).astype(jnp.float32)
+            *lead, n = values.shape
+            groups = (g * values).reshape(*lead, n // self.group_size, self.group_size)
+            return None, jnp.sum(groups, axis=-1)
         return None, jnp.sum(g * qvalue.astype(jnp.float32), axis=-1)
 
     def batch(self, axis_data, args, dims):
         (qvalue, scale), (dq, ds) = args, dims
         if dq is None and ds is None:
-            return pack(qvalue, scale), None
+            return self(qvalue, scale), None
         size = axis_data.size
         qvalue = _batch_at_front(qvalue, dq, size)
         scale = _batch_at_front(scale, ds, size)
-        return pack(qvalue, scale), QArraySpec()
+        return pack(qvalue, scale, self.bits, self.group_size), QArraySpec()
 
 
 class Unpack(HiPrim):
@@ -486,13 +590,18 @@ def _batch_at_front(x, d, size):
     return jnp.moveaxis(x, d, 0)
 
 
-def quantize(x):
+def quantize(x, bits=8, group_size=None):
     """Quantize f32[..., n] to a q8[..., n] QArray, one scale per row.
 
     ``scale = max|row| / 127``, ``qvalue = round_half_even(x / scale)`` clipped
     to [-127, 127]; an all-zero row gives scale 0 and qvalue 0.
+
+    ``bits=4``: a q4[..., n] QArray, each row in groups of ``group_size``
+    (default 128; even, dividing n) consecutive entries, ``scale = max|group|
+    / 7``, values in [-7, 7] packed two per byte (low nibble = even index):
+    half of int8's bytes. ``linear_q`` takes it as weights (N, K).
     """
-    return Quantize(jax.typeof(x))(x)
+    return Quantize(jax.typeof(x), bits, group_size)(x)
 
 
 def dequantize(q):
@@ -500,17 +609,20 @@ def dequantize(q):
     return Dequantize(jax.typeof(q))(q)
 
 
-def pack(qvalue, scale):
-    """A QArray from its parts: int8[..., n] and one f32 scale per row [...].
+def pack(qvalue, scale, bits=8, group_size=None):
+    """A QArray from its parts: int8[..., n] and one f32 scale per row [...];
+    with ``bits=4``, uint8[..., n / 2] (two int4 values per byte, low nibble
+    = even index) and one f32 scale per group, [..., n / group_size].
 
     Use it for weights quantized elsewhere; ``quantize`` is the usual way in.
     Gradients flow to ``scale``.
     """
-    return Pack(jax.typeof(qvalue), jax.typeof(scale))(qvalue, scale)
+    return Pack(jax.typeof(qvalue), jax.typeof(scale), bits, group_size)(qvalue, scale)
 
 
 def unpack(q):
-    """The parts ``(qvalue int8[..., n], scale f32[...])`` of a QArray.
+    """The parts ``(qvalue int8[..., n], scale f32[...])`` of a QArray (int4:
+    ``(uint8[..., n / 2], f32[..., n / group_size])``).
 
     Works under every transformation (unlike reading ``q.qvalue`` on a
     tracer); the parts carry no derivative.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -17,6 +17,7 @@ from jax.experimental.hijax import (
 from jax.sharding import NamedSharding
 
 INT8 = jnp.dtype("int8")
+UINT8 = jnp.dtype("uint8")  # int4 values, two per byte
 FLOAT32 = jnp.dtype("float32")
 
 # The manual-axis type of a value outside shard_map (nothing varies). Read off a
@@ -26,7 +27,8 @@ EMPTY_MAT = ShapedArray((), INT8).manual_axis_type
 
 @dataclass(frozen=True)
 class QArray:
-    """An int8 array with one float32 scale per row.
+    """An int8 array with one float32 scale per row (or, packed, an int4 array
+    with one scale per group of a row: see below).
 
     Invariants (enforced by the primitives, the only code that builds one):
 
@@ -38,8 +40,15 @@ class QArray:
       ``qvalue = round_half_even(x / scale[..., None])``; an all-zero row has
       ``scale = 0`` and ``qvalue = 0``.
 
-    Under a trace a quantized array is a tracer of type ``q8[...]``, not a
-    ``QArray``: read ``qvalue``/``scale`` only on concrete values.
+    int4 (``quantize(x, bits=4, group_size=G)``, type ``q4[..., n]``):
+    ``qvalue`` is uint8 ``[*lead, n / 2]``, two values in [-7, 7] per byte
+    (4-bit two's complement, the low nibble holds the even index), and
+    ``scale`` float32 ``[*lead, n / G]``, one per group of G consecutive
+    entries of a row: ``x[..., j] ~ value[..., j] * scale[..., j // G]``.
+
+    Under a trace a quantized array is a tracer of type ``q8[...]`` (or
+    ``q4[...]``), not a ``QArray``: read ``qvalue``/``scale`` only on concrete
+    values.
     """
 
     qvalue: Any
@@ -122,18 +131,29 @@ class QArrayTy(HiType):
     shape: tuple[int, ...]
     sharding: NamedSharding
     mat: Any = EMPTY_MAT
+    bits: int = 8  # 8: int8 per row; 4: packed int4 per group
+    group_size: int | None = None  # int4: entries of a row per scale
 
     @staticmethod
-    def like(aval, shape=None, spec=None) -> QArrayTy:
+    def like(aval, shape=None, spec=None, bits=8, group_size=None) -> QArrayTy:
         """The QArray type with ``aval``'s sharding and varying axes.
 
-        ``shape``/``spec`` override the shape and partition spec.
+        ``shape``/``spec`` override the shape and partition spec; ``bits``
+        and ``group_size`` give the int4 type.
         """
         shape = tuple(aval.shape) if shape is None else tuple(shape)
         sharding = aval.sharding
         if spec is not None:
             sharding = with_spec(sharding, spec)
-        return QArrayTy(shape, sharding, aval.manual_axis_type)
+        return QArrayTy(shape, sharding, aval.manual_axis_type, bits, group_size)
+
+    def _from_qvalue(self, qvalue_ty) -> QArrayTy:
+        """This type's kind (bits, group size) with the payload type
+        ``qvalue_ty``'s shape (unpacked), sharding and varying axes."""
+        shape = tuple(qvalue_ty.shape)
+        if self.bits == 4:
+            shape = (*shape[:-1], 2 * shape[-1])
+        return QArrayTy.like(qvalue_ty, shape, None, self.bits, self.group_size)
 
     @property
     def ndim(self) -> int:
@@ -143,9 +163,26 @@ class QArrayTy(HiType):
     def spec(self) -> tuple:
         return full_spec(self.sharding, self.ndim)
 
-    # --- lowering: an int8 payload and a float32 scale per row
+    # --- lowering: an int8 payload and a float32 scale per row (int4: a
+    # packed uint8 payload and a scale per group, both of the type's rank)
     def lo_ty(self):
         spec = self.spec
+        if self.bits == 4:
+            *lead, n = self.shape
+            return [
+                ShapedArray(
+                    (*lead, n // 2),
+                    UINT8,
+                    sharding=with_spec(self.sharding, spec),
+                    manual_axis_type=self.mat,
+                ),
+                ShapedArray(
+                    (*lead, n // self.group_size),
+                    FLOAT32,
+                    sharding=with_spec(self.sharding, spec),
+                    manual_axis_type=self.mat,
+                ),
+            ]
         return [
             ShapedArray(
                 self.shape,
@@ -184,14 +221,16 @@ class QArrayTy(HiType):
                 f"cannot map over a leading axis of size {size} of {self}: a "
                 "mapped QArray needs rank >= 2 and a leading axis of that size."
             )
-        return QArrayTy(
-            self.shape[1:], with_spec(self.sharding, self.spec[1:]), self.mat
+        return replace(
+            self, shape=self.shape[1:], sharding=with_spec(self.sharding, self.spec[1:])
         )
 
     def inc_rank(self, size, spec):
         _check_mapping_spec(spec)
-        return QArrayTy(
-            (size, *self.shape), with_spec(self.sharding, (None, *self.spec)), self.mat
+        return replace(
+            self,
+            shape=(size, *self.shape),
+            sharding=with_spec(self.sharding, (None, *self.spec)),
         )
 
     def leading_axis_spec(self):
@@ -201,12 +240,12 @@ class QArrayTy(HiType):
     def shard(self, mesh, manual_axes, check_vma, spec):
         qvalue_spec, _ = _check_pspec(spec).to_lo()
         qvalue_ty = self.lo_ty()[0].shard(mesh, manual_axes, check_vma, qvalue_spec)
-        return QArrayTy.like(qvalue_ty)
+        return self._from_qvalue(qvalue_ty)
 
     def unshard(self, mesh, check_vma, spec):
         qvalue_spec, _ = _check_pspec(spec).to_lo()
         qvalue_ty = self.lo_ty()[0].unshard(mesh, check_vma, qvalue_spec)
-        return QArrayTy.like(qvalue_ty)
+        return self._from_qvalue(qvalue_ty)
 
     def nospec(self, mesh, check_vma, all_names):
         # autodiff residuals are stacked along the leading axis across devices,
@@ -221,7 +260,7 @@ class QArrayTy(HiType):
     def str_short(self, short_dtypes=False, mesh_axis_types=False):
         del short_dtypes, mesh_axis_types
         dims = _format_dims(self.shape, self.spec)
-        return f"q8[{dims}]{_format_varying(self.mat, self.sharding.mesh)}"
+        return f"q{self.bits}[{dims}]{_format_varying(self.mat, self.sharding.mesh)}"
 
     __repr__ = str_short
 
@@ -248,7 +287,12 @@ def _check_pspec(spec):
 
 
 def _typeof_qarray(q: QArray) -> QArrayTy:
-    return QArrayTy.like(jax.typeof(q.qvalue))
+    qvalue = jax.typeof(q.qvalue)
+    if qvalue.dtype != UINT8:
+        return QArrayTy.like(qvalue)
+    *lead, half = qvalue.shape
+    groups = q.scale.shape[-1]
+    return QArrayTy.like(qvalue, (*lead, 2 * half), None, 4, 2 * half // groups)
 
 
 register_hitype(QArray, _typeof_qarray)

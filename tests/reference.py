@@ -184,3 +184,33 @@ def conv_q(
             * np.asarray(scale, np.float64).reshape(-1, *(1,) * nsp)
         )
     return conv(x, w, strides, pads, dilation, groups)
+
+
+def quantize4(x, group_size):
+    """Symmetric absmax int4 per group of a row: (values int8[..., n] in
+    [-7, 7], scale f32[..., n / group_size])."""
+    x = np.asarray(x, np.float32)
+    *lead, n = x.shape
+    groups = x.reshape(*lead, n // group_size, group_size)
+    scale = (np.max(np.abs(groups), axis=-1, initial=0) / np.float32(7)).astype(
+        np.float32
+    )
+    divisor = np.where(scale > 0, scale, np.float32(1))[..., None]
+    values = np.clip(np.round(groups / divisor), -7, 7).astype(np.int8)
+    return values.reshape(*lead, n), scale
+
+
+def pack4(values):
+    """int8[..., n] in [-8, 7] -> uint8[..., n / 2], low nibble = even index."""
+    nibbles = (values.astype(np.int16) & 0xF).astype(np.uint8)
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+
+
+def dequantize4(values, scale):
+    *lead, n = values.shape
+    groups = values.reshape(*lead, scale.shape[-1], -1).astype(np.float32)
+    return (groups * np.asarray(scale, np.float32)[..., None]).reshape(*lead, n)
+
+
+def roundtrip4(x, group_size):
+    return dequantize4(*quantize4(x, group_size))

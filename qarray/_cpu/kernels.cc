@@ -1,6 +1,7 @@
 // qarray's CPU product kernels, registered with XLA through jax.ffi.
 //
-// One handler, qarray_product, computes y f32[M, N] from x f32[M, K] and
+// Two handlers. qarray_product_int4 (below) runs linear_q on packed int4
+// weights. qarray_product computes y f32[M, N] from x f32[M, K] and
 // int8 weights with one float32 scale per stored row:
 //
 //   layout nk (linear_q): q[N, K], scale[N]   y[m, n] = scale[n] * sum_k x[m, k] q[n, k]
@@ -383,19 +384,44 @@ QARRAY_AVX512 void RunChunk(const Problem& p, int64_t n0, int64_t n1) {
 // tasks it schedules; the caller waits only for chunks already claimed (being
 // computed), never for a task that has not started, so a busy pool cannot
 // deadlock it, and a task that starts late finds nothing left to do.
+template <class Run>
 struct Work {
-  const Problem* problem;
-  int64_t chunk, count;
+  Run run;  // run(n0, n1): output channels [n0, n1)
+  int64_t n, chunk, count;
   std::atomic<int64_t> next{0}, done{0};
+
+  Work(Run r, int64_t n_, int64_t chunk_)
+      : run(r), n(n_), chunk(chunk_), count((n_ + chunk_ - 1) / chunk_) {}
 
   void Drain() {
     for (int64_t c; (c = next.fetch_add(1)) < count;) {
-      const int64_t n0 = c * chunk, n1 = std::min(n0 + chunk, problem->n);
-      RunChunk(*problem, n0, n1);
+      const int64_t n0 = c * chunk;
+      run(n0, std::min(n0 + chunk, n));
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
+
+// run(n0, n1) over [0, n) in chunks of `chunk` channels, on up to `threads`
+// threads of the pool (the calling one included). `keep` holds what run
+// reads until the last task ends (a task may start after this returns).
+template <class Run, class Keep>
+void Parallel(ffi::ThreadPool& pool, int64_t n, int64_t chunk, int64_t threads,
+              Run run, std::shared_ptr<Keep> keep) {
+  auto work = std::make_shared<Work<Run>>(run, n, chunk);
+  const int64_t helpers = std::min<int64_t>(threads, work->count) - 1;
+  for (int64_t t = 0; t < helpers; ++t)
+    pool.Schedule([work, keep] { work->Drain(); });
+  work->Drain();
+  while (work->done.load(std::memory_order_acquire) < work->count)
+    std::this_thread::yield();
+}
+
+// ~`per_thread` chunks per thread, each a multiple of 64 output channels
+int64_t ChunkSize(int64_t n, int64_t threads, int64_t per_thread) {
+  int64_t chunk = (n + per_thread * threads - 1) / (per_thread * threads);
+  return std::max<int64_t>(64, (chunk + 63) / 64 * 64);
+}
 
 QARRAY_AVX512 void Prepare(Problem& p) {
   p.rows = p.m;
@@ -467,21 +493,139 @@ ffi::Error ProductImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t work_bytes = p->m * p->k * p->n;
   const int64_t threads =
       work_bytes < kParallelWork ? 1 : std::max<int64_t>(1, pool.num_threads());
-  // ~4 chunks per thread, each a multiple of 64 output channels; kn with a
-  // few rows: one chunk per thread (each streams its columns of every row once)
+  // ~4 chunks per thread; kn with a few rows: one chunk per thread (each
+  // streams its columns of every row once)
   const int64_t per_thread = (p->kn && p->m <= kRowBlock) ? 1 : 4;
-  int64_t chunk = (p->n + per_thread * threads - 1) / (per_thread * threads);
-  chunk = std::max<int64_t>(64, (chunk + 63) / 64 * 64);
-  auto work = std::make_shared<Work>();
-  work->problem = p.get();
-  work->chunk = chunk;
-  work->count = (p->n + chunk - 1) / chunk;
-  const int64_t helpers = std::min<int64_t>(threads, work->count) - 1;
-  for (int64_t t = 0; t < helpers; ++t)
-    pool.Schedule([work, p] { work->Drain(); });
-  work->Drain();
-  while (work->done.load(std::memory_order_acquire) < work->count)
-    std::this_thread::yield();
+  const Problem* problem = p.get();
+  Parallel(pool, p->n, ChunkSize(p->n, threads, per_thread), threads,
+           [problem](int64_t n0, int64_t n1) { RunChunk(*problem, n0, n1); }, p);
+  return ffi::Error::Success();
+}
+
+// --- int4 weights, layout nk: q[N, K / 2] (two values a byte as 4-bit two's
+// complement, the low nibble holding the even k), scale[N, K / G]:
+//   y[m, n] = sum_g scale[n, g] * sum_{k in group g} x[m, k] w[n, k]
+// Weight-only, float32 sums: each byte's nibbles widened in registers (the
+// high one by an arithmetic shift of the sign-extended byte, the low one by
+// shifting it to the top first) against x's even and odd entries, which are
+// split apart once per call, so no nibble is ever interleaved.
+
+struct Int4Problem {
+  int64_t m, k, n, group;  // group: values per scale, a multiple of 32
+  const float* x;
+  const uint8_t* q;
+  const float* scale;
+  float* y;
+  std::vector<float> xe, xo;  // x's even and odd entries, (m, k / 2) each
+};
+
+constexpr int kInt4RowBlock = 8;  // rows of x per pass over int4 weights
+
+// MB rows from `row` times channels [n0, n1), over the groups [g0, g1),
+// added to y. Each nibble becomes its float value times the group's scale in
+// one permute of a 16-entry table (the 4-bit two's complement values, scaled
+// once per group), so the sums need no per-group pass.
+template <int MB>
+QARRAY_AVX512 void Int4Block(const Int4Problem& p, int64_t row, int64_t n0,
+                             int64_t n1, int64_t g0, int64_t g1) {
+  const int64_t half = p.k / 2, groups = p.k / p.group, group_bytes = p.group / 2;
+  const float* xe = p.xe.data() + row * half;
+  const float* xo = p.xo.data() + row * half;
+  const __m512 values =
+      _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
+  for (int64_t j = n0; j < n1; ++j) {
+    const uint8_t* q = p.q + j * half;
+    const float* s = p.scale + j * groups;
+    // even and odd sums apart: two dependency chains per row
+    __m512 sum[MB], odd[MB];
+    for (int r = 0; r < MB; ++r) sum[r] = odd[r] = _mm512_setzero_ps();
+    for (int64_t g = g0; g < g1; ++g) {
+      const __m512 table = _mm512_mul_ps(values, _mm512_set1_ps(s[g]));
+      for (int64_t b = g * group_bytes; b < (g + 1) * group_bytes; b += 16) {
+        const __m512i bytes =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b)));
+        // the permute reads the low 4 bits of each index
+        const __m512 lo = _mm512_permutexvar_ps(bytes, table);
+        const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+#pragma GCC unroll 8
+        for (int r = 0; r < MB; ++r) {
+          sum[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xe + r * half + b), sum[r]);
+          odd[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xo + r * half + b), odd[r]);
+        }
+      }
+    }
+    for (int r = 0; r < MB; ++r)
+      p.y[(row + r) * p.n + j] += _mm512_reduce_add_ps(_mm512_add_ps(sum[r], odd[r]));
+  }
+}
+
+// Channels in tiles whose packed weights stay in L2 while every block of
+// rows passes over them; K in spans whose even and odd entries of a block of
+// rows stay in L1 (one span: all of K, when a block's rows fit).
+QARRAY_AVX512 void Int4Chunk(const Int4Problem& p, int64_t n0, int64_t n1) {
+  const int64_t tile = std::clamp<int64_t>(262144 / p.k / 4 * 4, 4, 256);
+  const int64_t groups = p.k / p.group;
+  const int64_t rows = std::min<int64_t>(p.m, kInt4RowBlock);
+  // 16 KB of x per span: rows * span * 4 bytes
+  const int64_t span = std::max<int64_t>(1, 4096 / rows / p.group);  // groups
+  for (int64_t r = 0; r < p.m; ++r)
+    std::fill(p.y + r * p.n + n0, p.y + r * p.n + n1, 0.0f);
+  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+    const int64_t t1 = std::min(t0 + tile, n1);
+    for (int64_t g0 = 0; g0 < groups; g0 += span) {
+      const int64_t g1 = std::min(g0 + span, groups);
+      int64_t row = 0;
+      for (; row + kInt4RowBlock <= p.m; row += kInt4RowBlock)
+        Int4Block<kInt4RowBlock>(p, row, t0, t1, g0, g1);
+      switch (p.m - row) {
+        case 7: Int4Block<7>(p, row, t0, t1, g0, g1); break;
+        case 6: Int4Block<6>(p, row, t0, t1, g0, g1); break;
+        case 5: Int4Block<5>(p, row, t0, t1, g0, g1); break;
+        case 4: Int4Block<4>(p, row, t0, t1, g0, g1); break;
+        case 3: Int4Block<3>(p, row, t0, t1, g0, g1); break;
+        case 2: Int4Block<2>(p, row, t0, t1, g0, g1); break;
+        case 1: Int4Block<1>(p, row, t0, t1, g0, g1); break;
+        default: break;
+      }
+    }
+  }
+}
+
+ffi::Error ProductInt4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                           ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi::F32> scale,
+                           ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2)
+    return ffi::Error::InvalidArgument(
+        "qarray_product_int4 takes x[M, K], q[N, K / 2] and scale[N, K / G]");
+  auto p = std::make_shared<Int4Problem>();
+  p->m = xd[0];
+  p->k = xd[1];
+  p->n = qd[0];
+  if (qd[1] * 2 != p->k || sd[0] != p->n || sd[1] == 0 || p->k % sd[1])
+    return ffi::Error::InvalidArgument("qarray_product_int4: shapes do not match");
+  p->group = p->k / sd[1];
+  if (p->group % 32)
+    return ffi::Error::InvalidArgument("qarray_product_int4: group size % 32 != 0");
+  p->x = x.typed_data();
+  p->q = q.typed_data();
+  p->scale = scale.typed_data();
+  p->y = y->typed_data();
+  if (p->m == 0 || p->n == 0) return ffi::Error::Success();
+  const int64_t half = p->k / 2;
+  p->xe.resize(p->m * half);
+  p->xo.resize(p->m * half);
+  for (int64_t r = 0; r < p->m; ++r)
+    for (int64_t i = 0; i < half; ++i) {
+      p->xe[r * half + i] = p->x[r * p->k + 2 * i];
+      p->xo[r * half + i] = p->x[r * p->k + 2 * i + 1];
+    }
+  const int64_t threads = p->m * p->k * p->n < kParallelWork
+                              ? 1
+                              : std::max<int64_t>(1, pool.num_threads());
+  const Int4Problem* problem = p.get();
+  Parallel(pool, p->n, ChunkSize(p->n, threads, 4), threads,
+           [problem](int64_t n0, int64_t n1) { Int4Chunk(*problem, n0, n1); }, p);
   return ffi::Error::Success();
 }
 
@@ -496,6 +640,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QarrayProduct, ProductImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("kn")
                                   .Attr<int64_t>("int8"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QarrayProductInt4, ProductInt4Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 // Whether this CPU runs the kernels (AVX-512 F, BW, VL and VNNI).
 extern "C" __attribute__((visibility("default"))) int qarray_cpu_supported() {

@@ -207,7 +207,7 @@ ERRORS = [
     (
         lambda: qa.dequantize(jnp.ones((2, 3))),
         TypeError,
-        "dequantize requires q to be a QArray (q8), got f32[2,3].",
+        "dequantize requires q to be a QArray (q8 or q4), got f32[2,3].",
     ),
     (
         lambda: qa.matmul_q(jnp.ones((2, 3)), qa.quantize(jnp.ones((4, 5)))),
@@ -217,7 +217,7 @@ ERRORS = [
     (
         lambda: qa.matmul_q(jnp.ones((2, 3)), jnp.ones((3, 5))),
         TypeError,
-        "matmul_q requires qw to be a QArray (q8), got f32[3,5].",
+        "matmul_q requires qw to be a QArray (q8 or q4), got f32[3,5].",
     ),
     (
         lambda: qa.matmul_q(jnp.ones((2, 3), jnp.int8), qa.quantize(jnp.ones((3, 5)))),
@@ -248,7 +248,7 @@ ERRORS = [
     (
         lambda: qa.linear_q(jnp.ones((2, 3)), jnp.ones((5, 3))),
         TypeError,
-        "linear_q requires qw to be a QArray (q8), got f32[5,3].",
+        "linear_q requires qw to be a QArray (q8 or q4), got f32[5,3].",
     ),
     (
         lambda: qa.linear_q(

@@ -215,9 +215,49 @@ CONV_CASES = [
     ),
 ]
 
+# --- int4: F(x, w) = sin(linear_q(x, quantize(w, bits=4, group_size=4)))
+
+
+def _int4_case(name, x_shape):
+    def F(x, w):
+        return jnp.sin(qa.linear_q(x, qa.quantize(w, bits=4, group_size=4)))
+
+    def dense(w):  # the (k, n) matrix x is multiplied by
+        return ref.roundtrip4(w, 4).T.astype(np.float64)
+
+    def y(x, w):
+        return np.asarray(x, np.float64) @ dense(w)
+
+    def ref_vjp(args, g):
+        x, w = args
+        gx, gw = ref.dense_vjp(x, dense(w), g * np.cos(y(x, w)))
+        return gx, gw.T
+
+    def ref_hessian(args):
+        x, w = args
+        wq = dense(w)
+        s = np.sin(y(x, w)).reshape(-1, wq.shape[1])
+        m, k = s.shape[0], wq.shape[0]
+        hess = np.zeros((m, k, m, k))
+        for i in range(m):
+            hess[i, :, i, :] = -(wq * s[i]) @ wq.T
+        return hess.reshape(x.shape * 2)
+
+    return Case(
+        name,
+        F,
+        lambda x, w: np.sin(y(x, w)),
+        ref_vjp,
+        ref_hessian,
+        (x_shape, (5, x_shape[-1])),
+    )
+
+
 CASES = [
     QUANTIZE,
     *CONV_CASES,
+    _int4_case("linear_q-int4", (3, 8)),
+    _int4_case("linear_q-int4-vector-x", (8,)),
     _mm_case("matmul_q", (3, 4), "float32"),
     _mm_case("matmul_q-vector-x", (4,), "float32"),
     _mm_case("matmul_q-rank3-x", (2, 2, 4), "float32"),
