@@ -15,17 +15,17 @@ from typing import Annotated, Any, ClassVar, Literal, Self
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from tesseract_core.runtime import Array, Differentiable, Float32, Int8, jax_recipes
+from tesseract_core.runtime import Array, Differentiable, Float32, jax_recipes
 
 import qarray.nn as qnn
 from qarray.tesseract import (
     Runtime,
     checked_vectors,
     declared_shape,
-    first_index,
     install_gradient_path_check,
     jit_request,
     lookup_path,
+    quantized_payload,
     require_at_least,
     require_finite,
     unprocessable,
@@ -36,21 +36,24 @@ LIMITS = RUNTIME.limits
 install_gradient_path_check()  # InputSchema.check_gradient_path, at validation
 
 Float32Array = Annotated[Differentiable[Array[..., Float32]], LIMITS.array("float32")]
-Int8Array = Annotated[Array[..., Int8], LIMITS.array("int8")]
+Payload = Annotated[Array[..., None], LIMITS.array(("int8", "uint8"))]
 Layout = Literal[qnn.LAYOUTS]
+Precision = Literal[qnn.PRECISIONS]
 Activation = Literal[tuple(qnn.ACTIVATIONS)]
 
 
 class QuantizedWeights(BaseModel):
-    """Weights already quantized per row: ``W = qvalue * scale[..., None]``."""
+    """Weights already quantized: per row, ``W = qvalue * scale[..., None]``
+    (int8), or per group of a row (int4, packed)."""
 
-    qvalue: Int8Array = Field(
+    qvalue: Payload = Field(
         description="int8 payload, (..., K, N) for layout 'kn' or (..., N, K) for "
-        "'nk'; values in [-127, 127]."
+        "'nk', values in [-127, 127]; precision 'int4': uint8 (..., N, K/2), two "
+        "values in [-7, 7] a byte (4-bit two's complement, low nibble = even k)."
     )
     scale: Float32Array = Field(
-        description="One float32 scale per row of qvalue, shape qvalue.shape[:-1]; "
-        "finite and >= 0."
+        description="float32, finite and >= 0: one per row of qvalue, shape "
+        "qvalue.shape[:-1]; precision 'int4': one per group, (..., N, K/group_size)."
     )
 
     model_config = ConfigDict(extra="forbid")
@@ -83,6 +86,15 @@ class Layer(BaseModel):
         default="none",
         description="Nonlinearity applied after the bias ('gelu' is the exact, erf "
         "form).",
+    )
+    precision: Precision = Field(
+        default="int8",
+        description="'int8' (per row); 'int4' (layout 'nk', weight-only, groups of "
+        "group_size along K, packed); 'float32' (w used as given: not quantized, "
+        "exact gradients; w_q refused).",
+    )
+    group_size: int = Field(
+        default=128, ge=2, description="int4: values of a row per scale (even)."
     )
 
     model_config = ConfigDict(extra="forbid")
@@ -177,19 +189,20 @@ class InputSchema(BaseModel):
         require_finite("x", self.x)
         for i, layer in enumerate(self.layers):
             name = f"layers.[{i}]"
+            if self.quantize_activations and layer.precision == "int4":
+                raise ValueError(
+                    f"{name}.precision 'int4' is weight-only: quantize_activations "
+                    "needs 'int8' layers"
+                )
             require_finite(f"{name}.w", layer.w)
             require_finite(f"{name}.bias", layer.bias)
             if layer.w_q is None:
                 continue
-            qvalue, scale = layer.w_q.qvalue, layer.w_q.scale
-            if isinstance(qvalue, np.ndarray) and qvalue.size and qvalue.min() < -127:
-                raise ValueError(
-                    f"{name}.w_q.qvalue must lie in [-127, 127] (symmetric int8), got "
-                    f"-128 at index {first_index(qvalue < -127)} of {name}.w_q.qvalue "
-                    f"{qvalue.shape}"
-                )
-            require_finite(f"{name}.w_q.scale", scale)
-            require_at_least(f"{name}.w_q.scale", scale, 0)
+            layer.w_q.qvalue = quantized_payload(
+                f"{name}.w_q.qvalue", layer.w_q.qvalue, layer.precision
+            )
+            require_finite(f"{name}.w_q.scale", layer.w_q.scale)
+            require_at_least(f"{name}.w_q.scale", layer.w_q.scale, 0)
         return self
 
     def layer_shapes(self) -> list[qnn.LayerShapes]:
@@ -226,10 +239,13 @@ class InputSchema(BaseModel):
 
 
 class QuantizedWeightsOut(BaseModel):
-    qvalue: Array[..., Int8] = Field(
-        description="int8 payload, shaped like the layer's w (batch axes included)."
+    qvalue: Array[..., None] = Field(
+        description="int8 payload shaped like the layer's w (batch axes included); "
+        "int4: uint8, packed (..., N, K/2)."
     )
-    scale: Array[..., Float32] = Field(description="One scale per row of qvalue.")
+    scale: Array[..., Float32] = Field(
+        description="One scale per row of qvalue (int4: per group)."
+    )
 
 
 class LayerOut(BaseModel):
@@ -262,14 +278,19 @@ def _network(inputs: dict, resident: qnn.Network | None) -> qnn.Network:
     layers = []
     for layer in inputs["layers"]:
         w_q = layer["w_q"] or {"qvalue": None, "scale": None}
+        qvalue = w_q["qvalue"]  # (abstract_eval: any integer dtype declared)
+        if qvalue is not None:
+            qvalue = qvalue.astype("uint8" if layer["precision"] == "int4" else "int8")
         layers.append(
             qnn.Linear(
                 layer["w"],
                 layer["bias"],
-                qvalue=w_q["qvalue"],
+                qvalue=qvalue,
                 scale=w_q["scale"],
                 layout=layer["layout"],
                 activations=activations,
+                precision=layer["precision"],
+                group_size=layer["group_size"],
             )
         )
     return qnn.Network(

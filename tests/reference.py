@@ -214,3 +214,16 @@ def dequantize4(values, scale):
 
 def roundtrip4(x, group_size):
     return dequantize4(*quantize4(x, group_size))
+
+
+def unpack4(packed):
+    """uint8[..., n / 2] -> int8[..., n]: 4-bit two's complement nibbles,
+    the low one first."""
+    packed = np.asarray(packed, np.uint8)
+    low = (packed & 0xF).astype(np.int8)
+    high = (packed >> 4).astype(np.int8)
+    low = np.where(low > 7, low - 16, low)
+    high = np.where(high > 7, high - 16, high)
+    return (
+        np.stack([low, high], axis=-1).reshape(*packed.shape[:-1], -1).astype(np.int8)
+    )

@@ -16,6 +16,7 @@ from ._network import Network as Network
 from ._quantize import freeze as freeze
 from ._quantize import quantize as quantize
 from ._shapes import LAYOUTS as LAYOUTS
+from ._shapes import PRECISIONS as PRECISIONS
 from ._shapes import LayerShapes as LayerShapes
 from ._shapes import NetworkShape as NetworkShape
 from ._shapes import layer_shapes as layer_shapes

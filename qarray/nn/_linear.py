@@ -13,6 +13,7 @@ from jax import lax
 
 from .._ops import (
     ACTIVATION_PRECISIONS,
+    DEFAULT_GROUP_SIZE,
     dequantize,
     linear_q,
     matmul_q,
@@ -20,7 +21,7 @@ from .._ops import (
     quantize,
     unpack,
 )
-from ._shapes import LAYOUTS, LayerShapes
+from ._shapes import LAYOUTS, PRECISIONS, LayerShapes
 
 
 def _dtype_str(a) -> str:
@@ -64,6 +65,11 @@ class Linear(eqx.Module):
     product); ``"float32"`` (default) keeps it. Gradients with respect to
     ``x``, ``bias`` and ``scale`` are exact for the quantized layer.
 
+    ``precision``: ``"int8"`` (above, the default); ``"int4"``: weights
+    ``(N, K)`` (layout "nk") in groups of ``group_size`` along K, stored
+    packed (``qvalue`` uint8 ``(N, K / 2)``, ``scale`` ``(N, K / G)``),
+    weight-only; ``"float32"``: ``weight`` used as given, not quantized.
+
     Every leaf is a plain array (``qvalue``, ``scale``, ``weight``, ``bias``)
     and the QArray is built inside the call: a QArray passed to a jitted
     function takes JAX's Python dispatch path for hi types, which costs more
@@ -78,6 +84,8 @@ class Linear(eqx.Module):
     bias: jax.Array | None
     layout: str = eqx.field(static=True)
     activations: str = eqx.field(static=True)
+    precision: str = eqx.field(static=True)
+    group_size: int | None = eqx.field(static=True)  # int4 only
     # the relative error of the float32 weights a stored layer was quantized
     # from (None: given as parts, not known)
     stored_error: float | None = eqx.field(static=True)
@@ -92,9 +100,26 @@ class Linear(eqx.Module):
         layout: str = "nk",
         activations: str = "float32",
         stored_error: float | None = None,
+        precision: str = "int8",
+        group_size: int | None = None,
     ):
         if layout not in LAYOUTS:
             raise ValueError(f"Linear requires layout in {LAYOUTS}, got {layout!r}.")
+        if precision not in PRECISIONS:
+            raise ValueError(
+                f"Linear requires precision in {PRECISIONS}, got {precision!r}."
+            )
+        if precision == "int4":
+            group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
+            if layout != "nk":
+                raise ValueError(
+                    "Linear with precision 'int4' requires layout 'nk' (weights "
+                    f"(N, K), groups along K), got {layout!r}."
+                )
+            if activations != "float32":
+                raise ValueError("Linear with precision 'int4' is weight-only.")
+        else:
+            group_size = None
         if activations not in ACTIVATION_PRECISIONS:
             raise ValueError(
                 f"Linear requires activations in {ACTIVATION_PRECISIONS}, got "
@@ -109,16 +134,39 @@ class Linear(eqx.Module):
         if weight is None:
             if qvalue is None or scale is None:
                 raise TypeError("Linear takes qvalue and scale together.")
-            _require("qvalue", qvalue, np.int8, 2)
-            _require("scale", scale, np.float32, 1)
-            if tuple(scale.shape) != tuple(qvalue.shape[:-1]):
+            if precision == "float32":
+                raise TypeError(
+                    "Linear with precision 'float32' takes weight (not quantized)."
+                )
+            if precision == "int4":
+                _require("qvalue", qvalue, np.uint8, 2)
+                _require("scale", scale, np.float32, 2)
+                k = 2 * qvalue.shape[-1]
+                want = (*qvalue.shape[:-1], k // group_size)
+                if k % group_size or tuple(scale.shape) != want:
+                    raise TypeError(
+                        f"Linear (int4, group_size {group_size}) requires scale of "
+                        f"shape {want} for qvalue {_dtype_str(qvalue)} (K = {k}), "
+                        f"got {_dtype_str(scale)}."
+                    )
+            else:
+                _require("qvalue", qvalue, np.int8, 2)
+                _require("scale", scale, np.float32, 1)
+            if precision != "int4" and tuple(scale.shape) != tuple(qvalue.shape[:-1]):
                 raise TypeError(
                     "Linear requires scale.shape == qvalue.shape[:-1] (one scale "
                     f"per row), got {_dtype_str(qvalue)} and {_dtype_str(scale)}."
                 )
         else:
             _require("weight", weight, np.float32, 2)
+            if precision == "int4" and weight.shape[-1] % group_size:
+                raise TypeError(
+                    f"Linear (int4) requires K = {weight.shape[-1]} (weight "
+                    f"{_dtype_str(weight)}) to be a multiple of group_size "
+                    f"{group_size}."
+                )
         self.weight, self.qvalue, self.scale = weight, qvalue, scale
+        self.precision, self.group_size = precision, group_size
         self.layout, self.activations, self.stored_error = (
             layout,
             activations,
@@ -143,15 +191,20 @@ class Linear(eqx.Module):
         layout: str = "nk",
         trainable: bool = False,
         activations: str = "float32",
+        precision: str = "int8",
+        group_size: int | None = None,
     ) -> Linear:
         """A layer from float32 weights (``(N, K)`` for "nk", ``(K, N)`` for
         "kn"): kept float and quantized on every call (``trainable=True``), or
-        quantized now and stored int8 (the default)."""
+        quantized now and stored (the default; int8, or int4 packed, or as
+        given for ``precision="float32"``)."""
         layer = cls(
             jnp.asarray(weight),
             None if bias is None else jnp.asarray(bias),
             layout=layout,
             activations=activations,
+            precision=precision,
+            group_size=group_size,
         )
         return layer if trainable else layer.frozen()
 
@@ -167,6 +220,8 @@ class Linear(eqx.Module):
     @property
     def in_features(self) -> int:
         shape = self._stored.shape
+        if self.precision == "int4" and not self.trainable:
+            return 2 * shape[-1]
         return shape[-2] if self.layout == "kn" else shape[-1]
 
     @property
@@ -182,17 +237,28 @@ class Linear(eqx.Module):
             None if self.bias is None else tuple(self.bias.shape),
             self.layout,
             dense=self.trainable,
+            precision=self.precision,
+            group_size=self.group_size or DEFAULT_GROUP_SIZE,
         )
 
     def quantized(self):
         """The weights as a QArray (``q8[K, N]`` or ``q8[N, K]``); traced code."""
+        if self.precision == "float32":
+            raise ValueError("a float32 Linear has no quantized weights")
+        bits = 4 if self.precision == "int4" else 8
         if self.trainable:
-            return quantize(jnp.asarray(self.weight))
-        return pack(jnp.asarray(self.qvalue), jnp.asarray(self.scale))
+            return quantize(jnp.asarray(self.weight), bits, self.group_size)
+        qvalue, scale = jnp.asarray(self.qvalue), jnp.asarray(self.scale)
+        return pack(qvalue, scale, bits, self.group_size)
 
     def __call__(self, x, qw=None):
         """``x (..., K) -> (..., N)``; ``qw``: ``self.quantized()``, if the
         caller already holds it."""
+        if self.precision == "float32":  # as given: exact gradients
+            w = jnp.asarray(self.weight)
+            w = w if self.layout == "kn" else jnp.swapaxes(w, -1, -2)
+            y = jnp.asarray(x) @ w
+            return y if self.bias is None else y + self.bias
         qw = self.quantized() if qw is None else qw
         product = matmul_q if self.layout == "kn" else linear_q
         y = product(jnp.asarray(x), qw, self.activations)
@@ -205,13 +271,16 @@ class Linear(eqx.Module):
         diagnostic: it carries no derivative."""
         if not self.trainable:
             return jnp.float32(self.stored_error or 0.0)
+        if self.precision == "float32":
+            return jnp.float32(0.0)
         qw = self.quantized() if qw is None else qw
         return relative_error(jnp.asarray(self.weight), qw)
 
     def frozen(self) -> Linear:
         """The stored int8 layer a trainable one quantizes to (itself if
-        stored): the export after quantization-aware training. Eager."""
-        if not self.trainable:
+        stored): the export after quantization-aware training. Eager. A
+        float32 layer stays as it is."""
+        if not self.trainable or self.precision == "float32":
             return self
         qw = self.quantized()
         qvalue, scale = unpack(qw)
@@ -229,6 +298,8 @@ class Linear(eqx.Module):
         rows, with their scales), the rest whole."""
         if self.layout == "kn":
             weights, scales = jax.P(None, model), jax.P(None)
+        elif self.precision == "int4":  # a scale per group: (N, K / G)
+            weights, scales = jax.P(model, None), jax.P(model, None)
         else:
             weights, scales = jax.P(model, None), jax.P(model)
 
@@ -257,6 +328,6 @@ class Linear(eqx.Module):
             self,
             weight=pad(self.weight, 2),
             qvalue=pad(self.qvalue, 2),
-            scale=pad(self.scale, 1),
+            scale=pad(self.scale, 2 if self.precision == "int4" else 1),
             bias=pad(self.bias, 1),
         )

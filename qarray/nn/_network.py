@@ -84,11 +84,14 @@ class Network(eqx.Module):
             raise TypeError(str(error)) from None
 
     def with_activations(self, activations: str) -> Network:
-        """Every layer with ``activations`` ("float32" or "int8") for its input."""
+        """Every int8 layer with ``activations`` ("float32" or "int8") for its
+        input (int4 layers are weight-only, float32 ones not quantized)."""
         return dataclasses.replace(
             self,
             layers=[
                 dataclasses.replace(layer, activations=activations)
+                if layer.precision == "int8"
+                else layer
                 for layer in self.layers
             ],
         )
@@ -122,6 +125,10 @@ class Network(eqx.Module):
                 # rules: the rows go over data, the features stay whole
                 h = reshard(h, jax.P(data, None))
                 layer = layer.placed(reshard, model)
+            if layer.precision == "float32":  # not quantized: nothing to report
+                h = ACTIVATIONS[activation](layer(h))
+                per_layer.append({"weight_error": layer.weight_error(), "w_q": None})
+                continue
             qw = layer.quantized()
             h = ACTIVATIONS[activation](layer(h, qw))
             w_q = None

@@ -28,6 +28,8 @@ def quantize(
     where: Callable[[eqx.Module], bool] | None = None,
     trainable: bool = False,
     activations: str = "float32",
+    precision: str = "int8",
+    group_size: int | None = None,
 ):
     """A copy of ``model`` with every ``eqx.nn.Linear`` and ``eqx.nn.Conv``
     (``Conv1d``, ``Conv2d``, ``Conv3d``) that ``where(layer)`` accepts
@@ -40,7 +42,10 @@ def quantize(
     ``True``: kept float32 and quantized on every call with a straight-through
     gradient (quantization-aware training; ``freeze`` exports it).
     ``activations``: "float32" (weight-only) or "int8" (each quantized layer's
-    input quantized per row too).
+    input quantized per row too). ``precision``: "int8" (default), "int4"
+    (Linear weights packed in groups of ``group_size`` along the input axis,
+    default 128, which must divide each layer's in_features; convolutions
+    stay int8) or "float32" (nothing replaced).
 
     ``where`` sees the model's own layer objects, so keeping the first and last
     layers float is ``where=lambda l: l not in (mlp.layers[0], mlp.layers[-1])``
@@ -50,6 +55,8 @@ def quantize(
 
     def convert(layer):
         if where is not None and not where(layer):
+            return layer
+        if precision == "float32":
             return layer
         if isinstance(layer, eqx.nn.Conv):
             if layer.padding_mode != "ZEROS":
@@ -63,6 +70,8 @@ def quantize(
             layout="nk",
             trainable=trainable,
             activations=activations,
+            precision=precision,
+            group_size=group_size,
         )
 
     return _replace(model, (eqx.nn.Linear, eqx.nn.Conv), convert)

@@ -14,10 +14,15 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from .._ops import DEFAULT_GROUP_SIZE
+
 # "kn": stored (K, N), one scale per input row (the hijax doc's layout,
 # matmul_q); "nk": stored (N, K), one scale per output channel (PyTorch's
 # and eqx.nn.Linear's weight, linear_q)
 LAYOUTS = ("kn", "nk")
+# what a layer's weights are: int8 per row (the default), int4 per group of
+# ``group_size`` along K (layout "nk"), or float32 as given (not quantized)
+PRECISIONS = ("int8", "int4", "float32")
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,8 @@ class LayerShapes:
     bias: tuple[int, ...] | None
     layout: str
     dense: bool  # w given (else w_q)
+    precision: str = "int8"
+    group_size: int = DEFAULT_GROUP_SIZE  # int4 only
 
     @property
     def name(self) -> str:
@@ -89,12 +96,28 @@ def network_shape(x: tuple[int, ...], layers: list[LayerShapes]) -> NetworkShape
                 f"{name} must have shape {axes} (layout {layer.layout!r}), got {shape}"
             )
         k, n = shape[-2:] if layer.layout == "kn" else shape[:-3:-1]
+        _check_precision(i, layer, name, shape)
+        if layer.precision == "int4" and not layer.dense:
+            k = 2 * shape[-1]  # two int4 values a byte
         if k != width:
             raise ValueError(
                 f"{name} {shape} has K = {k} (layout {layer.layout!r}: {axes}), but "
                 f"its input is {source} of width {width}"
             )
-        if layer.scale is not None and layer.scale != shape[:-1]:
+        if layer.precision == "int4" and k % layer.group_size:
+            raise ValueError(
+                f"{name} {shape} has K = {k}, which layers.[{i}].group_size = "
+                f"{layer.group_size} does not divide (int4 groups run along K)"
+            )
+        if layer.precision == "int4" and layer.scale is not None:
+            want = (*shape[:-1], k // layer.group_size)
+            if layer.scale != want:
+                raise ValueError(
+                    f"layers.[{i}].w_q.scale must have shape {want} (one scale per "
+                    f"group of {layer.group_size} of {name} {shape}, K = {k}), got "
+                    f"{layer.scale}"
+                )
+        elif layer.scale is not None and layer.scale != shape[:-1]:
             raise ValueError(
                 f"layers.[{i}].w_q.scale must have shape {shape[:-1]} (one scale per "
                 f"row of {name} {shape}), got {layer.scale}"
@@ -125,6 +148,31 @@ def network_shape(x: tuple[int, ...], layers: list[LayerShapes]) -> NetworkShape
     return NetworkShape(batch, y, tuple(widths))
 
 
+def _check_precision(i: int, layer: LayerShapes, name: str, shape) -> None:
+    if layer.precision not in PRECISIONS:
+        raise ValueError(
+            f"layers.[{i}].precision must be one of {PRECISIONS}, got "
+            f"{layer.precision!r}"
+        )
+    if layer.precision == "float32" and not layer.dense:
+        raise ValueError(
+            f"layers.[{i}].w_q: precision 'float32' runs dense w as given (not "
+            "quantized): give w, or precision 'int8' / 'int4' for w_q"
+        )
+    if layer.precision == "int4":
+        if layer.layout != "nk":
+            raise ValueError(
+                f"layers.[{i}].layout must be 'nk' for precision 'int4' (weights "
+                f"(N, K), groups along K), got {layer.layout!r} for {name} {shape}"
+            )
+        size = layer.group_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 2 or size % 2:
+            raise ValueError(
+                f"layers.[{i}].group_size must be a positive even int (two int4 "
+                f"values a byte), got {size!r}"
+            )
+
+
 def layer_shapes(layer: dict, shape_of=lambda a: tuple(a.shape)) -> LayerShapes | None:
     """The shapes of a layer given as the contract's dict (``w`` or ``w_q``
     ``{qvalue, scale}``, ``bias``, ``layout``); ``shape_of`` reads an array's
@@ -145,4 +193,8 @@ def layer_shapes(layer: dict, shape_of=lambda a: tuple(a.shape)) -> LayerShapes 
         return None
     if bias is not None and bias_shape is None:
         return None
-    return LayerShapes(weights, scale, bias_shape, layout, dense=w is not None)
+    precision = layer.get("precision", "int8")
+    group_size = layer.get("group_size", DEFAULT_GROUP_SIZE)
+    return LayerShapes(
+        weights, scale, bias_shape, layout, w is not None, precision, group_size
+    )

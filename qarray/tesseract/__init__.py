@@ -26,6 +26,7 @@ from ._jit import jit_request as jit_request
 from ._limits import Limits as Limits
 from ._limits import declared_shape as declared_shape
 from ._limits import first_index as first_index
+from ._limits import quantized_payload as quantized_payload
 from ._limits import require_at_least as require_at_least
 from ._limits import require_finite as require_finite
 from ._mesh import make_mesh as make_mesh

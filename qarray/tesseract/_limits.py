@@ -59,6 +59,32 @@ def require_finite(name: str, value: Any) -> None:
         )
 
 
+def quantized_payload(name: str, qvalue: Any, precision: str) -> Any:
+    """A layer's ``w_q.qvalue`` as its precision stores it: int8 in
+    [-127, 127], or uint8 (two int4 values a byte) for "int4"; integers of
+    another dtype (JSON lists, int16, ...) are cast when they fit. A
+    ValueError naming ``name`` otherwise (abstract arrays pass as they are)."""
+    if not isinstance(qvalue, np.ndarray):
+        return qvalue
+    dtype, low, high = ("uint8", 0, 255) if precision == "int4" else ("int8", -127, 127)
+    what = "uint8 (two int4 values a byte)" if precision == "int4" else "int8"
+    if qvalue.dtype == dtype and precision == "int4":
+        return qvalue
+    if qvalue.dtype.kind not in "iu":
+        raise ValueError(
+            f"{name} must be {what} for precision {precision!r}, got "
+            f"{qvalue.dtype.name} {qvalue.shape}"
+        )
+    if qvalue.size and (qvalue.min() < low or qvalue.max() > high):
+        bad = (qvalue < low) | (qvalue > high)
+        index = first_index(bad)
+        raise ValueError(
+            f"{name} must lie in [{low}, {high}] ({what}), got {qvalue[index]} at "
+            f"index {index} of {name} {qvalue.shape}"
+        )
+    return qvalue.astype(dtype)
+
+
 def require_at_least(name: str, value: Any, low, what: str = "") -> None:
     """ValueError naming ``name`` and the first entry below ``low`` (decoded
     arrays only); ``what`` says why the bound holds."""
@@ -76,21 +102,29 @@ class Limits:
     def __init__(self, settings: Settings):
         self.settings = settings
 
-    def array(self, dtype: str) -> BeforeValidator:
+    def array(self, dtype: str | tuple[str, ...]) -> BeforeValidator:
         """For ``Annotated[Array[..., dtype], limits.array(dtype)]``: the
         declared size within QARRAY_MAX_ELEMENTS, and the dtype of an encoded
         array (tesseract-core answers a dtype it cannot cast with "Could not
-        parse value as a numeric array"), before the array is decoded."""
+        parse value as a numeric array"), before the array is decoded.
+        ``dtype``: one, or the dtypes a field takes (each exactly)."""
 
         def check(value: Any) -> Any:
             self.check_declared(declared_shape(value))
             if isinstance(value, dict) and value.get("object_type") == "array":
                 declared = value.get("dtype")
-                if not _castable(declared, dtype):
+                if isinstance(dtype, tuple):  # integer payloads, range-checked later
+                    ok = declared in ALLOWED_DTYPE_NAMES and np.issubdtype(
+                        declared, np.integer
+                    )
+                else:
+                    ok = _castable(declared, dtype)
+                if not ok:
+                    want = " or ".join(dtype) if isinstance(dtype, tuple) else dtype
                     raise ValueError(
                         f"the array (declared shape {declared_shape(value)}) has "
-                        f"dtype {declared!r}, which does not cast to {dtype} "
-                        f"without loss: send {dtype}"
+                        f"dtype {declared!r}, which does not cast to {want} "
+                        f"without loss: send {want}"
                     )
             return value
 

@@ -67,8 +67,20 @@ def quantized(layer):
 
 
 def dense_kn(layer):
-    """The layer's dequantized weights as a (K, N) float64 matrix."""
-    w = ref.dequantize(*quantized(layer)).astype(np.float64)
+    """The layer's dequantized weights as a (K, N) float64 matrix (int4:
+    per group of layer["group_size"]; float32: as given)."""
+    precision = layer.get("precision", "int8")
+    if precision == "float32":
+        w = np.asarray(layer["w"], np.float64)
+    elif precision == "int4":
+        group = layer.get("group_size", 128)
+        if "w" in layer:
+            w = ref.roundtrip4(layer["w"], group).astype(np.float64)
+        else:
+            values = ref.unpack4(layer["w_q"]["qvalue"])
+            w = ref.dequantize4(values, layer["w_q"]["scale"]).astype(np.float64)
+    else:
+        w = ref.dequantize(*quantized(layer)).astype(np.float64)
     return w if layer.get("layout", "kn") == "kn" else w.T
 
 
@@ -112,6 +124,11 @@ def vjp_one(x, layers, g, quantize_activations=False):
             gw = gw.T
         if "w" in layer:
             out[f"layers.[{i}].w"] = gw
+        elif layer.get("precision", "int8") == "int4":
+            values = ref.unpack4(layer["w_q"]["qvalue"]).astype(np.float64)
+            groups = layer["w_q"]["scale"].shape[-1]
+            prod = (gw * values).reshape(*values.shape[:-1], groups, -1)
+            out[f"layers.[{i}].w_q.scale"] = prod.sum(axis=-1)
         else:
             out[f"layers.[{i}].w_q.scale"] = np.sum(
                 gw * layer["w_q"]["qvalue"], axis=-1
@@ -139,9 +156,15 @@ def _arrays(inputs):
     return out
 
 
-def _core_rank(path):
+def _core_rank(path, inputs=None):
+    """The axes of the array at ``path`` that are not batch axes (an int4
+    layer's scale: two, one per group of each row)."""
     if path == "x":
         return None
+    if path.endswith(".w_q.scale") and inputs is not None:
+        i = int(path.split("[")[1].split("]")[0])
+        if inputs["layers"][i].get("precision") == "int4":
+            return 2
     return 2 if path.endswith((".w", ".qvalue")) else 1
 
 
@@ -149,7 +172,7 @@ def batch_shape(inputs):
     """The network's batch axes: every array's, broadcast from the left."""
     axes = []
     for path, a in _arrays(inputs).items():
-        core = _core_rank(path)
+        core = _core_rank(path, inputs)
         if core is None:
             continue
         for i, d in enumerate(np.shape(a)[: np.ndim(a) - core]):
@@ -174,14 +197,19 @@ def example(inputs, b):
     x_b = x[tuple(0 if x.shape[i] == 1 else bi for i, bi in enumerate(b))]
     layers = []
     for layer in inputs["layers"]:
-        one = {k: v for k, v in layer.items() if k in ("layout", "activation")}
+        keep = ("layout", "activation", "precision", "group_size")
+        one = {k: v for k, v in layer.items() if k in keep}
         for key in ("w", "bias"):
             if key in layer:
                 core = 2 if key == "w" else 1
                 one[key] = layer[key][_index(layer[key], core, b)]
         if "w_q" in layer:
             q, s = layer["w_q"]["qvalue"], layer["w_q"]["scale"]
-            one["w_q"] = {"qvalue": q[_index(q, 2, b)], "scale": s[_index(s, 1, b)]}
+            scale_core = 2 if layer.get("precision") == "int4" else 1
+            one["w_q"] = {
+                "qvalue": q[_index(q, 2, b)],
+                "scale": s[_index(s, scale_core, b)],
+            }
         layers.append(one)
     return x_b, layers
 
@@ -213,16 +241,20 @@ def vjp(inputs, g):
                     for d, bi in zip(array.shape[: len(b)], b, strict=True)
                 )
             else:
-                idx = _index(array, _core_rank(path), b)
+                idx = _index(array, _core_rank(path, inputs), b)
             total = out.setdefault(path, np.zeros(np.shape(array), np.float64))
             total[idx] += ct
     return out
 
 
-def weight_error(w):
+def weight_error(w, precision="int8", group_size=128):
     w64 = np.asarray(w, np.float64)
     norm = np.linalg.norm(w64)
-    return 0.0 if norm == 0 else np.linalg.norm(w64 - ref.roundtrip(w)) / norm
+    if precision == "float32" or norm == 0:
+        return 0.0
+    if precision == "int4":
+        return np.linalg.norm(w64 - ref.roundtrip4(w, group_size)) / norm
+    return np.linalg.norm(w64 - ref.roundtrip(w)) / norm
 
 
 def diff_paths(inputs):

@@ -201,7 +201,7 @@ CASES = [
                 layer(w=None, w_q={"qvalue": [[0.5, 1, 2, 3]] * 3, "scale": b64(SCALE)})
             )
         },
-        [loc("inputs", "layers", 0, "w_q", "qvalue"), "int8"],
+        [loc("inputs"), "layers.[0].w_q.qvalue must be int8", "got float64 (3, 4)"],
     ),
     (
         "scale-shape",
@@ -804,7 +804,7 @@ NETWORK_CASES = [
         [
             loc("inputs", "layers", 1, "w_q", "qvalue"),
             "(declared shape (5, 4)) has dtype 'float32', which does not cast to "
-            "int8 without loss",
+            "int8 or uint8 without loss",
         ],
     ),
     (
