@@ -6,8 +6,12 @@ A qarray model file is laid out like the Tesseract's ``layers`` field:
   ``layers.{i}.w_q.qvalue`` (int8) with ``layers.{i}.w_q.scale`` (float32, one
   per row), and an optional ``layers.{i}.bias`` (float32, ``(N,)``);
 - string metadata ``layers.{i}.layout`` (``"kn"``: weights ``(K, N)``, the
-  default; ``"nk"``: ``(N, K)``, PyTorch's ``nn.Linear.weight``) and
-  ``layers.{i}.activation`` (default ``"none"``).
+  default; ``"nk"``: ``(N, K)``, PyTorch's ``nn.Linear.weight``),
+  ``layers.{i}.activation`` (default ``"none"``), ``layers.{i}.precision``
+  (``"int8"``, the default; ``"int4"``: ``w_q.qvalue`` uint8 ``(N, K / 2)``
+  packed and ``w_q.scale`` ``(N, K / G)``, or a dense ``w`` quantized so at
+  load; ``"float32"``: ``w`` kept as it is) and ``layers.{i}.group_size``
+  (int4; default 128).
 
 Layers are numbered from 0 without gaps and their widths chain. ``load_model``
 checks all of it and names the tensor at fault; ``convert_state_dict`` turns
@@ -37,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ._kernels import QMAX4
 from ._tree_checkpoint import ModelFileError as ModelFileError
 from ._tree_checkpoint import convert_tree as convert_tree
 from ._tree_checkpoint import fold_batchnorm as fold_batchnorm
@@ -44,12 +49,12 @@ from ._tree_checkpoint import leaf_paths as leaf_paths
 from ._tree_checkpoint import load_quantized as load_quantized
 from ._tree_checkpoint import load_tree as load_tree
 from ._tree_checkpoint import save_tree as save_tree
-from .nn import ACTIVATIONS, LAYOUTS, Linear, Network
+from .nn import ACTIVATIONS, LAYOUTS, PRECISIONS, Linear, Network
 
 _ACTIVATION_NAMES = tuple(ACTIVATIONS)
 
 _TENSOR = re.compile(r"layers\.(\d+)\.(w|w_q\.qvalue|w_q\.scale|bias)")
-_METADATA = re.compile(r"layers\.(\d+)\.(layout|activation)")
+_METADATA = re.compile(r"layers\.(\d+)\.(layout|activation|precision|group_size)")
 
 
 @dataclass(frozen=True)
@@ -59,9 +64,11 @@ class ModelLayer:
     layout: str
     activation: str
     w: np.ndarray | None  # dense float32, or None for w_q
-    qvalue: np.ndarray | None  # int8
-    scale: np.ndarray | None  # float32, qvalue.shape[:-1]
+    qvalue: np.ndarray | None  # int8 (int4: uint8, packed)
+    scale: np.ndarray | None  # float32, qvalue.shape[:-1] (int4: (N, K / G))
     bias: np.ndarray | None
+    precision: str = "int8"
+    group_size: int = 128
 
     @property
     def weights(self) -> np.ndarray:
@@ -71,6 +78,8 @@ class ModelLayer:
     def widths(self) -> tuple[int, int]:
         """(K, N): input and output width."""
         a, b = self.weights.shape
+        if self.w is None and self.precision == "int4":
+            b = 2 * b  # two values a byte
         return (a, b) if self.layout == "kn" else (b, a)
 
 
@@ -106,7 +115,7 @@ def _layers(path, tensors: dict, metadata: dict) -> list[ModelLayer]:
         if key != "format" and not _METADATA.fullmatch(key):
             raise ModelFileError(
                 f"{path}: unexpected metadata {key!r} (expected layers.{{i}}.layout, "
-                "layers.{i}.activation)"
+                "layers.{i}.activation, layers.{i}.precision, layers.{i}.group_size)"
             )
     if not found:
         raise ModelFileError(f"{path}: no layers (no layers.0.w or layers.0.w_q.*)")
@@ -148,7 +157,30 @@ def _layer(path, prefix: str, parts: dict, metadata: dict) -> ModelLayer:
             f"{path}: metadata {prefix}.activation must be one of {_ACTIVATION_NAMES}, "
             f"got {activation!r}"
         )
+    precision = metadata.get(f"{prefix}.precision", "int8")
+    if precision not in PRECISIONS:
+        raise ModelFileError(
+            f"{path}: metadata {prefix}.precision must be one of {PRECISIONS}, got "
+            f"{precision!r}"
+        )
+    group_text = metadata.get(f"{prefix}.group_size", "128")
+    if not group_text.isdigit() or int(group_text) < 2 or int(group_text) % 2:
+        raise ModelFileError(
+            f"{path}: metadata {prefix}.group_size must be a positive even int, got "
+            f"{group_text!r}"
+        )
+    group_size = int(group_text)
+    if precision == "int4" and layout != "nk":
+        raise ModelFileError(
+            f"{path}: {prefix} has precision 'int4', which needs layout 'nk' (got "
+            f"{layout!r})"
+        )
     w, qvalue, scale = parts.get("w"), parts.get("w_q.qvalue"), parts.get("w_q.scale")
+    if precision == "float32" and w is None:
+        raise ModelFileError(
+            f"{path}: {prefix} has precision 'float32', which stores dense "
+            f"{prefix}.w (not w_q)"
+        )
     if (w is None) == (qvalue is None and scale is None):
         got = "both" if w is not None else "neither"
         raise ModelFileError(
@@ -159,10 +191,11 @@ def _layer(path, prefix: str, parts: dict, metadata: dict) -> ModelLayer:
         missing = "qvalue" if qvalue is None else "scale"
         raise ModelFileError(f"{path}: {prefix}.w_q.{missing} is missing")
     bias = parts.get("bias")
+    int4 = precision == "int4"
     for name, array, dtype, ndim in (
         ("w", w, np.float32, 2),
-        ("w_q.qvalue", qvalue, np.int8, 2),
-        ("w_q.scale", scale, np.float32, 1),
+        ("w_q.qvalue", qvalue, np.uint8 if int4 else np.int8, 2),
+        ("w_q.scale", scale, np.float32, 2 if int4 else 1),
         ("bias", bias, np.float32, 1),
     ):
         if array is None:
@@ -174,7 +207,18 @@ def _layer(path, prefix: str, parts: dict, metadata: dict) -> ModelLayer:
             )
         if array.dtype == np.float32 and not np.isfinite(array).all():
             raise ModelFileError(f"{path}: {prefix}.{name} has NaN or Inf entries")
-    if qvalue is not None:
+    if int4:
+        k = w.shape[-1] if w is not None else 2 * qvalue.shape[-1]
+        want = None if w is not None else (qvalue.shape[0], k // group_size)
+        if k % group_size or (want is not None and scale.shape != want):
+            raise ModelFileError(
+                f"{path}: {prefix} (int4, group_size {group_size}) needs K = {k} "
+                f"divisible by the group size and w_q.scale {want}, got "
+                f"{None if scale is None else scale.shape}"
+            )
+        if scale is not None and (scale < 0).any():
+            raise ModelFileError(f"{path}: {prefix}.w_q.scale must be >= 0")
+    elif qvalue is not None:
         if scale.shape != qvalue.shape[:-1]:
             raise ModelFileError(
                 f"{path}: {prefix}.w_q.scale must have shape {qvalue.shape[:-1]} (one "
@@ -184,7 +228,9 @@ def _layer(path, prefix: str, parts: dict, metadata: dict) -> ModelLayer:
             raise ModelFileError(f"{path}: {prefix}.w_q.qvalue must lie in [-127, 127]")
         if (scale < 0).any():
             raise ModelFileError(f"{path}: {prefix}.w_q.scale must be >= 0")
-    layer = ModelLayer(layout, activation, w, qvalue, scale, bias)
+    layer = ModelLayer(
+        layout, activation, w, qvalue, scale, bias, precision, group_size
+    )
     n = layer.widths[1]
     if bias is not None and bias.shape != (n,):
         raise ModelFileError(
@@ -202,9 +248,19 @@ def load_network(path: str | Path) -> Network:
     ``stored_error``. Arrays stay on the host (NumPy) until placed."""
     stored, layers = load_model(path), []
     for layer in stored:
-        if layer.w is not None:  # only the int8 payload and the scales stay
-            qvalue, scale = quantize_rows(layer.w)
-            error = relative_error(layer.w, qvalue, scale)
+        options = {"precision": layer.precision, "layout": layer.layout}
+        if layer.precision == "int4":
+            options["group_size"] = layer.group_size
+        if layer.precision == "float32":  # kept as it is
+            layers.append(Linear(layer.w, layer.bias, **options))
+            continue
+        if layer.w is not None:  # only the payload and the scales stay
+            if layer.precision == "int4":
+                qvalue, scale = quantize_groups(layer.w, layer.group_size)
+                error = relative_error4(layer.w, qvalue, scale)
+            else:
+                qvalue, scale = quantize_rows(layer.w)
+                error = relative_error(layer.w, qvalue, scale)
         else:
             qvalue, scale, error = layer.qvalue, layer.scale, None
         layers.append(
@@ -212,8 +268,8 @@ def load_network(path: str | Path) -> Network:
                 bias=layer.bias,
                 qvalue=qvalue,
                 scale=scale,
-                layout=layer.layout,
                 stored_error=error,
+                **options,
             )
         )
     return Network(layers, [layer.activation for layer in stored])
@@ -225,6 +281,9 @@ def save_network(path: str | Path, network: Network) -> None:
     layers = []
     for layer, activation in zip(network.layers, network.activation, strict=True):
         out = {"layout": layer.layout, "activation": activation, "bias": layer.bias}
+        out["precision"] = layer.precision
+        if layer.group_size is not None:
+            out["group_size"] = layer.group_size
         if layer.trainable:
             out["w"] = np.asarray(layer.weight)
         else:
@@ -245,9 +304,9 @@ def save_model(path: str | Path, layers: list[dict]) -> None:
         if layer.get("w") is not None:
             tensors[f"{prefix}.w"] = np.ascontiguousarray(layer["w"], np.float32)
         else:
-            tensors[f"{prefix}.w_q.qvalue"] = np.ascontiguousarray(
-                layer["w_q"]["qvalue"], np.int8
-            )
+            qvalue = np.asarray(layer["w_q"]["qvalue"])
+            dtype = np.uint8 if layer.get("precision") == "int4" else np.int8
+            tensors[f"{prefix}.w_q.qvalue"] = np.ascontiguousarray(qvalue, dtype)
             tensors[f"{prefix}.w_q.scale"] = np.ascontiguousarray(
                 layer["w_q"]["scale"], np.float32
             )
@@ -255,6 +314,10 @@ def save_model(path: str | Path, layers: list[dict]) -> None:
             tensors[f"{prefix}.bias"] = np.ascontiguousarray(layer["bias"], np.float32)
         metadata[f"{prefix}.layout"] = layer.get("layout", "kn")
         metadata[f"{prefix}.activation"] = layer.get("activation", "none")
+        if layer.get("precision", "int8") != "int8":
+            metadata[f"{prefix}.precision"] = layer["precision"]
+        if layer.get("group_size") is not None:
+            metadata[f"{prefix}.group_size"] = str(layer["group_size"])
     save_file(tensors, str(path), metadata=metadata)
 
 
@@ -284,6 +347,41 @@ def quantize_rows(
     return np.concatenate(qvalues), np.concatenate(scales)
 
 
+def quantize_groups(w: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """qarray's int4 quantizer in NumPy (``quantize(w, bits=4, group_size=G)``):
+    ``(packed uint8 (N, K / 2), scale (N, K / G))``, by row chunks."""
+    packed, scales = [], []
+    for rows in _row_chunks(np.asarray(w), 256):
+        groups = rows.astype(np.float32).reshape(rows.shape[0], -1, group_size)
+        scale = (np.max(np.abs(groups), axis=-1, initial=0) / np.float32(QMAX4)).astype(
+            np.float32
+        )
+        divisor = np.where(scale > 0, scale, np.float32(1))[..., None]
+        values = np.clip(np.round(groups / divisor), -QMAX4, QMAX4).astype(np.int8)
+        nibbles = (values.reshape(rows.shape[0], -1).astype(np.int16) & 0xF).astype(
+            np.uint8
+        )
+        packed.append(nibbles[:, 0::2] | (nibbles[:, 1::2] << 4))
+        scales.append(scale)
+    return np.concatenate(packed), np.concatenate(scales)
+
+
+def relative_error4(w: np.ndarray, packed: np.ndarray, scale: np.ndarray) -> float:
+    """||w - W|| / ||w|| for int4 weights W (packed, one scale per group)."""
+    low = (packed & 0xF).astype(np.int16)
+    high = (packed >> 4).astype(np.int16)
+    values = np.stack([low, high], -1).reshape(packed.shape[0], -1)
+    values = np.where(values > 7, values - 16, values).astype(np.float64)
+    groups = values.reshape(*scale.shape, -1) * scale.astype(np.float64)[..., None]
+    w64 = np.asarray(w, np.float64)
+    norm = np.linalg.norm(w64)
+    return (
+        0.0
+        if norm == 0
+        else float(np.linalg.norm(w64 - groups.reshape(w.shape)) / norm)
+    )
+
+
 def relative_error(
     w: np.ndarray, qvalue: np.ndarray, scale: np.ndarray, chunk_rows: int = 256
 ) -> float:
@@ -307,14 +405,20 @@ def _row_chunks(a: np.ndarray, rows: int):
 
 
 def convert_state_dict(
-    src: str | Path, dst: str | Path, layers: list[tuple[str, str]]
+    src: str | Path,
+    dst: str | Path,
+    layers: list[tuple[str, ...]],
+    precision: str = "int8",
+    group_size: int = 128,
 ) -> list[float]:
     """A PyTorch-style state dict (safetensors) -> a qarray model file.
 
-    ``layers``: ``(name, activation)`` in order; ``{name}.weight`` is
-    ``(out, in)`` (``nn.Linear``), ``{name}.bias`` optional. Weights are
-    quantized per output channel ("nk" layout). Returns each layer's relative
-    weight error. Raises ModelFileError naming the tensor at fault.
+    ``layers``: ``(name, activation)`` or ``(name, activation, precision)``
+    in order; ``{name}.weight`` is ``(out, in)`` (``nn.Linear``),
+    ``{name}.bias`` optional. Weights are quantized per output channel ("nk"
+    layout): int8, or int4 in groups of ``group_size`` along the input axis,
+    or kept float32 (``precision``, per layer or for all). Returns each
+    layer's relative weight error. Raises ModelFileError naming the tensor.
     """
     from safetensors import SafetensorError, safe_open
 
@@ -324,7 +428,7 @@ def convert_state_dict(
         with safe_open(str(src), framework="numpy") as f:
             available = set(f.keys())
             wanted = {}
-            for name, _ in layers:
+            for name, *_ in layers:
                 for key in (f"{name}.weight", f"{name}.bias"):
                     if key in available:
                         wanted[key] = f.get_tensor(key)
@@ -333,7 +437,13 @@ def convert_state_dict(
             f"{src}: not a readable safetensors file ({error})"
         ) from None
     out, errors = [], []
-    for name, activation in layers:
+    for name, activation, *chosen in layers:
+        layer_precision = chosen[0] if chosen else precision
+        if layer_precision not in PRECISIONS:
+            raise ModelFileError(
+                f"layer {name!r}: precision must be one of {PRECISIONS}, got "
+                f"{layer_precision!r}"
+            )
         if activation not in _ACTIVATION_NAMES:
             raise ModelFileError(
                 f"layer {name!r}: activation must be one of {_ACTIVATION_NAMES}, "
@@ -350,29 +460,45 @@ def convert_state_dict(
                 f"{src}: {name}.weight must be a float (out, in) matrix, got "
                 f"{weight.dtype.name} {weight.shape}"
             )
-        qvalue, scale = quantize_rows(weight)
-        errors.append(relative_error(weight, qvalue, scale))
-        layer = {
-            "w_q": {"qvalue": qvalue, "scale": scale},
-            "layout": "nk",
-            "activation": activation,
-        }
+        layer = {"layout": "nk", "activation": activation, "precision": layer_precision}
+        if layer_precision == "float32":
+            layer["w"] = weight.astype(np.float32)
+            errors.append(0.0)
+        elif layer_precision == "int4":
+            if weight.shape[1] % group_size:
+                raise ModelFileError(
+                    f"{src}: {name}.weight {weight.shape} has {weight.shape[1]} "
+                    f"inputs, which --group-size {group_size} does not divide"
+                )
+            qvalue, scale = quantize_groups(weight, group_size)
+            errors.append(relative_error4(weight, qvalue, scale))
+            layer["w_q"] = {"qvalue": qvalue, "scale": scale}
+            layer["group_size"] = group_size
+        else:
+            qvalue, scale = quantize_rows(weight)
+            errors.append(relative_error(weight, qvalue, scale))
+            layer["w_q"] = {"qvalue": qvalue, "scale": scale}
         bias = wanted.get(f"{name}.bias")
         if bias is not None:
             layer["bias"] = bias.astype(np.float32)
         out.append(layer)
     # checked like any model file before it is written: shapes chain, biases fit
-    tensors = {}
+    tensors, metadata = {}, {}
     for i, layer in enumerate(out):
-        tensors[f"layers.{i}.w_q.qvalue"] = layer["w_q"]["qvalue"]
-        tensors[f"layers.{i}.w_q.scale"] = layer["w_q"]["scale"]
+        if "w" in layer:
+            tensors[f"layers.{i}.w"] = layer["w"]
+        else:
+            tensors[f"layers.{i}.w_q.qvalue"] = layer["w_q"]["qvalue"]
+            tensors[f"layers.{i}.w_q.scale"] = layer["w_q"]["scale"]
         if "bias" in layer:
             tensors[f"layers.{i}.bias"] = layer["bias"]
-    metadata = {f"layers.{i}.layout": "nk" for i in range(len(out))}
+        metadata[f"layers.{i}.layout"] = "nk"
+        metadata[f"layers.{i}.precision"] = layer["precision"]
+        metadata[f"layers.{i}.group_size"] = str(layer.get("group_size", 128))
     try:
         _layers(src, tensors, metadata)
     except ModelFileError as error:
-        names = ", ".join(f"layers.{i} = {name}" for i, (name, _) in enumerate(layers))
+        names = ", ".join(f"layers.{i} = {item[0]}" for i, item in enumerate(layers))
         raise ModelFileError(f"{error} ({names})") from None
     save_model(dst, out)
     return errors
@@ -403,8 +529,18 @@ def main(argv: list[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument(
         "--layers",
-        help="comma-separated NAME:ACTIVATION in order, e.g. fc1:relu,fc2:none "
-        f"(activations: {', '.join(_ACTIVATION_NAMES)})",
+        help="comma-separated NAME:ACTIVATION[:PRECISION] in order, e.g. "
+        f"fc1:relu,fc2:none:float32 (activations: {', '.join(_ACTIVATION_NAMES)}; "
+        f"precisions: {', '.join(PRECISIONS)})",
+    )
+    parser.add_argument(
+        "--precision",
+        default="int8",
+        choices=PRECISIONS,
+        help="with --layers: every layer's precision unless its entry names one",
+    )
+    parser.add_argument(
+        "--group-size", type=int, default=128, help="int4: values per scale along K"
     )
     mode.add_argument(
         "--tree", action="store_true", help="keep the state dict's names (paths)"
@@ -437,15 +573,23 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.fold or args.rename:
         parser.error("--fold and --rename need --tree")
+    if args.group_size < 2 or args.group_size % 2:
+        parser.error("--group-size must be a positive even int")
     layers = []
     for item in args.layers.split(","):
-        name, _, activation = item.strip().partition(":")
-        layers.append((name, activation or "none"))
+        name, *rest = item.strip().split(":")
+        activation = rest[0] if rest and rest[0] else "none"
+        layers.append((name, activation, *rest[1:2]))
     try:
-        errors = convert_state_dict(args.src, args.dst, layers)
+        errors = convert_state_dict(
+            args.src, args.dst, layers, args.precision, args.group_size
+        )
     except ModelFileError as error:
         parser.exit(2, f"qarray-serve convert: {error}\n")
-    for i, ((name, activation), error) in enumerate(zip(layers, errors, strict=True)):
-        print(f"layers.{i} <- {name} ({activation}): weight error {error:.3e}")
+    for i, (item, error) in enumerate(zip(layers, errors, strict=True)):
+        name, activation = item[:2]
+        precision = item[2] if len(item) > 2 else args.precision
+        what = activation if precision == "int8" else f"{activation}, {precision}"
+        print(f"layers.{i} <- {name} ({what}): weight error {error:.3e}")
     print(f"wrote {args.dst}")
     return 0

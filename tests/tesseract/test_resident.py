@@ -14,6 +14,7 @@ from qarray.checkpoint import (
     ModelFileError,
     convert_state_dict,
     load_model,
+    load_network,
     save_model,
 )
 from tests import reference as ref
@@ -479,3 +480,84 @@ def test_resident_memory_is_a_quarter_of_float32(tmp_path):
         f"of float32 weights (int8 payload {dense / 4 / 2**20:.0f} MiB)"
     )
     assert 0.15 * dense < grew < 0.4 * dense, (grew, dense)
+
+
+def test_convert_to_int4_and_float32_layers(tmp_path, rng):
+    """--precision int4 --group-size 2 for every layer, fc2 kept float32 by
+    its own entry: the file's network computes PyTorch's forward pass on the
+    int4 (per group) and float32 weights."""
+    sd = pytorch_state_dict(rng, tmp_path / "sd.safetensors")
+    command = [
+        str(SERVE),
+        "convert",
+        str(tmp_path / "sd.safetensors"),
+        str(tmp_path / "m.safetensors"),
+    ]
+    ok = subprocess.run(
+        [
+            *command,
+            "--layers",
+            "fc1:relu,fc2:none:float32",
+            "--precision",
+            "int4",
+            "--group-size",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert "layers.0 <- fc1 (relu, int4): weight error" in ok.stdout
+    assert "layers.1 <- fc2 (none, float32): weight error 0.000e+00" in ok.stdout
+    stored = load_model(tmp_path / "m.safetensors")
+    assert stored[0].precision == "int4" and stored[0].qvalue.dtype == np.uint8
+    assert stored[0].qvalue.shape == (8, 3) and stored[0].scale.shape == (8, 3)
+    assert stored[1].precision == "float32" and stored[1].w is not None
+    network = load_network(tmp_path / "m.safetensors")
+    x = rng.standard_normal((5, 6)).astype(np.float32)
+    w1 = ref.roundtrip4(sd["fc1.weight"], 2).astype(np.float64)
+    want = (
+        np.maximum(x @ w1.T + sd["fc1.bias"], 0) @ sd["fc2.weight"].T + sd["fc2.bias"]
+    )
+    np.testing.assert_allclose(network(x), want, rtol=1e-5, atol=1e-5)
+    bad = subprocess.run(
+        [*command, "--layers", "fc1:relu", "--precision", "int4", "--group-size", "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "which --group-size 4 does not divide" in bad.stderr
+
+
+def test_int4_model_files_are_checked(tmp_path, rng):
+    w = rng.standard_normal((4, 8)).astype(np.float32)
+    values, scale = ref.quantize4(w, 4)
+    good = {"layers.0.w_q.qvalue": ref.pack4(values), "layers.0.w_q.scale": scale}
+    meta = {
+        "layers.0.layout": "nk",
+        "layers.0.precision": "int4",
+        "layers.0.group_size": "4",
+    }
+    cases = [
+        (good, {**meta, "layers.0.layout": "kn"}, "needs layout 'nk'"),
+        (good, {**meta, "layers.0.group_size": "3"}, "positive even int"),
+        (good, {**meta, "layers.0.precision": "int2"}, "precision must be one of"),
+        ({**good, "layers.0.w_q.scale": scale[:, :1]}, meta, r"w_q.scale \(4, 2\)"),
+        ({**good, "layers.0.w_q.qvalue": values}, meta, "must be uint8"),
+        (
+            {"layers.0.w_q.qvalue": values, "layers.0.w_q.scale": scale[:, 0]},
+            {**meta, "layers.0.precision": "float32"},
+            "stores dense",
+        ),
+    ]
+    for i, (tensors, metadata, match) in enumerate(cases):
+        path = tmp_path / f"bad{i}.safetensors"
+        _write(path, tensors, metadata)
+        with pytest.raises(ModelFileError, match=match):
+            load_model(path)
+    path = tmp_path / "good.safetensors"
+    _write(path, good, meta)
+    x = rng.standard_normal((3, 8)).astype(np.float32)
+    want = x @ ref.dequantize4(values, scale).T
+    np.testing.assert_allclose(load_network(path)(x), want, rtol=1e-5, atol=1e-5)
