@@ -1,6 +1,6 @@
 """Run every benchmark side by side and report ratios: `make bench`.
 
-    .venv/bin/python -m benchmarks.run [--quick] [--only kernels,matmul,conv,cache,...]
+    .venv/bin/python -m benchmarks.run [--quick] [--only kernels,int4,conv,...]
     .venv/bin/python -m benchmarks.run --docs-only   # docs/performance.md again
 
 Prints a table (markdown), writes benchmarks/results.json,
@@ -181,7 +181,9 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     # e2e runs last: it tunes this process's malloc like the servers' (see
     # bench_e2e.run), which the other suites should not measure under
-    parser.add_argument("--only", default="kernels,matmul,conv,cache,http,scaling,e2e")
+    parser.add_argument(
+        "--only", default="kernels,int4,matmul,conv,cache,http,scaling,e2e"
+    )
     parser.add_argument("--out", default=str(HERE / "results.json"))
     parser.add_argument("--plot", default=str(HERE / "results.png"))
     parser.add_argument(
@@ -201,6 +203,7 @@ def main():
         bench_conv,
         bench_e2e,
         bench_http,
+        bench_int4,
         bench_kernels,
         bench_matmul,
         bench_scaling,
@@ -211,6 +214,7 @@ def main():
         "kernels": lambda: bench_kernels.run(reps=5 if args.quick else 21),
         "matmul": lambda: bench_matmul.run(reps=reps),
         "conv": lambda: bench_conv.run(reps=5 if args.quick else 21),
+        "int4": lambda: bench_int4.run(reps=5 if args.quick else 21),
         "cache": lambda: bench_cache.run(reps=reps),
         "http": lambda: bench_http.run(reps=50 if args.quick else 600),
         "scaling": lambda: bench_scaling.run(seconds=3.0 if args.quick else 8.0),
