@@ -32,6 +32,7 @@ from tesseract_jax import apply_tesseract
 
 WIDTHS = (64, 64, 10)  # 8x8 pixels -> hidden -> 10 classes
 ACTIVATIONS = ("relu", "none")
+INT4_GROUP = 16
 
 
 def load_data(seed=0):
@@ -53,14 +54,22 @@ def init_params(key):
     return params
 
 
-def served_logits(tess, params, x, quantize_activations=False):
-    """The network as the Tesseract computes it: int8 weights (and activations)."""
+def served_logits(tess, params, x, quantize_activations=False, precision="int8"):
+    """The network as the Tesseract computes it: int8 (or int4) weights, and
+    int8 activations with ``quantize_activations``."""
     layers = [
-        {**p, "layout": "nk", "activation": activation}
+        {**p, "layout": "nk", "activation": activation, **_precision(precision)}
         for p, activation in zip(params, ACTIVATIONS, strict=True)
     ]
     request = {"x": x, "layers": layers, "quantize_activations": quantize_activations}
     return apply_tesseract(tess, request)["y"]
+
+
+def _precision(precision):
+    """A layer's precision fields: int4 in groups of 16 inputs (K = 64)."""
+    if precision == "int4":
+        return {"precision": "int4", "group_size": INT4_GROUP}
+    return {}
 
 
 def float_logits(params, x):
@@ -106,21 +115,21 @@ class Model:
 
 
 def train(url, steps=300, batch=128, lr=1e-2, eval_every=20, seed=0,
-          quantize_activations=False, log=print):  # fmt: skip
-    """Train the served (int8) and the float32 model side by side."""
+          quantize_activations=False, log=print, precision="int8"):  # fmt: skip
+    """Train the served (int8 or int4) and the float32 model side by side."""
     x_train, x_test, y_train, y_test = load_data(seed)
     tess = Tesseract.from_url(url)
     init = init_params(jax.random.key(seed))
     optimizer = optax.adam(lr)
     served = Model(
-        lambda p, x: served_logits(tess, p, x, quantize_activations),
+        lambda p, x: served_logits(tess, p, x, quantize_activations, precision),
         init,
         optimizer,
         x_test,
         y_test,
     )
     baseline = Model(float_logits, init, optimizer, x_test, y_test)
-    label = "int8 x int8" if quantize_activations else "int8 weights"
+    label = "int8 x int8" if quantize_activations else f"{precision} weights"
     log(
         f"digits: {len(x_train)} train / {len(x_test)} test images, network "
         f"{' -> '.join(map(str, WIDTHS))}, Adam lr {lr}, batch {batch}; "
@@ -142,11 +151,14 @@ def train(url, steps=300, batch=128, lr=1e-2, eval_every=20, seed=0,
     return served, baseline, np.array(eval_steps), (x_test, y_test)
 
 
-def export_int8(tess, params, x_test, y_test, quantize_activations=False):
-    """The trained weights as int8 (return_w_q), served back as w_q: the
-    deployed model. Returns (its test accuracy, bytes of int8 weights)."""
+def export_int8(
+    tess, params, x_test, y_test, quantize_activations=False, precision="int8"
+):
+    """The trained weights as int8 (or int4: return_w_q), served back as w_q:
+    the deployed model. Returns (its test accuracy, bytes of the weights)."""
     layers = [
         {**jax.tree.map(np.asarray, p), "layout": "nk", "activation": activation}
+        | _precision(precision)
         for p, activation in zip(params, ACTIVATIONS, strict=True)
     ]
     common = {"x": x_test, "quantize_activations": quantize_activations}
@@ -203,6 +215,12 @@ def main():
         action="store_true",
         help="int8 x int8 products (activations quantized too)",
     )
+    parser.add_argument(
+        "--precision",
+        choices=("int8", "int4"),
+        default="int8",
+        help=f"the served weights: int8 per row, or int4 per {INT4_GROUP} inputs",
+    )
     args = parser.parse_args()
     start = time.perf_counter()
     served, baseline, eval_steps, (x_test, y_test) = train(
@@ -210,15 +228,17 @@ def main():
         steps=args.steps,
         eval_every=args.eval_every,
         quantize_activations=args.quantize_activations,
+        precision=args.precision,
     )
     seconds = time.perf_counter() - start
-    label = "int8 x int8" if args.quantize_activations else "int8 weights"
+    label = "int8 x int8" if args.quantize_activations else f"{args.precision} weights"
     deployed, size = export_int8(
         Tesseract.from_url(args.url),
         served.params,
         x_test,
         y_test,
         args.quantize_activations,
+        args.precision,
     )
     plot(served, baseline, eval_steps, label, args.plot)
     print(
@@ -228,7 +248,8 @@ def main():
     print(
         f"test accuracy after {args.steps} steps: {label} (served) "
         f"{served.accuracies[-1]:.3f}, float32 {baseline.accuracies[-1]:.3f}; "
-        f"exported int8 weights ({size} bytes) served as w_q: {deployed:.3f}"
+        f"exported {args.precision} weights ({size} bytes) served as w_q: "
+        f"{deployed:.3f}"
     )
     print(f"trained in {seconds:.1f} s; plot saved to {args.plot}")
 

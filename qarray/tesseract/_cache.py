@@ -40,21 +40,28 @@ class _QParts:
 
     qvalue: Any
     scale: Any
+    bits: int = 8  # the kind of QArray (int4: packed, a scale per group)
+    group_size: int | None = None
 
 
 jax.tree_util.register_pytree_node(
-    _QParts, lambda p: ((p.qvalue, p.scale), None), lambda _, c: _QParts(*c)
+    _QParts,
+    lambda p: ((p.qvalue, p.scale), (p.bits, p.group_size)),
+    lambda kind, parts: _QParts(*parts, *kind),
 )
 
 
 def _to_parts(leaf):
-    if isinstance(jax.typeof(leaf), QArrayTy):
-        return _QParts(*unpack(leaf))
+    ty = jax.typeof(leaf)
+    if isinstance(ty, QArrayTy):
+        return _QParts(*unpack(leaf), ty.bits, ty.group_size)
     return leaf
 
 
 def _from_parts(node):
-    return pack(node.qvalue, node.scale) if isinstance(node, _QParts) else node
+    if isinstance(node, _QParts):
+        return pack(node.qvalue, node.scale, node.bits, node.group_size)
+    return node
 
 
 @functools.partial(jax.jit, static_argnames=("fn", "static", "outputs"))

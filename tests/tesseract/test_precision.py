@@ -135,3 +135,20 @@ def test_bad_int4_payloads_are_refused(tess, rng):
         tess.apply({**inputs, "layers": [*inputs["layers"][:3], float_w_q]})
     with pytest.raises(Exception, match="'int4' is weight-only"):
         tess.apply({**inputs, "quantize_activations": True})
+
+
+def test_a_cached_int4_pullback_serves_the_vjp(rng):
+    """apply then vector_jacobian_product on the same inputs: the VJP comes
+    from the pullback apply kept (int4 QArray residuals included)."""
+    inputs = mixed(rng)
+    g = net.normal(rng, (3, 4))
+    paths = net.diff_paths(inputs)
+    with Tesseract.from_tesseract_api(str(ROOT / "tesseract_api.py")) as tess:
+        tess.apply(inputs)
+        got = tess.vector_jacobian_product(inputs, paths, ["y"], {"y": g})
+    want = net.vjp(inputs, g)
+    for path in paths:
+        scale = np.abs(want[path]).max()
+        np.testing.assert_allclose(
+            got[path], want[path], rtol=RTOL, atol=ATOL * scale, err_msg=path
+        )

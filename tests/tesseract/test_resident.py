@@ -561,3 +561,27 @@ def test_int4_model_files_are_checked(tmp_path, rng):
     x = rng.standard_normal((3, 8)).astype(np.float32)
     want = x @ ref.dequantize4(values, scale).T
     np.testing.assert_allclose(load_network(path)(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_resident_int4_model_keeps_a_seventh_of_float32s_bytes(tmp_path, rng):
+    """4 x (4096, 4096) int4 layers (G = 128) with biases, loaded by
+    QARRAY_MODEL's loader: at most 14% of the float32 model's device bytes."""
+    import jax
+
+    from qarray.tesseract import load_resident
+
+    n, layers = 4096, []
+    for _ in range(4):
+        packed = rng.integers(0, 256, (n, n // 2), dtype=np.uint8)
+        packed[packed & 0xF == 8] ^= 1  # nibble -8 is outside [-7, 7]
+        packed[packed >> 4 == 8] ^= 16
+        scale = rng.uniform(0.01, 0.1, (n, n // 128)).astype(np.float32)
+        layers.append({"w_q": {"qvalue": packed, "scale": scale}, "layout": "nk",
+                       "precision": "int4", "group_size": 128, "activation": "relu",
+                       "bias": rng.standard_normal(n).astype(np.float32)})  # fmt: skip
+    save_model(tmp_path / "m.safetensors", layers)
+    network = load_resident(str(tmp_path / "m.safetensors"))
+    device = sum(a.nbytes for a in jax.tree.leaves(network))
+    float32 = 4 * (n * n + n) * 4
+    assert device <= 0.14 * float32, device / float32
+    assert network.layers[0].qvalue.dtype == np.uint8
