@@ -9,6 +9,8 @@ equinox models.
     cnn = qnn.quantize(my_cnn)                  # eqx.nn.Conv layers too
 """
 
+from ._accuracy import evaluate as evaluate
+from ._accuracy import plan as plan
 from ._conv import Conv as Conv
 from ._linear import Linear as Linear
 from ._network import ACTIVATIONS as ACTIVATIONS

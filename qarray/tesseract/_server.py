@@ -126,7 +126,8 @@ def create_app():
 
 def main(argv=None) -> int | None:
     """``qarray-serve serve [--host H] [--port P] [--num-workers N]``;
-    ``qarray-serve convert ...``; any other command runs as
+    ``qarray-serve convert ...``; ``qarray-serve evaluate MODEL DATA`` and
+    ``plan MODEL DATA --budget E --out DST``; any other command runs as
     ``tesseract-runtime`` would run it."""
     import argparse
 
@@ -135,6 +136,10 @@ def main(argv=None) -> int | None:
         from ..checkpoint import main as convert_main
 
         return convert_main(argv[1:])
+    if argv and argv[0] in ("evaluate", "plan"):
+        from .._accuracy_cli import main as accuracy_main
+
+        return accuracy_main(argv[1:], argv[0])
     if not argv or argv[0] != "serve":
         from tesseract_core.runtime.cli import main as runtime_main
 

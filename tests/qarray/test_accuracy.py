@@ -1,0 +1,149 @@
+"""qarray.nn.evaluate and plan against errors computed in NumPy."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+import qarray.nn as qnn
+from tests import reference as ref
+
+
+def mlp(rng, widths=(16, 32, 32, 8)):
+    """(Network of float32 nk layers, relu between, and its weights)."""
+    ws, bs = [], []
+    for k, n in itertools.pairwise(widths):
+        w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+        ws.append(w)
+        bs.append((0.1 * rng.standard_normal(n)).astype(np.float32))
+    layers = [
+        qnn.Linear(w, b, precision="float32") for w, b in zip(ws, bs, strict=True)
+    ]
+    acts = ["relu"] * (len(ws) - 1) + ["none"]
+    return qnn.Network(layers, acts), ws, bs
+
+
+def numpy_errors(ws, bs, x, dense, r):
+    """Output and input-gradient errors of the network with weights
+    ``dense`` (float64) against the float32 weights ``ws``."""
+
+    def run(weights):
+        h, pre = x.astype(np.float64), []
+        for i, (w, b) in enumerate(zip(weights, bs, strict=True)):
+            z = h @ w.T + b
+            pre.append(z)
+            h = np.maximum(z, 0) if i < len(weights) - 1 else z
+        g = r.astype(np.float64)
+        for i in reversed(range(len(weights))):
+            if i < len(weights) - 1:
+                g = g * (pre[i] > 0)
+            g = g @ weights[i]
+        return h, g
+
+    y_ref, g_ref = run([w.astype(np.float64) for w in ws])
+    y, g = run(dense)
+    return {
+        "output_rel_l2": np.linalg.norm(y - y_ref) / np.linalg.norm(y_ref),
+        "output_sqnr_db": 10 * np.log10(np.sum(y_ref**2) / np.sum((y - y_ref) ** 2)),
+        "gradient_rel_l2": np.linalg.norm(g - g_ref) / np.linalg.norm(g_ref),
+        "gradient_cosine": np.sum(g * g_ref)
+        / np.linalg.norm(g)
+        / np.linalg.norm(g_ref),
+    }
+
+
+def probe(x, network):
+    y = np.asarray(network(x))
+    return np.random.default_rng(0).standard_normal(y.shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_evaluate_matches_numpy(rng, precision):
+    network, ws, bs = mlp(rng)
+    x = rng.standard_normal((40, 16)).astype(np.float32)
+    report = qnn.evaluate(network, x, precision=precision, group_size=8)
+    r = probe(x, network)
+
+    def quantized(w):
+        return ref.roundtrip4(w, 8) if precision == "int4" else ref.roundtrip(w)
+
+    floats = [w.astype(np.float64) for w in ws]
+    want = numpy_errors(ws, bs, x, [quantized(w).astype(np.float64) for w in ws], r)
+    for key, value in want.items():
+        assert report["model"][key] == pytest.approx(value, rel=2e-3, abs=1e-6), key
+    for i, layer in enumerate(report["layers"]):
+        assert layer["precision"] == precision
+        w = ws[i].astype(np.float64)
+        sqnr = 10 * np.log10(np.sum(w**2) / np.sum((w - quantized(ws[i])) ** 2))
+        assert layer["weight_sqnr_db"] == pytest.approx(sqnr, rel=1e-3)
+        alone = [*floats[:i], quantized(ws[i]).astype(np.float64), *floats[i + 1 :]]
+        want = numpy_errors(ws, bs, x, alone, r)
+        assert layer["alone_output_rel_l2"] == pytest.approx(
+            want["output_rel_l2"], rel=2e-3
+        )
+        assert layer["alone_gradient_cosine"] == pytest.approx(
+            want["gradient_cosine"], rel=1e-4
+        )
+        n, k = ws[i].shape
+        assert layer["bytes"] == (
+            n * k // 2 + 4 * n * k // 8 if precision == "int4" else n * k + 4 * n
+        )
+
+
+def greedy(ws, bs, x, r, budget, group):
+    """The documented plan, in NumPy: start cheapest, move the layer whose
+    quantization alone costs most one step up until the model meets budget."""
+    ladder = ("int4", "int8", "float32")
+    floats = [w.astype(np.float64) for w in ws]
+
+    def dense(w, p):
+        return {"int4": ref.roundtrip4(w, group), "int8": ref.roundtrip(w)}.get(p, w)
+
+    def error(choice):
+        weights = [
+            dense(w, p).astype(np.float64) for w, p in zip(ws, choice, strict=True)
+        ]
+        return numpy_errors(ws, bs, x, weights, r)["output_rel_l2"]
+
+    def alone(i, p):
+        weights = [*floats[:i], dense(ws[i], p).astype(np.float64), *floats[i + 1 :]]
+        return numpy_errors(ws, bs, x, weights, r)["output_rel_l2"]
+
+    choice = ["int4"] * len(ws)
+    while error(choice) > budget:
+        movable = [i for i, p in enumerate(choice) if p != "float32"]
+        worst = max(movable, key=lambda i: alone(i, choice[i]))
+        choice[worst] = ladder[ladder.index(choice[worst]) + 1]
+    return choice, error(choice)
+
+
+@pytest.mark.parametrize("budget", [0.05, 0.02, 0.005])
+def test_plan_follows_sensitivity_and_meets_the_budget(rng, budget):
+    network, ws, bs = mlp(rng)
+    x = rng.standard_normal((64, 16)).astype(np.float32)
+    r = probe(x, network)
+    want, error = greedy(ws, bs, x, r, budget, 8)
+    result = qnn.plan(network, x, budget, group_size=8)
+    assert result["precisions"] == want
+    assert result["model"]["output_rel_l2"] <= budget
+    assert result["model"]["output_rel_l2"] == pytest.approx(error, rel=2e-3)
+    sizes = {
+        "int4": lambda n, k: n * k // 2 + 4 * n * k // 8,
+        "int8": lambda n, k: n * k + 4 * n,
+        "float32": lambda n, k: 4 * n * k,
+    }
+    assert result["bytes"] == sum(
+        sizes[p](*w.shape) for p, w in zip(want, ws, strict=True)
+    )
+
+
+def test_plan_limits(rng):
+    network, _, _ = mlp(rng)
+    x = rng.standard_normal((16, 16)).astype(np.float32)
+    # a budget of zero keeps everything float32; a loose one takes all int4
+    assert qnn.plan(network, x, 0.0, group_size=8)["precisions"] == ["float32"] * 3
+    assert qnn.plan(network, x, 10.0, group_size=8)["precisions"] == ["int4"] * 3
+    with pytest.raises(ValueError, match="metric must be one of"):
+        qnn.plan(network, x, 0.1, metric="loss")
+    # K = 16 is not a multiple of 32: the first layer can only be int8
+    assert qnn.plan(network, x, 10.0, group_size=32)["precisions"][0] == "int8"
