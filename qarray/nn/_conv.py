@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._conv import conv_q
-from .._ops import ACTIVATION_PRECISIONS, pack, quantize, unpack
-from ._linear import _dtype_str, _require, relative_error
+from .._ops import pack, quantize, unpack
+from ._linear import _dtype_str, _require, check_modes, relative_error
 
 
 class Conv(eqx.Module):
@@ -57,17 +57,9 @@ class Conv(eqx.Module):
         activations: str = "float32",
         stored_error: float | None = None,
     ):
-        if activations not in ACTIVATION_PRECISIONS:
-            raise ValueError(
-                f"Conv requires activations in {ACTIVATION_PRECISIONS}, got "
-                f"{activations!r}."
-            )
-        if (weight is None) == (qvalue is None and scale is None):
-            got = "both" if weight is not None else "neither"
-            raise TypeError(
-                "Conv takes either weight (trainable) or qvalue, scale and "
-                f"kernel_size (stored), got {got}."
-            )
+        check_modes(
+            "Conv", activations, weight, qvalue, scale, "qvalue, scale and kernel_size"
+        )
         if weight is None:
             if qvalue is None or scale is None or kernel_size is None:
                 raise TypeError("Conv takes qvalue, scale and kernel_size together.")

@@ -40,6 +40,21 @@ def _require(name: str, a, dtype, min_rank: int, owner: str = "Linear") -> None:
         )
 
 
+def check_modes(owner: str, activations, weight, qvalue, scale, stored: str) -> None:
+    """A layer's ``activations`` value, and that it has exactly one of float
+    ``weight`` (trainable) and the stored parts (``stored`` names them)."""
+    if activations not in ACTIVATION_PRECISIONS:
+        raise ValueError(
+            f"{owner} requires activations in {ACTIVATION_PRECISIONS}, got "
+            f"{activations!r}."
+        )
+    if (weight is None) == (qvalue is None and scale is None):
+        got = "both" if weight is not None else "neither"
+        raise TypeError(
+            f"{owner} takes either weight (trainable) or {stored} (stored), got {got}."
+        )
+
+
 def relative_error(w, qw):
     """``||w - dequantize(qw)|| / ||w||`` (0 for zero weights), without a
     derivative: a diagnostic."""
@@ -120,17 +135,7 @@ class Linear(eqx.Module):
                 raise ValueError("Linear with precision 'int4' is weight-only.")
         else:
             group_size = None
-        if activations not in ACTIVATION_PRECISIONS:
-            raise ValueError(
-                f"Linear requires activations in {ACTIVATION_PRECISIONS}, got "
-                f"{activations!r}."
-            )
-        if (weight is None) == (qvalue is None and scale is None):
-            got = "both" if weight is not None else "neither"
-            raise TypeError(
-                "Linear takes either weight (trainable) or qvalue and scale "
-                f"(stored), got {got}."
-            )
+        check_modes("Linear", activations, weight, qvalue, scale, "qvalue and scale")
         if weight is None:
             if qvalue is None or scale is None:
                 raise TypeError("Linear takes qvalue and scale together.")
