@@ -133,10 +133,11 @@ class ModelTesseract:
             self._shapes[key] = shapes
         return self._shapes[key]
 
-    def _float_outputs(self, inputs: dict) -> tuple[str, ...]:
-        shapes = self.output_shapes(inputs)
+    @staticmethod
+    def _float_outputs(shapes: dict) -> tuple[str, ...]:
+        """The outputs a pullback differentiates (``output_shapes``'s floats)."""
         return tuple(
-            k for k, s in shapes.items() if jnp.issubdtype(s.dtype, jnp.floating)
+            k for k, v in shapes.items() if jnp.issubdtype(v.dtype, jnp.floating)
         )
 
     def _given(self, inputs: BaseModel, paths, field: str) -> dict[str, tuple]:
@@ -154,7 +155,7 @@ class ModelTesseract:
     def apply(self, inputs: BaseModel) -> dict:
         """The model's outputs."""
         cache, request = self.runtime.cache, inputs.model_dump()
-        outputs = self._float_outputs(request)
+        outputs = self._float_outputs(self.output_shapes(request))
         # a model is taken as nonlinear: its pullback pays for itself
         if cache.arriving(
             cache.pays(self.limits.settings.vjp_cache_min_flops, 1, False)
@@ -209,7 +210,7 @@ class ModelTesseract:
         )
         full = {
             name: cotangents.get(name, np.zeros(out[name].shape, np.float32))
-            for name in self._float_outputs(request)
+            for name in self._float_outputs(out)
         }
         cached = self.runtime.cache.vjp(self._run, request, full, vjp_inputs)
         if cached is not None:

@@ -98,6 +98,18 @@ def cotangent_w(product, ct_kn):
     return ct_kn if product == "matmul_q" else ct_kn.T
 
 
+def _sin_product_hessian(x, w_kn, y):
+    """d2/dx2 sum(sin(x @ W)) for W (k, n) and y = x @ W: -sum_n sin(y_in)
+    W_an W_bn, block-diagonal in rows."""
+    wq = np.asarray(w_kn, np.float64)
+    s = np.sin(y).reshape(-1, wq.shape[1])
+    m, k = s.shape[0], wq.shape[0]
+    hess = np.zeros((m, k, m, k))
+    for i in range(m):
+        hess[i, :, i, :] = -(wq * s[i]) @ wq.T
+    return hess.reshape(x.shape * 2)
+
+
 def _mm_case(name, x_shape, activations, product="matmul_q"):
     fn, ref_fn, w_shape = PRODUCTS[product]
 
@@ -113,15 +125,8 @@ def _mm_case(name, x_shape, activations, product="matmul_q"):
         return gx, cotangent_w(product, gw)
 
     def ref_hessian(args):
-        # d2/dx2 sum(sin(x @ W)): -sum_n sin(y_in) W_an W_bn, block-diagonal in rows
         x, w = args
-        wq = dense_kn(product, w).astype(np.float64)
-        s = np.sin(y(x, w)).reshape(-1, wq.shape[1])
-        m, k = s.shape[0], wq.shape[0]
-        hess = np.zeros((m, k, m, k))
-        for i in range(m):
-            hess[i, :, i, :] = -(wq * s[i]) @ wq.T
-        return hess.reshape(x.shape * 2)
+        return _sin_product_hessian(x, dense_kn(product, w), y(x, w))
 
     return Case(
         name,
@@ -235,13 +240,7 @@ def _int4_case(name, x_shape):
 
     def ref_hessian(args):
         x, w = args
-        wq = dense(w)
-        s = np.sin(y(x, w)).reshape(-1, wq.shape[1])
-        m, k = s.shape[0], wq.shape[0]
-        hess = np.zeros((m, k, m, k))
-        for i in range(m):
-            hess[i, :, i, :] = -(wq * s[i]) @ wq.T
-        return hess.reshape(x.shape * 2)
+        return _sin_product_hessian(x, dense(w), y(x, w))
 
     return Case(
         name,
