@@ -1,35 +1,45 @@
 """``qarray-serve evaluate MODEL DATA`` and ``qarray-serve plan MODEL DATA
---budget E --out DST``: the accuracy of a float32 model file quantized, per
-layer, and a mixed-precision model file within an error budget
+--budget E --out DST``: the accuracy of a float32 model quantized, per layer,
+and a mixed-precision model file within an error budget
 (``qarray.nn.evaluate`` / ``qarray.nn.plan``). DATA is an ``.npz`` whose
 array ``x`` holds inputs.
+
+MODEL is one of: a float32 model file of the Tesseract's network (dense
+``w``); a PyTorch state dict with ``--layers`` (as ``qarray-serve convert``
+takes them, converted in memory); a float32 file of any equinox model keyed
+by its pytree paths with ``--like FILE.py:NAME`` (or ``module:NAME``), where
+``NAME(jax.random.key(0))`` builds the model's skeleton.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
+from ._tree_checkpoint import load_tree, save_tree
 from .checkpoint import (
     ModelFileError,
+    convert_state_dict,
     load_model,
-    quantize_groups,
-    quantize_rows,
-    save_model,
+    parse_layers,
+    save_network,
 )
-from .nn import PRECISIONS, Linear, Network
+from .nn import PRECISIONS, Linear, Network, apply_plan
 from .nn import evaluate as evaluate_network
 from .nn import plan as plan_network
 
 
-def float_network(path) -> tuple[Network, list]:
-    """The model file's network in float32 (dense ``w`` layers only), and
-    its layers as stored."""
+def float_network(path) -> Network:
+    """The model file's network in float32 (dense ``w`` layers only)."""
     stored = load_model(path)
     layers = []
     for i, layer in enumerate(stored):
@@ -42,7 +52,67 @@ def float_network(path) -> tuple[Network, list]:
         layers.append(
             Linear(layer.w, layer.bias, layout=layer.layout, precision="float32")
         )
-    return Network(layers, [layer.activation for layer in stored]), stored
+    return Network(layers, [layer.activation for layer in stored])
+
+
+def skeleton_of(spec: str):
+    """``NAME(jax.random.key(0))`` for ``FILE.py:NAME`` or ``module:NAME``."""
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise ModelFileError(f"--like {spec!r}: give FILE.py:NAME or module:NAME")
+    try:
+        if where.endswith(".py"):
+            file = Path(where).resolve()
+            # the file's own imports (its siblings) resolve as when run there
+            sys.path.insert(0, str(file.parent))
+            module_spec = importlib.util.spec_from_file_location(file.stem, file)
+            if module_spec is None or not file.is_file():
+                raise ModelFileError(f"--like {spec!r}: no file {where}")
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[file.stem] = module  # dataclasses look classes up there
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+        return getattr(module, name)(jax.random.key(0))
+    except ModelFileError:
+        raise
+    except Exception as error:  # the user's code: say which and why
+        raise ModelFileError(
+            f"--like {spec!r}: could not build the model ({type(error).__name__}: "
+            f"{error})"
+        ) from None
+
+
+def load_float_model(args):
+    """(the float32 model, ``write(dst, plan_report)``) for the arguments."""
+    if args.like:
+        if args.layers:
+            raise ModelFileError("give --layers (a network) or --like (a tree)")
+        # a stored (quantized) file's tensors do not match the float model's
+        # leaves: load_tree names them
+        model = load_tree(args.model, skeleton_of(args.like))
+        return model, lambda dst, report: save_tree(dst, apply_plan(model, report))
+    if args.layers:
+        layers = [item[:2] for item in parse_layers(args.layers)]  # float32
+        with tempfile.TemporaryDirectory() as scratch:
+            converted = Path(scratch) / "float32.safetensors"
+            convert_state_dict(args.model, converted, layers, "float32")
+            network = float_network(converted)
+    else:
+        network = float_network(args.model)
+    return network, lambda dst, report: save_network(dst, apply_plan(network, report))
+
+
+def check_data(model, x, path) -> None:
+    """``x`` fits the model (its leading axis the examples)."""
+    try:
+        forward = model if isinstance(model, Network) else jax.vmap(model)
+        jax.eval_shape(forward, jax.ShapeDtypeStruct(x.shape, np.float32))
+    except (TypeError, ValueError) as error:
+        first = str(error).splitlines()[0][:300]
+        raise ModelFileError(
+            f"{path}: x {x.shape} does not fit the model ({first})"
+        ) from None
 
 
 def read_data(path) -> np.ndarray:
@@ -57,12 +127,12 @@ def read_data(path) -> np.ndarray:
 
 def _table(report: dict) -> str:
     rows = [
-        "layer  shape         precision  weight SQNR  alone: output rel L2  "
+        "layer  shape           precision  weight SQNR  alone: output rel L2  "
         "gradient rel L2  gradient cos"
     ]
     for layer in report["layers"]:
         rows.append(
-            f"{layer['layer']:5d}  {tuple(layer['shape'])!s:<12}  "
+            f"{layer['layer']:5d}  {tuple(layer['shape'])!s:<14}  "
             f"{layer['precision']:<9}  {layer['weight_sqnr_db']:8.1f} dB  "
             f"{layer['alone_output_rel_l2']:20.3e}  "
             f"{layer['alone_gradient_rel_l2']:15.3e}  "
@@ -77,38 +147,27 @@ def _table(report: dict) -> str:
     return "\n".join(rows)
 
 
-def write_plan(dst, stored, precisions, group_size) -> None:
-    """The mixed-precision model file: int8 / int4 layers stored quantized."""
-    layers = []
-    for layer, precision in zip(stored, precisions, strict=True):
-        out = {
-            "layout": layer.layout,
-            "activation": layer.activation,
-            "bias": layer.bias,
-        }
-        out["precision"] = precision
-        if precision == "float32":
-            out["w"] = layer.w
-        elif precision == "int4":
-            qvalue, scale = quantize_groups(layer.w, group_size)
-            out["w_q"], out["group_size"] = (
-                {"qvalue": qvalue, "scale": scale},
-                group_size,
-            )
-        else:
-            qvalue, scale = quantize_rows(layer.w)
-            out["w_q"] = {"qvalue": qvalue, "scale": scale}
-        layers.append(out)
-    save_model(dst, layers)
-
-
 def main(argv: list[str], command: str) -> int:
     parser = argparse.ArgumentParser(
         prog=f"qarray-serve {command}",
         description=(__doc__ or "").split("\n\n")[0].replace("\n", " "),
     )
-    parser.add_argument("model", help="float32 model file (.safetensors)")
+    parser.add_argument(
+        "model",
+        help="float32 model file (.safetensors): the network's, a PyTorch state "
+        "dict with --layers, or any equinox model's with --like",
+    )
     parser.add_argument("data", help=".npz with an array 'x' of inputs")
+    parser.add_argument(
+        "--layers",
+        help="MODEL is a PyTorch state dict: its layers NAME:ACTIVATION in "
+        "order, as qarray-serve convert takes them (e.g. fc1:relu,fc2)",
+    )
+    parser.add_argument(
+        "--like",
+        help="MODEL is keyed by an equinox model's pytree paths: FILE.py:NAME or "
+        "module:NAME, NAME(jax.random.key(0)) building the model",
+    )
     parser.add_argument("--group-size", type=int, default=128, help="int4 groups")
     parser.add_argument("--json", help="also write the report as JSON here")
     if command == "evaluate":
@@ -130,30 +189,26 @@ def main(argv: list[str], command: str) -> int:
         parser.error("--group-size must be a positive even int")
     start = time.perf_counter()
     try:
-        network, stored = float_network(args.model)
+        model, write = load_float_model(args)
         x = read_data(args.data)
-        if x.ndim < 1 or x.shape[-1] != network.layers[0].in_features:
-            raise ModelFileError(
-                f"{args.data}: x {x.shape} does not fit the model's input width "
-                f"{network.layers[0].in_features}"
-            )
+        check_data(model, x, args.data)
         if command == "evaluate":
             report = evaluate_network(
-                network, x, precision=args.precision, group_size=args.group_size
+                model, x, precision=args.precision, group_size=args.group_size
             )
             print(_table(report))
         else:
             report = plan_network(
-                network, x, args.budget, metric=args.metric, group_size=args.group_size
+                model, x, args.budget, metric=args.metric, group_size=args.group_size
             )
-            write_plan(args.out, stored, report["precisions"], args.group_size)
-            model = report["model"]
+            write(args.out, report)
+            errors = report["model"]
             print(
                 f"plan: {', '.join(report['precisions'])}; {report['bytes']} bytes of "
                 f"weights ({report['bytes'] / report['float32_bytes']:.1%} of "
                 "float32); "
-                f"output rel L2 {model['output_rel_l2']:.3e}, gradient rel L2 "
-                f"{model['gradient_rel_l2']:.3e} (budget {args.budget:g} on "
+                f"output rel L2 {errors['output_rel_l2']:.3e}, gradient rel L2 "
+                f"{errors['gradient_rel_l2']:.3e} (budget {args.budget:g} on "
                 f"{args.metric}); wrote {args.out}"
             )
     except (ModelFileError, ValueError) as error:

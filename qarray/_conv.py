@@ -1,11 +1,13 @@
-"""conv_q: a convolution with int8 weights, as a hijax primitive.
+"""conv_q: a convolution with int8 (or packed int4) weights, as a hijax primitive.
 
 The weights ``(out, in / groups, *kernel_size)`` (PyTorch's and
 ``eqx.nn.Conv``'s layout) are the 2-D QArray ``quantize(w.reshape(out, -1))``:
 one scale per output channel, as ``linear_q``'s weights, so the type and every
 QArray rule stay as they are and the scales factor out of the convolution,
 ``y = conv(x, qvalue) * scale[o]``. Inputs are channels-first, ``(C, *spatial)``
-or ``(B, C, *spatial)``, with 1 to 3 spatial axes.
+or ``(B, C, *spatial)``, with 1 to 3 spatial axes. int4 weights
+(``quantize(w.reshape(out, -1), bits=4, group_size=G)``, a scale per group of
+G consecutive entries of a row) are weight-only.
 
 Derivatives are those of ``lax.conv_general_dilated(x, W)`` with
 ``W = dequantize(qw).reshape(out, in / groups, *kernel_size)``
@@ -106,7 +108,7 @@ def _dimension_numbers(nsp: int):
 
 
 class ConvQ(HiPrim):
-    """f32 ``x (B?, C, *spatial)`` convolved with q8 ``qw (out, C/groups *
+    """f32 ``x (B?, C, *spatial)`` convolved with q8 (or q4) ``qw (out, C/groups *
     prod(kernel_size))`` -> f32 ``(B?, out, *out_spatial)``.
 
     ``activations="int8"`` quantizes each example of ``x`` (all its channels
@@ -147,6 +149,11 @@ class ConvQ(HiPrim):
         _require_float32("conv_q", "x", x_aval, min_rank=1)
         _require_qarray("conv_q", "qw", qw_aval)
         operands = f"x: {type_str(x_aval)}, qw: {type_str(qw_aval)}"
+        if qw_aval.bits == 4 and activations != "float32":
+            raise TypeError(
+                "conv_q with int4 weights is weight-only (activations='float32'), "
+                f"got activations={activations!r} for {operands}."
+            )
         if x_aval.ndim not in (nsp + 1, nsp + 2):
             raise TypeError(
                 f"conv_q with {nsp} spatial axes (kernel_size={ks}) requires x of "
@@ -248,6 +255,9 @@ class ConvQ(HiPrim):
         return w2d.reshape(self._w_shape)
 
     def expand(self, x, qw):
+        if self.in_avals[1].bits == 4:  # weight-only: each group times its scale
+            w = _kernels.dequantize_groups(qw.qvalue, qw.scale)
+            return self._conv(x, self._dense_w(w))
         return self.forward(x, qw.qvalue, qw.scale)
 
     def forward(self, x, qvalue, scale, strategy=None):
@@ -373,12 +383,13 @@ def conv_q(
     feature_group_count: int = 1,
     activations: str = "float32",
 ):
-    """A convolution of f32 ``x`` with int8 weights: ``(C, *spatial)`` or
+    """A convolution of f32 ``x`` with quantized weights: ``(C, *spatial)`` or
     ``(B, C, *spatial)`` -> ``(out, *out_spatial)`` or ``(B, out, ...)``.
 
     ``qw = quantize(w.reshape(out, -1))`` for weights ``w (out, C / groups,
     *kernel_size)`` (PyTorch's and ``eqx.nn.Conv``'s layout), one scale per
-    output channel. Computes ``lax.conv_general_dilated(x,
+    output channel, or ``quantize(w.reshape(out, -1), bits=4, group_size=G)``
+    (int4, weight-only). Computes ``lax.conv_general_dilated(x,
     dequantize(qw).reshape(w.shape), window_strides, padding, rhs_dilation=...,
     feature_group_count=...)`` with channels-first dimension numbers; 1 to 3
     spatial axes. ``padding``: "VALID", "SAME", "SAME_LOWER", an int or

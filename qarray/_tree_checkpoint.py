@@ -19,7 +19,6 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from .nn import Conv, Linear
 from .nn import quantize as quantize_model
 
 FORMAT = "qarray-tree"
@@ -103,29 +102,60 @@ def load_tree(path: str | Path, like):
     return _fill(path, _read(path), like)
 
 
+def _stored_precision(path, tensors, name: str) -> dict | None:
+    """How the file stores layer ``name``: None (float: ``name.weight``),
+    else ``quantize``'s precision and group size, read from the parts'
+    dtypes and shapes (int8 ``qvalue (out, K)`` with ``scale (out,)``; int4
+    uint8 ``qvalue (out, K / 2)`` with ``scale (out, K / G)``)."""
+    qvalue, scale = tensors.get(f"{name}.qvalue"), tensors.get(f"{name}.scale")
+    if qvalue is None:
+        return None
+    if qvalue.dtype != np.uint8:
+        return {"precision": "int8"}
+    if scale is None or scale.ndim != 2 or (2 * qvalue.shape[-1]) % scale.shape[-1]:
+        got = "none" if scale is None else f"{scale.dtype.name}{scale.shape}"
+        raise ModelFileError(
+            f"{path}: {name}.qvalue is int4 (uint8{qvalue.shape}) and needs "
+            f"{name}.scale (out, K / group_size) with K = {2 * qvalue.shape[-1]}, "
+            f"got {got}"
+        )
+    return {"precision": "int4", "group_size": 2 * qvalue.shape[-1] // scale.shape[-1]}
+
+
+def _is_layer(node) -> bool:
+    return isinstance(node, eqx.nn.Linear | eqx.nn.Conv)
+
+
 def load_quantized(path: str | Path, like, **quantize_options):
     """The quantized model of a file: ``like`` is the float model's skeleton.
 
     A float file (keys: ``like``'s leaves) is quantized at load with
-    ``qarray.nn.quantize(model, **quantize_options)``; a quantized file (keys:
-    the quantized skeleton's) is taken as stored. Arrays stay NumPy.
+    ``qarray.nn.quantize(model, **quantize_options)``. A quantized file is
+    taken as stored, layer by layer: a layer with ``{path}.qvalue`` is the
+    ``qarray.nn`` layer of that precision (int8, or int4 packed: uint8
+    ``qvalue``, its group size from ``scale``'s shape), one with
+    ``{path}.weight`` stays float (a mixed-precision plan); of the options
+    only ``activations`` applies. Arrays stay NumPy.
     """
     tensors = _read(path)
     # a stored layer's tensors end in .qvalue: without any, a float file (and
     # a mismatch is reported against the float model's leaves)
     if not any(name.endswith(".qvalue") for name in tensors):
         return quantize_model(_fill(path, tensors, like), **quantize_options)
-    skeleton = quantize_model(like, **quantize_options)
-    # the skeleton's recorded weight errors are its random weights': unknown
-    skeleton = jax.tree.map(
-        lambda n: (
-            dataclasses.replace(n, stored_error=None)
-            if isinstance(n, Linear | Conv)
-            else n
-        ),
-        skeleton,
-        is_leaf=lambda n: isinstance(n, Linear | Conv),
-    )
+    activations = quantize_options.get("activations", "float32")
+
+    def as_stored(key_path, node):
+        if not _is_layer(node):
+            return node
+        name = ".".join(_key_name(k) for k in key_path)
+        stored = _stored_precision(path, tensors, name)
+        if stored is None:
+            return node
+        layer = quantize_model(node, activations=activations, **stored)
+        # the skeleton's recorded weight error is its random weights': unknown
+        return dataclasses.replace(layer, stored_error=None)
+
+    skeleton = jax.tree_util.tree_map_with_path(as_stored, like, is_leaf=_is_layer)
     return _fill(path, tensors, skeleton)
 
 
@@ -151,8 +181,11 @@ def convert_tree(
     rename: Sequence[tuple[str, str]] = (),
     eps: float = 1e-5,
     quantizer: Callable | None = None,
+    precision: str = "int8",
 ) -> dict[str, float]:
-    """A PyTorch state dict (safetensors) -> a quantized tree model file.
+    """A PyTorch state dict (safetensors) -> a quantized tree model file
+    (``precision="float32"``: the float file, BatchNorm folded and names
+    mapped, for ``qarray-serve evaluate`` / ``plan``).
 
     ``fold``: ``(layer, batchnorm)`` name pairs, the BatchNorm folded into the
     layer before it (its tensors then dropped); every ``{name}.weight`` of
@@ -165,6 +198,11 @@ def convert_tree(
     """
     from .checkpoint import quantize_rows, relative_error
 
+    if precision not in ("int8", "float32"):
+        raise ModelFileError(
+            f"convert --tree writes int8 or float32 weights, got {precision!r} "
+            "(int4 layers: qarray-serve plan)"
+        )
     quantizer = quantizer or quantize_rows
     tensors = _read(src)
     for layer, bn in fold:
@@ -186,7 +224,7 @@ def convert_tree(
         if key.endswith("num_batches_tracked"):
             continue
         name, _, leaf = key.rpartition(".")
-        if leaf == "weight" and value.ndim >= 2:
+        if leaf == "weight" and value.ndim >= 2 and precision != "float32":
             w = value.astype(np.float32).reshape(value.shape[0], -1)
             qvalue, scale = quantizer(w)
             errors[name] = relative_error(w, qvalue, scale)

@@ -513,6 +513,17 @@ def _pairs(text: str | None, sep: str) -> list[tuple[str, str]]:
     return pairs
 
 
+def parse_layers(text: str) -> list[tuple[str, ...]]:
+    """``fc1:relu,fc2:none:float32`` -> ``[("fc1", "relu"), ("fc2", "none",
+    "float32")]`` (activation "none" where not given)."""
+    layers = []
+    for item in text.split(","):
+        name, *rest = item.strip().split(":")
+        activation = rest[0] if rest and rest[0] else "none"
+        layers.append((name, activation, *rest[1:2]))
+    return layers
+
+
 def main(argv: list[str] | None = None) -> int:
     """``qarray-serve convert SRC DST --layers fc1:relu,fc2:none`` (a network)
     or ``... --tree [--fold conv1+bn1] [--rename old=new]`` (any model)."""
@@ -537,7 +548,8 @@ def main(argv: list[str] | None = None) -> int:
         "--precision",
         default="int8",
         choices=PRECISIONS,
-        help="with --layers: every layer's precision unless its entry names one",
+        help="with --layers: every layer's precision unless its entry names one; "
+        "with --tree: int8 or float32 (a float file for evaluate and plan)",
     )
     parser.add_argument(
         "--group-size", type=int, default=128, help="int4: values per scale along K"
@@ -564,6 +576,7 @@ def main(argv: list[str] | None = None) -> int:
                 fold=_pairs(args.fold, "+"),
                 rename=_pairs(args.rename, "="),
                 eps=args.bn_eps,
+                precision=args.precision,
             )
         except ModelFileError as error:
             parser.exit(2, f"qarray-serve convert: {error}\n")
@@ -575,11 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--fold and --rename need --tree")
     if args.group_size < 2 or args.group_size % 2:
         parser.error("--group-size must be a positive even int")
-    layers = []
-    for item in args.layers.split(","):
-        name, *rest = item.strip().split(":")
-        activation = rest[0] if rest and rest[0] else "none"
-        layers.append((name, activation, *rest[1:2]))
+    layers = parse_layers(args.layers)
     try:
         errors = convert_state_dict(
             args.src, args.dst, layers, args.precision, args.group_size

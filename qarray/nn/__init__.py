@@ -7,8 +7,11 @@ equinox models.
     qat = qnn.quantize(mlp, trainable=True)     # float32, quantized every call
     exported = qnn.freeze(qat)                  # after training: int8
     cnn = qnn.quantize(my_cnn)                  # eqx.nn.Conv layers too
+    report = qnn.plan(mlp, x, budget=0.01)      # a precision per layer
+    mixed = qnn.apply_plan(mlp, report)         # int4 / int8 / float32 layers
 """
 
+from ._accuracy import apply_plan as apply_plan
 from ._accuracy import evaluate as evaluate
 from ._accuracy import plan as plan
 from ._conv import Conv as Conv

@@ -25,6 +25,7 @@ from .._ops import DEFAULT_GROUP_SIZE, dequantize
 from ._conv import Conv
 from ._linear import Linear
 from ._network import Network
+from ._quantize import fits_int4, freeze
 
 METRICS = ("output", "gradient")
 # cheapest first: what plan tries before the next
@@ -43,15 +44,10 @@ def layers_of(model) -> list:
 
 
 def precisions_for(layer, group_size: int) -> tuple[str, ...]:
-    """What a layer can be stored as: int4 needs (N, K) weights whose K the
-    group size divides, and is for dense layers only."""
-    if isinstance(layer, eqx.nn.Conv):
-        return ("int8", "float32")
-    weight = layer.weight
+    """What a layer can be stored as: int4 needs weights ``(out, ...)``
+    whose input width the group size divides."""
     nk = not isinstance(layer, Linear) or layer.layout == "nk"
-    if nk and weight.shape[-1] % group_size == 0:
-        return LADDER
-    return ("int8", "float32")
+    return LADDER if nk and fits_int4(layer, group_size) else LADDER[1:]
 
 
 def _as(layer, precision: str, group_size: int):
@@ -62,7 +58,9 @@ def _as(layer, precision: str, group_size: int):
     if precision == "float32":
         return layer
     if isinstance(layer, eqx.nn.Conv):
-        return Conv.from_eqx(layer, trainable=True)
+        return Conv.from_eqx(
+            layer, trainable=True, precision=precision, group_size=group
+        )
     return Linear.from_float(
         layer.weight, layer.bias, trainable=True, precision=precision, group_size=group
     )
@@ -109,15 +107,36 @@ def _errors(y, g, y_ref, g_ref) -> dict[str, float]:
     }
 
 
+def _dequantized_weight(layer, precision: str, group_size: int) -> jax.Array:
+    """The layer's float weights after quantization to ``precision`` and
+    back, in their own shape: what the quantized (weight-only) layer's
+    product multiplies by."""
+    if precision == "float32":
+        return jnp.asarray(layer.weight)
+    quantized = _as(layer, precision, group_size).quantized()
+    return dequantize(quantized).reshape(layer.weight.shape)
+
+
 def _weight_sqnr(layer, precision: str, group_size: int) -> float:
     """10 log10(||w||^2 / ||w - W||^2) of the layer's weights at ``precision``."""
     if precision == "float32":
         return math.inf
-    w = np.asarray(layer.weight, np.float64).reshape(layer.weight.shape[0], -1)
-    quantized = _as(layer, precision, group_size).quantized()
-    back = np.asarray(dequantize(quantized), np.float64).reshape(w.shape)
+    w = np.asarray(layer.weight, np.float64)
+    back = np.asarray(_dequantized_weight(layer, precision, group_size), np.float64)
     noise = np.sum((w - back) ** 2)
     return float(10 * math.log10(np.sum(w**2) / noise)) if noise else math.inf
+
+
+def _with_weights(model, weights: list):
+    """``model`` with its i-th quantizable layer's float weights ``weights[i]``."""
+    given = iter(weights)
+
+    def swap(node):
+        if not _quantizable(node):
+            return node
+        return eqx.tree_at(lambda n: n.weight, node, next(given))
+
+    return jax.tree.map(swap, model, is_leaf=_quantizable)
 
 
 def layer_bytes(layer, precision: str, group_size: int) -> int:
@@ -132,28 +151,53 @@ def layer_bytes(layer, precision: str, group_size: int) -> int:
 
 
 def _measurer(model, x, group_size: int, seed: int):
-    """(the model's quantizable layers, ``measured(choice)``: the errors of
-    the model with those precisions against float32 on ``x``)."""
+    """(the model's quantizable layers, ``simulated(choice)``,
+    ``measured(choice)``): the errors against float32 on ``x`` of the model
+    with those precisions (float32 where not given).
+
+    ``measured`` runs the quantized model itself (its layers ``qarray.nn``'s,
+    compiled anew for every choice: the precisions are static). ``simulated``
+    runs the float model with each layer's weights replaced by their
+    dequantized values, the same weight-only products in float32, as one
+    compiled function whatever the choice: what makes a search over many
+    choices take seconds. ``plan`` verifies its answer with ``measured``."""
     x = jnp.asarray(x, jnp.float32)
-    y_ref = _forward(model)(x)
-    r = np.random.default_rng(seed).standard_normal(y_ref.shape)
-    r = jnp.asarray(r, jnp.float32)
-    _, g_ref = _outputs_and_gradient(model, x, r)
+    shape = jax.eval_shape(_forward(model), x).shape
+    r = jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+    # compiled: eagerly every quantize and convolution compiles on its own
+    run = eqx.filter_jit(_outputs_and_gradient)
+    dequantize_jit = eqx.filter_jit(_dequantized_weight)
+    y_ref, g_ref = run(model, x, r)
+    layers = layers_of(model)
+    dequantized: dict[tuple[int, str], jax.Array] = {}
+
+    def weight(i: int, precision: str):
+        if (i, precision) not in dequantized:
+            w = dequantize_jit(layers[i], precision, group_size)
+            dequantized[i, precision] = w
+        return dequantized[i, precision]
+
+    def simulated(choice):
+        weights = [weight(i, choice.get(i, "float32")) for i in range(len(layers))]
+        y, g = run(_with_weights(model, weights), x, r)
+        return _errors(y, g, y_ref, g_ref)
 
     def measured(choice):
         quantized = with_precisions(model, choice, group_size)
-        y, g = _outputs_and_gradient(quantized, x, r)
+        y, g = run(quantized, x, r)
         return _errors(y, g, y_ref, g_ref)
 
-    return layers_of(model), measured
+    return layers, simulated, measured
 
 
 def evaluate(model, x, *, precision="int8", group_size=DEFAULT_GROUP_SIZE, seed=0):
     """Errors of ``model`` (float32) quantized to ``precision`` on the data
     ``x``: per layer (its weights' SQNR in dB; the model's output and input
-    gradient with only that layer quantized: its sensitivity) and for the
-    whole model (every layer at ``precision``, where it can be)."""
-    layers, measured = _measurer(model, x, group_size, seed)
+    gradient with only that layer quantized: its sensitivity, run as the
+    float model with that layer's weights dequantized) and for the whole
+    model (every layer at ``precision`` where it can be, the quantized model
+    itself)."""
+    layers, simulated, measured = _measurer(model, x, group_size, seed)
 
     per_layer, whole = [], {}
     for i, layer in enumerate(layers):
@@ -168,7 +212,7 @@ def evaluate(model, x, *, precision="int8", group_size=DEFAULT_GROUP_SIZE, seed=
                 "weight_sqnr_db": _weight_sqnr(layer, chosen, group_size),
                 "bytes": layer_bytes(layer, chosen, group_size),
                 "float32_bytes": layer_bytes(layer, "float32", group_size),
-                **{f"alone_{k}": v for k, v in measured({i: chosen}).items()},
+                **{f"alone_{k}": v for k, v in simulated({i: chosen}).items()},
             }
         )
     return {
@@ -191,33 +235,46 @@ def plan(model, x, budget: float, *, metric="output", group_size=DEFAULT_GROUP_S
     ``x``: every layer starts at its cheapest precision; while the measured
     whole-model error is over the budget, the layer whose quantization alone
     costs the most (its sensitivity) moves one step up (int4 -> int8 ->
-    float32), and the model is measured again. Returns the choice, its
-    errors, bytes and the steps taken."""
+    float32), and the model is measured again. The search runs the float
+    model with dequantized weights (one compiled function); the answer is
+    then measured on the quantized model itself, and climbs further should
+    that be over the budget. Returns the choice, its verified errors,
+    bytes and the steps taken."""
     if metric not in METRICS:
         raise ValueError(f"plan: metric must be one of {METRICS}, got {metric!r}")
     if not budget >= 0:
         raise ValueError(f"plan: budget must be >= 0, got {budget!r}")
-    layers, measured = _measurer(model, x, group_size, seed)
+    layers, simulated, measured = _measurer(model, x, group_size, seed)
 
     options = [precisions_for(layer, group_size) for layer in layers]
     choice = {i: opts[0] for i, opts in enumerate(options)}
-    sensitivity = {
-        (i, p): _error_of(measured({i: p}), metric)
-        for i, opts in enumerate(options)
-        for p in opts
-        if p != "float32"
-    }
+    alone: dict[tuple[int, str], float] = {}
+
+    def sensitivity(i: int) -> float:
+        """The error of the model with only layer i quantized (as chosen)."""
+        if (i, choice[i]) not in alone:
+            alone[i, choice[i]] = _error_of(simulated({i: choice[i]}), metric)
+        return alone[i, choice[i]]
+
     steps = []
-    errors = measured(choice)
-    while _error_of(errors, metric) > budget:
-        movable = [i for i, p in choice.items() if p != "float32"]
-        if not movable:
-            break
-        worst = max(movable, key=lambda i: sensitivity[i, choice[i]])
-        opts = options[worst]
-        choice[worst] = opts[opts.index(choice[worst]) + 1]
-        errors = measured(choice)
-        steps.append({"layer": worst, "to": choice[worst], **errors})
+
+    def climb(measure):
+        """Move the most sensitive layer up one precision while ``measure``
+        of the whole model is over the budget; its last errors."""
+        errors = measure(choice)
+        while _error_of(errors, metric) > budget:
+            movable = [i for i, p in choice.items() if p != "float32"]
+            if not movable:
+                break
+            worst = max(movable, key=sensitivity)
+            opts = options[worst]
+            choice[worst] = opts[opts.index(choice[worst]) + 1]
+            errors = measure(choice)
+            steps.append({"layer": worst, "to": choice[worst], **errors})
+        return errors
+
+    climb(simulated)
+    errors = climb(measured)  # verified on the quantized model itself
     size = sum(layer_bytes(lay, choice[i], group_size) for i, lay in enumerate(layers))
     full = sum(layer_bytes(lay, "float32", group_size) for lay in layers)
     return {
@@ -230,3 +287,19 @@ def plan(model, x, budget: float, *, metric="output", group_size=DEFAULT_GROUP_S
         "model": errors,
         "steps": steps,
     }
+
+
+def apply_plan(model, report: dict):
+    """``model`` (float32, as given to ``plan``) with each quantizable layer
+    stored at the precision ``report`` (``plan``'s result) chose for it: int8
+    or int4 layers quantized now (``freeze``), float32 ones as they are.
+    Eager. Save it with ``qarray.checkpoint.save_network`` (a ``Network``)
+    or ``save_tree`` (any equinox model)."""
+    precisions = report["precisions"]
+    if len(precisions) != len(layers_of(model)):
+        raise ValueError(
+            f"apply_plan: the plan has {len(precisions)} layers, the model "
+            f"{len(layers_of(model))} quantizable ones"
+        )
+    choice = dict(enumerate(precisions))
+    return freeze(with_precisions(model, choice, report["group_size"]))

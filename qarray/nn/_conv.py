@@ -12,8 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._conv import conv_q
-from .._ops import pack, quantize, unpack
-from ._linear import _dtype_str, _require, check_modes, relative_error
+from .._ops import DEFAULT_GROUP_SIZE, pack, quantize
+from ._linear import (
+    _dtype_str,
+    _require,
+    check_modes,
+    relative_error,
+    stored_parts,
+)
 
 
 class Conv(eqx.Module):
@@ -28,6 +34,11 @@ class Conv(eqx.Module):
     prod(kernel_size))`` int8 and ``scale (out,)``) for serving, or trainable
     (``weight`` float32, quantized on every call, straight-through gradient).
     ``bias``: ``(out,)``.
+
+    ``precision="int4"`` (weight-only): each row of ``w.reshape(out, -1)`` in
+    groups of ``group_size`` (which must divide ``C / groups *
+    prod(kernel_size)``), stored packed: ``qvalue`` uint8 ``(out, K / 2)``,
+    ``scale`` ``(out, K / group_size)``.
     """
 
     weight: jax.Array | None
@@ -40,6 +51,8 @@ class Conv(eqx.Module):
     dilation: tuple[int, ...] = eqx.field(static=True)
     groups: int = eqx.field(static=True)
     activations: str = eqx.field(static=True)
+    precision: str = eqx.field(static=True)
+    group_size: int | None = eqx.field(static=True)  # int4 only
     stored_error: float | None = eqx.field(static=True)
 
     def __init__(
@@ -56,22 +69,50 @@ class Conv(eqx.Module):
         groups: int = 1,
         activations: str = "float32",
         stored_error: float | None = None,
+        precision: str = "int8",
+        group_size: int | None = None,
     ):
         check_modes(
             "Conv", activations, weight, qvalue, scale, "qvalue, scale and kernel_size"
         )
+        if precision not in ("int8", "int4"):
+            raise ValueError(
+                "Conv requires precision 'int8' or 'int4' (a float32 convolution "
+                f"is eqx.nn.Conv), got {precision!r}."
+            )
+        if precision == "int4":
+            group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
+            if activations != "float32":
+                raise ValueError("Conv with precision 'int4' is weight-only.")
+        else:
+            group_size = None
         if weight is None:
             if qvalue is None or scale is None or kernel_size is None:
                 raise TypeError("Conv takes qvalue, scale and kernel_size together.")
-            _require("qvalue", qvalue, np.int8, 2, "Conv")
-            _require("scale", scale, np.float32, 1, "Conv")
-            if tuple(scale.shape) != tuple(qvalue.shape[:1]) or qvalue.ndim != 2:
+            int4 = precision == "int4"
+            _require("qvalue", qvalue, np.uint8 if int4 else np.int8, 2, "Conv")
+            _require("scale", scale, np.float32, 2 if int4 else 1, "Conv")
+            per_out = 2 * qvalue.shape[-1] if int4 else qvalue.shape[-1]
+            want = qvalue.shape[:1]
+            if int4:
+                want = (qvalue.shape[0], per_out // group_size)
+            if (
+                qvalue.ndim != 2
+                or tuple(scale.shape) != tuple(want)
+                or (int4 and per_out % group_size)
+            ):
+                stored = (
+                    f"uint8 (out, K / 2) and scale (out, K / {group_size}) for int4"
+                    if int4
+                    else "int8 (out, K) and scale (out,)"
+                )
                 raise TypeError(
-                    "Conv requires qvalue (out, C / groups * prod(kernel_size)) and "
-                    f"scale (out,), got {_dtype_str(qvalue)} and {_dtype_str(scale)}."
+                    f"Conv requires qvalue {stored}, K = C / groups * "
+                    f"prod(kernel_size), got {_dtype_str(qvalue)} and "
+                    f"{_dtype_str(scale)}."
                 )
             kernel_size = tuple(int(k) for k in kernel_size)
-            if qvalue.shape[1] % math.prod(kernel_size):
+            if per_out % math.prod(kernel_size):
                 raise TypeError(
                     f"Conv: qvalue {_dtype_str(qvalue)} has no whole number of "
                     f"input channels for kernel_size {kernel_size}."
@@ -84,6 +125,13 @@ class Conv(eqx.Module):
                     f"to 3 spatial axes, got {_dtype_str(weight)}."
                 )
             kernel_size = tuple(weight.shape[2:])
+            per_out = math.prod(weight.shape[1:])
+            if precision == "int4" and per_out % group_size:
+                raise TypeError(
+                    f"Conv (int4) requires K = C / groups * prod(kernel_size) = "
+                    f"{per_out} (weight {_dtype_str(weight)}) to be a multiple of "
+                    f"group_size {group_size}."
+                )
         nsp = len(kernel_size)
 
         def per_axis(v):
@@ -109,6 +157,7 @@ class Conv(eqx.Module):
             activations,
             stored_error,
         )
+        self.precision, self.group_size = precision, group_size
         if bias is not None:
             _require("bias", bias, np.float32, 1, "Conv")
             if tuple(bias.shape) != (self.out_channels,):
@@ -129,14 +178,22 @@ class Conv(eqx.Module):
     ) -> Conv:
         """A layer from float32 weights ``(out, C / groups, *kernel_size)``,
         kept float and quantized every call (``trainable=True``) or stored
-        int8 (the default); ``conv``: stride, padding, dilation, groups,
-        activations."""
+        quantized (the default); ``conv``: stride, padding, dilation, groups,
+        activations, precision, group_size."""
         bias = None if bias is None else jnp.asarray(bias).reshape(-1)
         layer = cls(jnp.asarray(weight), bias, **conv)
         return layer if trainable else layer.frozen()
 
     @classmethod
-    def from_eqx(cls, conv: eqx.nn.Conv, *, trainable=False, activations="float32"):
+    def from_eqx(
+        cls,
+        conv: eqx.nn.Conv,
+        *,
+        trainable=False,
+        activations="float32",
+        precision="int8",
+        group_size=None,
+    ):
         """The quantized counterpart of an ``eqx.nn.Conv`` (zero padding)."""
         if conv.padding_mode != "ZEROS":
             raise ValueError(
@@ -151,6 +208,8 @@ class Conv(eqx.Module):
             dilation=conv.dilation,
             groups=conv.groups,
             activations=activations,
+            precision=precision,
+            group_size=group_size,
         )
 
     @property
@@ -166,14 +225,18 @@ class Conv(eqx.Module):
     def in_channels(self) -> int:
         if self.trainable:
             return self.weight.shape[1] * self.groups
-        return self.qvalue.shape[1] // math.prod(self.kernel_size) * self.groups
+        per_out = self.qvalue.shape[1] * (2 if self.precision == "int4" else 1)
+        return per_out // math.prod(self.kernel_size) * self.groups
 
     def quantized(self):
-        """The weights as the 2-D QArray ``q8[out, C/groups * prod(kernel)]``."""
+        """The weights as the 2-D QArray ``q8[out, C/groups * prod(kernel)]``
+        (``q4[...]`` for int4)."""
+        bits = 4 if self.precision == "int4" else 8
         if self.trainable:
             w = jnp.asarray(self.weight)
-            return quantize(w.reshape(w.shape[0], -1))
-        return pack(jnp.asarray(self.qvalue), jnp.asarray(self.scale))
+            return quantize(w.reshape(w.shape[0], -1), bits, self.group_size)
+        qvalue, scale = jnp.asarray(self.qvalue), jnp.asarray(self.scale)
+        return pack(qvalue, scale, bits, self.group_size)
 
     def __call__(self, x, qw=None):
         """``x (C, *spatial)`` or ``(B, C, *spatial)`` -> ``(out, ...)``."""
@@ -201,15 +264,11 @@ class Conv(eqx.Module):
         return relative_error(w.reshape(w.shape[0], -1), qw)
 
     def frozen(self) -> Conv:
-        """The stored int8 layer a trainable one quantizes to. Eager."""
+        """The stored layer (int8, or int4 packed) a trainable one quantizes
+        to. Eager."""
         if not self.trainable:
             return self
-        qw = self.quantized()
-        qvalue, scale = unpack(qw)
+        qvalue, scale, error = stored_parts(self)
         return dataclasses.replace(
-            self,
-            weight=None,
-            qvalue=qvalue,
-            scale=scale,
-            stored_error=float(self.weight_error(qw)),
+            self, weight=None, qvalue=qvalue, scale=scale, stored_error=float(error)
         )

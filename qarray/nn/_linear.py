@@ -63,6 +63,16 @@ def relative_error(w, qw):
     return lax.stop_gradient(error)
 
 
+@eqx.filter_jit
+def stored_parts(layer):
+    """(qvalue, scale, relative weight error) a trainable ``Linear`` or
+    ``Conv`` stores when frozen; compiled, as eagerly each primitive would
+    compile on its own (which made quantizing a model take seconds)."""
+    qw = layer.quantized()
+    qvalue, scale = unpack(qw)
+    return qvalue, scale, layer.weight_error(qw)
+
+
 class Linear(eqx.Module):
     """One quantized dense layer: ``x (..., K) -> x @ W + bias (..., N)``.
 
@@ -287,14 +297,9 @@ class Linear(eqx.Module):
         float32 layer stays as it is."""
         if not self.trainable or self.precision == "float32":
             return self
-        qw = self.quantized()
-        qvalue, scale = unpack(qw)
+        qvalue, scale, error = stored_parts(self)
         return dataclasses.replace(
-            self,
-            weight=None,
-            qvalue=qvalue,
-            scale=scale,
-            stored_error=float(self.weight_error(qw)),
+            self, weight=None, qvalue=qvalue, scale=scale, stored_error=float(error)
         )
 
     def placed(self, put: Callable, model: str) -> Linear:

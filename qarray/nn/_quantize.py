@@ -3,11 +3,13 @@ model, in the manner of torchao's ``quantize_`` and qwix's ``quantize_model``.""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import equinox as eqx
 import jax
 
+from .._ops import DEFAULT_GROUP_SIZE
 from ._conv import Conv
 from ._linear import Linear
 
@@ -43,9 +45,10 @@ def quantize(
     gradient (quantization-aware training; ``freeze`` exports it).
     ``activations``: "float32" (weight-only) or "int8" (each quantized layer's
     input quantized per row too). ``precision``: "int8" (default), "int4"
-    (Linear weights packed in groups of ``group_size`` along the input axis,
-    default 128, which must divide each layer's in_features; convolutions
-    stay int8) or "float32" (nothing replaced).
+    (weight-only; each output channel's weights packed in groups of
+    ``group_size``, default 128, along the input axis: a layer whose input
+    width, ``in_features`` or ``C / groups * prod(kernel_size)``, the group
+    size does not divide is quantized int8) or "float32" (nothing replaced).
 
     ``where`` sees the model's own layer objects, so keeping the first and last
     layers float is ``where=lambda l: l not in (mlp.layers[0], mlp.layers[-1])``
@@ -58,10 +61,14 @@ def quantize(
             return layer
         if precision == "float32":
             return layer
+        chosen = precision if fits_int4(layer, group_size) else "int8"
+        options = {"precision": chosen, "group_size": group_size}
         if isinstance(layer, eqx.nn.Conv):
             if layer.padding_mode != "ZEROS":
                 return layer
-            return Conv.from_eqx(layer, trainable=trainable, activations=activations)
+            return Conv.from_eqx(
+                layer, trainable=trainable, activations=activations, **options
+            )
         if "scalar" in (layer.in_features, layer.out_features):
             return layer
         return Linear.from_float(
@@ -70,11 +77,17 @@ def quantize(
             layout="nk",
             trainable=trainable,
             activations=activations,
-            precision=precision,
-            group_size=group_size,
+            **options,
         )
 
     return _replace(model, (eqx.nn.Linear, eqx.nn.Conv), convert)
+
+
+def fits_int4(layer, group_size: int | None = None) -> bool:
+    """Whether an ``eqx.nn.Linear`` / ``eqx.nn.Conv`` (weights ``(out, ...)``)
+    packs into int4 groups: ``group_size`` divides its input width."""
+    group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
+    return math.prod(layer.weight.shape[1:]) % group_size == 0
 
 
 def freeze(model):

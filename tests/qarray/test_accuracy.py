@@ -2,6 +2,8 @@
 
 import itertools
 
+import equinox as eqx
+import jax
 import numpy as np
 import pytest
 
@@ -147,3 +149,90 @@ def test_plan_limits(rng):
         qnn.plan(network, x, 0.1, metric="loss")
     # K = 16 is not a multiple of 32: the first layer can only be int8
     assert qnn.plan(network, x, 10.0, group_size=32)["precisions"][0] == "int8"
+
+
+class TinyCNN(eqx.Module):
+    """conv (2 -> 6, K = 18), relu, conv (6 -> 3, K = 54), relu, conv
+    (3 -> 1, K = 27); SAME padding, one example (C, H, W) -> (1, H, W)."""
+
+    convs: list
+
+    def __init__(self, key):
+        keys = jax.random.split(key, 3)
+        shapes = [(2, 6), (6, 3), (3, 1)]
+        self.convs = [
+            eqx.nn.Conv2d(i, o, 3, padding=1, key=k)
+            for (i, o), k in zip(shapes, keys, strict=True)
+        ]
+
+    def __call__(self, x):
+        for conv in self.convs[:-1]:
+            x = jax.nn.relu(conv(x))
+        return self.convs[-1](x)
+
+
+def numpy_cnn(model, x, r, weights):
+    """(y, the input gradient of sum(y * r)) of TinyCNN with ``weights`` in
+    float64, examples one by one."""
+    geometry = ((1, 1), ((1, 1), (1, 1)), (1, 1), 1)
+    ys, gs = [], []
+    for xi, ri in zip(x, r, strict=True):
+        h, pre = xi.astype(np.float64), []
+        for i, (conv, w) in enumerate(zip(model.convs, weights, strict=True)):
+            z = ref.conv(h, w, *geometry) + np.asarray(conv.bias)
+            pre.append((h, z))
+            h = np.maximum(z, 0) if i < 2 else z
+        g = ri.astype(np.float64)
+        for i in reversed(range(3)):
+            if i < 2:
+                g = g * (pre[i][1] > 0)
+            g, _ = ref.conv_vjp(pre[i][0], weights[i], g, *geometry)
+        ys.append(h)
+        gs.append(g)
+    return np.stack(ys), np.stack(gs)
+
+
+def test_plan_of_a_cnn_with_int4_convolutions(rng):
+    model = TinyCNN(jax.random.key(3))
+    x = rng.standard_normal((6, 2, 8, 8)).astype(np.float32)
+    group = 18  # divides K = 18 and 54, not 27: the last conv is int8 or float32
+    report = qnn.evaluate(model, x, precision="int4", group_size=group)
+    assert [layer["precision"] for layer in report["layers"]] == [
+        "int4",
+        "int4",
+        "int8",
+    ]
+    loose = qnn.plan(model, x, 10.0, group_size=group)
+    assert loose["precisions"] == ["int4", "int4", "int8"]
+    budget = report["model"]["output_rel_l2"] / 3
+    result = qnn.plan(model, x, budget, group_size=group)
+    assert result["model"]["output_rel_l2"] <= budget
+    # the verified errors, recomputed in NumPy for the chosen precisions
+    r = np.random.default_rng(0).standard_normal((6, 1, 8, 8))
+    weights = []
+    for conv, p in zip(model.convs, result["precisions"], strict=True):
+        w = np.asarray(conv.weight)
+        flat = w.reshape(w.shape[0], -1)
+        if p != "float32":
+            flat = ref.roundtrip4(flat, group) if p == "int4" else ref.roundtrip(flat)
+        weights.append(flat.reshape(w.shape).astype(np.float64))
+    floats = [np.asarray(c.weight, np.float64) for c in model.convs]
+    y_ref, g_ref = numpy_cnn(model, x, np.asarray(r, np.float32), floats)
+    y, g = numpy_cnn(model, x, np.asarray(r, np.float32), weights)
+    want = np.linalg.norm(y - y_ref) / np.linalg.norm(y_ref)
+    assert result["model"]["output_rel_l2"] == pytest.approx(want, rel=1e-3)
+    want_g = np.linalg.norm(g - g_ref) / np.linalg.norm(g_ref)
+    assert result["model"]["gradient_rel_l2"] == pytest.approx(want_g, rel=1e-3)
+
+    # the plan applied: stored layers at the chosen precisions, same outputs
+    planned = qnn.apply_plan(model, result)
+    kinds = [
+        c.precision if isinstance(c, qnn.Conv) else "float32" for c in planned.convs
+    ]
+    assert kinds == result["precisions"]
+    got = np.asarray(jax.vmap(planned)(x), np.float64)
+    assert np.linalg.norm(got - y_ref) / np.linalg.norm(y_ref) == pytest.approx(
+        want, rel=1e-3
+    )
+    with pytest.raises(ValueError, match="the plan has 2 layers"):
+        qnn.apply_plan(model, {**result, "precisions": ["int8", "int8"]})

@@ -337,3 +337,40 @@ def test_parameter_errors(kernel, conv, match):
     qw = qa.quantize(jnp.ones((4, 27), jnp.float32))
     with pytest.raises(ValueError, match=match):
         qa.conv_q(jnp.zeros((3, 8, 8)), qw, kernel, **conv)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_int4_weights_are_the_convolution_of_their_groups(rng, jit):
+    """int4 weights (a scale per group of 12 of each row) against the NumPy
+    convolution of the grouped dequantized weights: values, both gradients
+    (straight-through) and a second derivative."""
+    w, x = normal(rng, (6, 4, 3, 3)), normal(rng, (4, 7, 7))
+    qw = qa.quantize(jnp.asarray(w.reshape(6, -1)), bits=4, group_size=12)
+    assert str(jax.typeof(qw)) == "q4[6,36]"
+    dense = ref.roundtrip4(w.reshape(6, -1), 12).reshape(w.shape)
+    geometry = ((2, 1), ((1, 1), (0, 2)), (1, 2), 1)
+    conv = {"window_strides": (2, 1), "padding": ((1, 1), (0, 2))}
+    conv["rhs_dilation"] = (1, 2)
+
+    def f(x, qw):
+        return qa.conv_q(x, qw, (3, 3), **conv)
+
+    f = jax.jit(f) if jit else f
+    y = ref.conv(x, dense, *geometry)
+    np.testing.assert_allclose(f(x, qw), y, rtol=RTOL, atol=ATOL)
+    g = normal(rng, y.shape)
+    gx, gw = jax.grad(lambda x, qw: jnp.sum(f(x, qw) * g), (0, 1))(x, qw)
+    want_gx, want_gw = ref.conv_vjp(x, dense, g, *geometry)
+    np.testing.assert_allclose(gx, want_gx, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(gw, want_gw.reshape(6, -1), rtol=RTOL, atol=ATOL)
+    # d/dx of sum(f(x)^2): 2 conv^T(conv(x)); its directional derivative in x
+    t = normal(rng, x.shape)
+    _, hvp = jax.jvp(jax.grad(lambda x: jnp.sum(f(x, qw) ** 2)), (x,), (t,))
+    want_hvp, _ = ref.conv_vjp(x, dense, 2 * ref.conv(t, dense, *geometry), *geometry)
+    np.testing.assert_allclose(hvp, want_hvp, rtol=RTOL, atol=ATOL)
+
+
+def test_int4_weights_are_weight_only(rng):
+    qw = qa.quantize(jnp.asarray(normal(rng, (4, 18))), bits=4, group_size=6)
+    with pytest.raises(TypeError, match=r"int4 weights is weight-only.*q4\[4,18\]"):
+        qa.conv_q(normal(rng, (2, 5, 5)), qw, (3, 3), activations="int8")

@@ -35,14 +35,16 @@ class SmallCNN(eqx.Module):
         return self.head(h.ravel())
 
 
-def reference_cnn(model, x, quantized=True):
-    """The float64 forward of SmallCNN with (optionally) quantized weights."""
+def reference_cnn(model, x, quantized=True, roundtrip=None):
+    """The float64 forward of SmallCNN with (optionally) quantized weights:
+    ``roundtrip(w (out, K))`` per layer (default: int8 per row)."""
+    roundtrip = roundtrip or (lambda layer, w: ref.roundtrip(w))
 
     def w(conv):
         a = np.asarray(conv.weight)
         if not quantized:
             return a
-        return ref.roundtrip(a.reshape(a.shape[0], -1)).reshape(a.shape)
+        return roundtrip(conv, a.reshape(a.shape[0], -1)).reshape(a.shape)
 
     def conv(layer, h, groups=1):
         y = ref.conv(h, w(layer), (1, 1), ((1, 1), (1, 1)), (1, 1), groups)
@@ -51,7 +53,7 @@ def reference_cnn(model, x, quantized=True):
     h = np.maximum(conv(model.conv1, x), 0)
     h = h + conv(model.conv2, h, groups=2)
     hw = np.asarray(model.head.weight)
-    hw = ref.roundtrip(hw) if quantized else hw
+    hw = roundtrip(model.head, hw) if quantized else hw
     return hw.astype(np.float64) @ h.ravel() + np.asarray(model.head.bias)
 
 
@@ -105,6 +107,36 @@ def test_freeze_keeps_outputs_and_stores_int8(rng):
     w = np.asarray(model.conv1.weight).reshape(4, -1)
     err = np.linalg.norm(w - ref.roundtrip(w)) / np.linalg.norm(w)
     np.testing.assert_allclose(float(frozen.conv1.weight_error()), err, rtol=1e-5)
+
+
+@pytest.mark.parametrize("trainable", [False, True])
+def test_int4_cnn_matches_numpy(rng, trainable):
+    """Every layer int4 where the group size divides its input width (K = 18
+    for both convolutions, 144 for the head), int8 where it does not."""
+    model = SmallCNN(jax.random.key(2))
+    x = normal(rng, 2, 6, 6)
+    q = qnn.quantize(model, precision="int4", group_size=6, trainable=trainable)
+    assert [q.conv1.precision, q.conv2.precision, q.head.precision] == ["int4"] * 3
+    if not trainable:
+        assert q.conv1.qvalue.dtype == jnp.uint8 and q.conv1.qvalue.shape == (4, 9)
+        assert q.conv1.scale.shape == (4, 3)
+    want = reference_cnn(model, x, roundtrip=lambda _, w: ref.roundtrip4(w, 6))
+    np.testing.assert_allclose(eqx.filter_jit(q)(x), want, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(qnn.freeze(q)(x), want, rtol=RTOL, atol=ATOL)
+
+    mixed = qnn.quantize(model, precision="int4", group_size=16)
+    assert [mixed.conv1.precision, mixed.head.precision] == ["int8", "int4"]
+
+    def per_layer(layer, w):
+        return ref.roundtrip4(w, 16) if layer is model.head else ref.roundtrip(w)
+
+    want = reference_cnn(model, x, roundtrip=per_layer)
+    np.testing.assert_allclose(mixed(x), want, rtol=RTOL, atol=ATOL)
+    # the recorded weight error is the grouped one's
+    w = np.asarray(model.conv1.weight).reshape(4, -1)
+    err = np.linalg.norm(w - ref.roundtrip4(w, 6)) / np.linalg.norm(w)
+    frozen = qnn.freeze(qnn.quantize(model, precision="int4", group_size=6))
+    assert frozen.conv1.stored_error == pytest.approx(err, rel=1e-5)
 
 
 def test_where_and_padding_modes_keep_layers_float(rng):
@@ -169,6 +201,51 @@ def test_conv1d_and_conv3d_with_int8_activations(rng, dims):
             {"weight": np.zeros((2, 3, 3), np.float32), "activations": "int4"},
             ValueError,
             "activations in",
+        ),
+        (
+            {"weight": np.zeros((2, 3, 3), np.float32), "precision": "float32"},
+            ValueError,
+            "is eqx.nn.Conv",
+        ),
+        (
+            {
+                "weight": np.zeros((2, 3, 3), np.float32),
+                "precision": "int4",
+                "activations": "int8",
+            },
+            ValueError,
+            "weight-only",
+        ),
+        (
+            {
+                "weight": np.zeros((2, 3, 3), np.float32),
+                "precision": "int4",
+                "group_size": 4,
+            },
+            TypeError,
+            "K = C / groups \\* prod\\(kernel_size\\) = 9",
+        ),
+        (
+            {
+                "qvalue": np.zeros((2, 9), np.uint8),
+                "scale": np.zeros((2, 2), np.float32),
+                "kernel_size": (3, 3),
+                "precision": "int4",
+                "group_size": 6,
+            },
+            TypeError,
+            r"scale \(out, K / 6\) for int4",
+        ),
+        (
+            {
+                "qvalue": np.zeros((2, 9), np.int8),
+                "scale": np.zeros((2, 3), np.float32),
+                "kernel_size": (3, 3),
+                "precision": "int4",
+                "group_size": 6,
+            },
+            TypeError,
+            "uint8 array",
         ),
     ],
 )

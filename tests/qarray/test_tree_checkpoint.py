@@ -188,3 +188,34 @@ def test_convert_a_pytorch_cnn_with_batchnorm(tmp_path, rng):
         + sd["head.bias"]
     )
     np.testing.assert_allclose(model(x), want, rtol=1e-4, atol=1e-4)
+
+
+def test_mixed_precision_files_load_layer_by_layer(tmp_path, rng):
+    """float32 conv, int4 conv, int8 head: each layer loads as stored."""
+    trained = Net(jax.random.key(4))
+    # conv1's K = 9 has no even group size: blocks.0 (K = 36) is the int4 one
+    plan = {"precisions": ["float32", "int4", "int8"], "group_size": 6}
+    mixed = qnn.apply_plan(trained, plan)
+    file = tmp_path / "mixed.safetensors"
+    save_tree(file, mixed)
+    tensors = load_file(str(file))
+    assert tensors["blocks.0.qvalue"].dtype == np.uint8
+    assert tensors["blocks.0.scale"].shape == (4, 6)
+    assert "conv1.weight" in tensors and tensors["head.qvalue"].dtype == np.int8
+    model = load_quantized(file, Net(jax.random.key(99)))
+    assert isinstance(model.conv1, eqx.nn.Conv2d)
+    assert (model.blocks[0].precision, model.blocks[0].group_size) == ("int4", 6)
+    assert model.head.precision == "int8"
+    x = rng.standard_normal((1, 5, 5)).astype(np.float32)
+    np.testing.assert_allclose(model(x), mixed(x), rtol=1e-6, atol=1e-6)
+    # the same in NumPy: the int4 block's weights grouped by 6
+    w = np.asarray(trained.blocks[0].weight).reshape(4, -1)
+    np.testing.assert_allclose(
+        np.asarray(model.blocks[0].quantized().qvalue),
+        ref.pack4(ref.quantize4(w, 6)[0]),
+    )
+    # an int4 payload without scales of a whole number of groups is refused
+    tensors["blocks.0.scale"] = np.ones((4, 5), np.float32)
+    save_file(tensors, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(ModelFileError, match=r"blocks.0.qvalue is int4.*K = 36"):
+        load_quantized(tmp_path / "bad.safetensors", Net(jax.random.key(0)))

@@ -93,7 +93,9 @@ def test_clear_errors(tmp_path, rng):
     assert out.returncode == 2 and "no array 'x'" in out.stderr
     out = run("evaluate", tmp_path / "m.safetensors", tmp_path / "narrow.npz")
     assert (
-        out.returncode == 2 and "does not fit the model's input width 16" in out.stderr
+        out.returncode == 2
+        and "x (2, 5) does not fit the model" in out.stderr
+        and "K = 16" in out.stderr
     )
     q, s = ref.quantize(rng.standard_normal((4, 16)).astype(np.float32))
     save_model(
@@ -109,3 +111,126 @@ def test_clear_errors(tmp_path, rng):
         tmp_path / "o.safetensors",
     )
     assert out.returncode == 2 and "stored quantized" in out.stderr
+
+
+TREE_MODEL = """
+import equinox as eqx
+import jax
+
+
+class Small(eqx.Module):
+    conv: eqx.nn.Conv1d
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.conv = eqx.nn.Conv1d(2, 4, 3, padding=1, key=k1)
+        self.head = eqx.nn.Linear(4 * 8, 3, key=k2)
+
+    def __call__(self, x):
+        return self.head(jax.nn.relu(self.conv(x)).ravel())
+"""
+
+
+def test_plan_of_any_equinox_model_file(tmp_path, rng):
+    """--like FILE.py:NAME: a float tree file in, a mixed-precision tree file
+    out that load_quantized serves as planned."""
+    import jax
+
+    from qarray.checkpoint import load_quantized, save_tree
+
+    (tmp_path / "small.py").write_text(TREE_MODEL)
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(
+        "small_for_test", tmp_path / "small.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["small_for_test"] = module
+    spec.loader.exec_module(module)
+    model = module.Small(jax.random.key(5))
+    save_tree(tmp_path / "f.safetensors", model)
+    x = rng.standard_normal((20, 2, 8)).astype(np.float32)
+    np.savez(tmp_path / "d.npz", x=x)
+    like = f"{tmp_path / 'small.py'}:Small"
+    args = [tmp_path / "f.safetensors", tmp_path / "d.npz", "--like", like]
+    out = run("evaluate", *args, "--precision", "int4", "--group-size", "6")
+    assert out.returncode == 0, out.stderr
+    # conv K = 6, head K = 32: the head cannot take groups of 6
+    assert "int4" in out.stdout.splitlines()[1] and "int8" in out.stdout.splitlines()[2]
+    out = run(
+        "plan", *args, "--budget", "1e-9", "--out", tmp_path / "p.safetensors",
+        "--json", tmp_path / "p.json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads((tmp_path / "p.json").read_text())["precisions"] == [
+        "float32",
+        "float32",
+    ]
+    out = run(
+        "plan", *args, "--budget", "10", "--group-size", "6",
+        "--out", tmp_path / "p.safetensors", "--json", tmp_path / "p.json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads((tmp_path / "p.json").read_text())["precisions"] == [
+        "int4",
+        "int8",
+    ]
+    served = load_quantized(tmp_path / "p.safetensors", module.Small(jax.random.key(0)))
+    assert (served.conv.precision, served.head.precision) == ("int4", "int8")
+    w = np.asarray(model.conv.weight).reshape(4, -1)
+    np.testing.assert_allclose(
+        np.asarray(served.conv.quantized().scale), ref.quantize4(w, 6)[1], rtol=1e-6
+    )
+    # errors a user meets: a bad spec, a quantized file, data that does not fit
+    out = run("evaluate", tmp_path / "f.safetensors", tmp_path / "d.npz", "--like", "x")
+    assert out.returncode == 2 and "FILE.py:NAME or module:NAME" in out.stderr
+    out = run(
+        "evaluate", tmp_path / "p.safetensors", tmp_path / "d.npz", "--like", like
+    )
+    assert out.returncode == 2 and "do not match the model's leaves" in out.stderr
+    np.savez(tmp_path / "wide.npz", x=np.zeros((2, 3, 8), np.float32))
+    out = run(
+        "evaluate", tmp_path / "f.safetensors", tmp_path / "wide.npz", "--like", like
+    )
+    assert out.returncode == 2 and "x (2, 3, 8) does not fit the model" in out.stderr
+
+
+def test_evaluate_a_pytorch_state_dict(tmp_path, rng):
+    """--layers: the state dict converted in memory gives the report of the
+    converted float32 file."""
+    from safetensors.numpy import save_file
+
+    from qarray.checkpoint import convert_state_dict
+
+    save_file(
+        {
+            "fc1.weight": rng.standard_normal((32, 16)).astype(np.float32) / 4,
+            "fc1.bias": np.zeros(32, np.float32),
+            "fc2.weight": rng.standard_normal((8, 32)).astype(np.float32) / 6,
+        },
+        str(tmp_path / "torch.safetensors"),
+    )
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((10, 16)).astype(np.float32))
+    out = run(
+        "evaluate", tmp_path / "torch.safetensors", tmp_path / "d.npz",
+        "--layers", "fc1:relu,fc2", "--json", tmp_path / "a.json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    layers = [("fc1", "relu"), ("fc2", "none")]
+    convert_state_dict(
+        tmp_path / "torch.safetensors", tmp_path / "f.safetensors", layers, "float32"
+    )
+    out = run(
+        "evaluate", tmp_path / "f.safetensors", tmp_path / "d.npz",
+        "--json", tmp_path / "b.json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    a, b = (json.loads((tmp_path / n).read_text()) for n in ("a.json", "b.json"))
+    assert a["model"] == b["model"] and len(a["layers"]) == 2
+    out = run(
+        "evaluate", tmp_path / "torch.safetensors", tmp_path / "d.npz",
+        "--layers", "fc1:relu,fc9",
+    )  # fmt: skip
+    assert out.returncode == 2 and "no tensor fc9.weight" in out.stderr
