@@ -1,12 +1,23 @@
 """qarray-serve evaluate and plan on a float32 model file: the report, the
 mixed-precision file written, and the errors a user meets."""
 
+import importlib.util
 import json
 import subprocess
+import sys
 
+import jax
 import numpy as np
+from safetensors.numpy import save_file
 
-from qarray.checkpoint import load_model, load_network, save_model
+from qarray.checkpoint import (
+    convert_state_dict,
+    load_model,
+    load_network,
+    load_quantized,
+    save_model,
+    save_tree,
+)
 from tests import reference as ref
 from tests.tesseract.server import SERVE
 
@@ -135,14 +146,7 @@ class Small(eqx.Module):
 def test_plan_of_any_equinox_model_file(tmp_path, rng):
     """--like FILE.py:NAME: a float tree file in, a mixed-precision tree file
     out that load_quantized serves as planned."""
-    import jax
-
-    from qarray.checkpoint import load_quantized, save_tree
-
     (tmp_path / "small.py").write_text(TREE_MODEL)
-    import importlib.util
-    import sys
-
     spec = importlib.util.spec_from_file_location(
         "small_for_test", tmp_path / "small.py"
     )
@@ -200,10 +204,6 @@ def test_plan_of_any_equinox_model_file(tmp_path, rng):
 def test_evaluate_a_pytorch_state_dict(tmp_path, rng):
     """--layers: the state dict converted in memory gives the report of the
     converted float32 file."""
-    from safetensors.numpy import save_file
-
-    from qarray.checkpoint import convert_state_dict
-
     save_file(
         {
             "fc1.weight": rng.standard_normal((32, 16)).astype(np.float32) / 4,
