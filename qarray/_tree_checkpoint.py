@@ -196,7 +196,7 @@ def convert_tree(
     the equinox model's paths. Returns each quantized layer's relative
     weight error.
     """
-    from .checkpoint import quantize_rows, relative_error
+    from ._network_file import quantize_rows, relative_error
 
     if precision not in ("int8", "float32"):
         raise ModelFileError(

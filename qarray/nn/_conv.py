@@ -12,13 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._conv import conv_q
-from .._ops import DEFAULT_GROUP_SIZE, pack, quantize
+from .._ops import pack, quantize
 from ._linear import (
     _dtype_str,
     _require,
     check_modes,
+    checked_group_size,
     relative_error,
     stored_parts,
+    stored_width,
 )
 
 
@@ -75,41 +77,22 @@ class Conv(eqx.Module):
         check_modes(
             "Conv", activations, weight, qvalue, scale, "qvalue, scale and kernel_size"
         )
-        if precision not in ("int8", "int4"):
-            raise ValueError(
-                "Conv requires precision 'int8' or 'int4' (a float32 convolution "
-                f"is eqx.nn.Conv), got {precision!r}."
-            )
-        if precision == "int4":
-            group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
-            if activations != "float32":
-                raise ValueError("Conv with precision 'int4' is weight-only.")
-        else:
-            group_size = None
+        group_size = checked_group_size(
+            "Conv",
+            precision,
+            group_size,
+            activations,
+            ("int8", "int4"),
+            " (a float32 convolution is eqx.nn.Conv)",
+        )
         if weight is None:
             if qvalue is None or scale is None or kernel_size is None:
                 raise TypeError("Conv takes qvalue, scale and kernel_size together.")
-            int4 = precision == "int4"
-            _require("qvalue", qvalue, np.uint8 if int4 else np.int8, 2, "Conv")
-            _require("scale", scale, np.float32, 2 if int4 else 1, "Conv")
-            per_out = 2 * qvalue.shape[-1] if int4 else qvalue.shape[-1]
-            want = qvalue.shape[:1]
-            if int4:
-                want = (qvalue.shape[0], per_out // group_size)
-            if (
-                qvalue.ndim != 2
-                or tuple(scale.shape) != tuple(want)
-                or (int4 and per_out % group_size)
-            ):
-                stored = (
-                    f"uint8 (out, K / 2) and scale (out, K / {group_size}) for int4"
-                    if int4
-                    else "int8 (out, K) and scale (out,)"
-                )
+            per_out = stored_width("Conv", qvalue, scale, precision, group_size)
+            if qvalue.ndim != 2:
                 raise TypeError(
-                    f"Conv requires qvalue {stored}, K = C / groups * "
-                    f"prod(kernel_size), got {_dtype_str(qvalue)} and "
-                    f"{_dtype_str(scale)}."
+                    "Conv requires qvalue (out, K) for K = C / groups * "
+                    f"prod(kernel_size) (int4: (out, K / 2)), got {_dtype_str(qvalue)}."
                 )
             kernel_size = tuple(int(k) for k in kernel_size)
             if per_out % math.prod(kernel_size):

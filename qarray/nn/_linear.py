@@ -55,6 +55,49 @@ def check_modes(owner: str, activations, weight, qvalue, scale, stored: str) -> 
         )
 
 
+def checked_group_size(
+    owner: str, precision, group_size, activations, precisions=PRECISIONS, hint=""
+) -> int | None:
+    """The group size a layer of ``precision`` keeps (int4: ``group_size`` or
+    the default; otherwise None), once ``precision`` is one of
+    ``precisions`` and an int4 layer is weight-only."""
+    if precision not in precisions:
+        raise ValueError(
+            f"{owner} requires precision in {precisions}{hint}, got {precision!r}."
+        )
+    if precision != "int4":
+        return None
+    if activations != "float32":
+        raise ValueError(f"{owner} with precision 'int4' is weight-only.")
+    return DEFAULT_GROUP_SIZE if group_size is None else group_size
+
+
+def stored_width(owner: str, qvalue, scale, precision: str, group_size) -> int:
+    """K, the input width of a stored layer's parts, once they fit: int8
+    ``qvalue (..., out, K)`` with a float32 scale per row ``(..., out)``;
+    int4 uint8 ``qvalue (..., out, K / 2)`` with ``scale (..., out, K / G)``."""
+    if precision == "int4":
+        _require("qvalue", qvalue, np.uint8, 2, owner)
+        _require("scale", scale, np.float32, 2, owner)
+        k = 2 * qvalue.shape[-1]
+        want = (*qvalue.shape[:-1], k // group_size)
+        if k % group_size or tuple(scale.shape) != want:
+            raise TypeError(
+                f"{owner} requires qvalue uint8 (out, K / 2) and scale (out, K / "
+                f"{group_size}) for int4: scale of shape {want} for qvalue "
+                f"{_dtype_str(qvalue)} (K = {k}), got {_dtype_str(scale)}."
+            )
+        return k
+    _require("qvalue", qvalue, np.int8, 2, owner)
+    _require("scale", scale, np.float32, 1, owner)
+    if tuple(scale.shape) != tuple(qvalue.shape[:-1]):
+        raise TypeError(
+            f"{owner} requires scale.shape == qvalue.shape[:-1] (one scale per "
+            f"row), got {_dtype_str(qvalue)} and {_dtype_str(scale)}."
+        )
+    return qvalue.shape[-1]
+
+
 def relative_error(w, qw):
     """``||w - dequantize(qw)|| / ||w||`` (0 for zero weights), without a
     derivative: a diagnostic."""
@@ -130,21 +173,12 @@ class Linear(eqx.Module):
     ):
         if layout not in LAYOUTS:
             raise ValueError(f"Linear requires layout in {LAYOUTS}, got {layout!r}.")
-        if precision not in PRECISIONS:
+        group_size = checked_group_size("Linear", precision, group_size, activations)
+        if precision == "int4" and layout != "nk":
             raise ValueError(
-                f"Linear requires precision in {PRECISIONS}, got {precision!r}."
+                "Linear with precision 'int4' requires layout 'nk' (weights "
+                f"(N, K), groups along K), got {layout!r}."
             )
-        if precision == "int4":
-            group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
-            if layout != "nk":
-                raise ValueError(
-                    "Linear with precision 'int4' requires layout 'nk' (weights "
-                    f"(N, K), groups along K), got {layout!r}."
-                )
-            if activations != "float32":
-                raise ValueError("Linear with precision 'int4' is weight-only.")
-        else:
-            group_size = None
         check_modes("Linear", activations, weight, qvalue, scale, "qvalue and scale")
         if weight is None:
             if qvalue is None or scale is None:
@@ -153,25 +187,7 @@ class Linear(eqx.Module):
                 raise TypeError(
                     "Linear with precision 'float32' takes weight (not quantized)."
                 )
-            if precision == "int4":
-                _require("qvalue", qvalue, np.uint8, 2)
-                _require("scale", scale, np.float32, 2)
-                k = 2 * qvalue.shape[-1]
-                want = (*qvalue.shape[:-1], k // group_size)
-                if k % group_size or tuple(scale.shape) != want:
-                    raise TypeError(
-                        f"Linear (int4, group_size {group_size}) requires scale of "
-                        f"shape {want} for qvalue {_dtype_str(qvalue)} (K = {k}), "
-                        f"got {_dtype_str(scale)}."
-                    )
-            else:
-                _require("qvalue", qvalue, np.int8, 2)
-                _require("scale", scale, np.float32, 1)
-            if precision != "int4" and tuple(scale.shape) != tuple(qvalue.shape[:-1]):
-                raise TypeError(
-                    "Linear requires scale.shape == qvalue.shape[:-1] (one scale "
-                    f"per row), got {_dtype_str(qvalue)} and {_dtype_str(scale)}."
-                )
+            stored_width("Linear", qvalue, scale, precision, group_size)
         else:
             _require("weight", weight, np.float32, 2)
             if precision == "int4" and weight.shape[-1] % group_size:
