@@ -10,7 +10,8 @@
   lines: ``examples/cnn_surrogate/``);
 - ``jit_request``: an endpoint function of the request dict, compiled;
 - ``RequestGuard``, ``create_app``, ``main``: the guarded server
-  (``qarray-serve``);
+  (``qarray-serve``); ``shared_memory_tesseract``: it on one host, arrays
+  passed through shared memory (binref files on a tmpfs);
 - ``install_gradient_path_check``: the tesseract-core workarounds, in one
   module (``qarray.tesseract._workarounds``).
 
@@ -29,6 +30,7 @@ from ._limits import first_index as first_index
 from ._limits import quantized_payload as quantized_payload
 from ._limits import require_at_least as require_at_least
 from ._limits import require_finite as require_finite
+from ._local import shared_memory_tesseract as shared_memory_tesseract
 from ._mesh import make_mesh as make_mesh
 from ._mesh import on_mesh as on_mesh
 from ._model import ModelTesseract as ModelTesseract

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
 import sys
+import threading
 from importlib import resources
 from pathlib import Path
 
@@ -124,6 +126,21 @@ def create_app():
     return RequestGuard(docs, settings, input_dir=Path(config.input_path))
 
 
+def _stop_when_closed(fd: int) -> None:
+    """SIGTERM to this process (uvicorn stops its workers and frees the port)
+    once the other end of pipe ``fd`` is closed."""
+
+    def watch() -> None:
+        try:
+            while os.read(fd, 1):  # nothing is written: only EOF matters
+                pass
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True, name="client-watch").start()
+
+
 def main(argv=None) -> int | None:
     """``qarray-serve serve [--host H] [--port P] [--num-workers N]``;
     ``qarray-serve convert ...``; ``qarray-serve evaluate MODEL DATA`` and
@@ -149,6 +166,10 @@ def main(argv=None) -> int | None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--num-workers", type=int, default=1)
+    # Tesseract.from_source (through shared_memory_tesseract) hands the server
+    # the read end of a pipe its client holds: EOF there means the client is
+    # gone, and the server stops rather than outlive it
+    parser.add_argument("--parent-pipe-fd", type=int, default=None)
     args = parser.parse_args(argv[1:])
     if args.num_workers < 1:
         parser.error("--num-workers must be >= 1")
@@ -156,6 +177,9 @@ def main(argv=None) -> int | None:
         Settings.from_env()
     except SettingsError as error:
         parser.exit(2, f"qarray-serve: {error}\n")
+
+    if args.parent_pipe_fd is not None:
+        _stop_when_closed(args.parent_pipe_fd)
 
     import uvicorn
 

@@ -18,9 +18,21 @@ Checked against tesseract-core 1.15.0.
    import of the API module) to one that turns the TypeError into the
    schema's own check, then calls ``inputs.check_gradient_path(path)`` when
    the InputSchema defines it: its ValueError is a 422 naming the path.
+2. **No server of one's own for ``Tesseract.from_source``.** It always runs
+   the ``tesseract-runtime`` console script found beside
+   ``python_executable`` (``local_client._runtime_command``), so a Tesseract
+   started that way serves without qarray's request guard.
+   ``guarded_interpreter`` makes a folder holding a link to the interpreter
+   and a ``tesseract-runtime`` script that runs ``qarray-serve`` (the same
+   script every image installs, tesseract_config.yaml); passed as
+   ``python_executable``, it makes ``from_source`` serve behind the guard.
 """
 
 from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
 
 from tesseract_core.runtime import schema_generation
 
@@ -48,3 +60,38 @@ def checked_input_path(path: str, info) -> str:
 def install_gradient_path_check() -> None:
     """Workaround 1 (module doc); idempotent."""
     schema_generation.input_path_validator = checked_input_path
+
+
+_RUNTIME_SCRIPT = """#!{python}
+import os
+import sys
+
+os.environ.update({environment!r})
+
+from qarray.tesseract import main
+
+sys.exit(main())
+"""
+
+
+def guarded_interpreter(
+    folder: Path,
+    python: str | Path = sys.executable,
+    environment: dict[str, str] | None = None,
+) -> Path:
+    """Workaround 2 (module doc): ``folder/python``, a link to ``python``
+    beside a ``tesseract-runtime`` script that runs ``qarray-serve`` on it
+    with ``environment`` added (``from_source`` takes none of its own); give
+    it to ``Tesseract.from_source(python_executable=...)``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    link = folder / "python"
+    if not link.exists():
+        link.symlink_to(Path(python).absolute())
+    script = folder / "tesseract-runtime"
+    script.write_text(
+        _RUNTIME_SCRIPT.format(
+            python=Path(python).absolute(), environment=dict(environment or {})
+        )
+    )
+    os.chmod(script, 0o755)
+    return link
