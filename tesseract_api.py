@@ -10,7 +10,9 @@ the serving machinery.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar, Literal, Self
 
 import numpy as np
@@ -119,8 +121,11 @@ def _check_resident_fit(x: tuple[int, ...]) -> None:
         ) from None
 
 
-def _resident_shapes() -> list[qnn.LayerShapes]:
-    return [layer.shapes() for layer in RUNTIME.resident.layers]
+@functools.cache
+def _resident_shapes() -> tuple[qnn.LayerShapes, ...]:
+    # once per process: the resident model never changes, and reading an
+    # equinox module's fields costs more than a small request's product
+    return tuple(layer.shapes() for layer in RUNTIME.resident.layers)
 
 
 class InputSchema(BaseModel):
@@ -205,7 +210,7 @@ class InputSchema(BaseModel):
             require_at_least(f"{name}.w_q.scale", layer.w_q.scale, 0)
         return self
 
-    def layer_shapes(self) -> list[qnn.LayerShapes]:
+    def layer_shapes(self) -> Sequence[qnn.LayerShapes]:
         if self.layers is None:
             return _resident_shapes()
         return [layer.shapes() for layer in self.layers]

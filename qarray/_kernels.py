@@ -40,7 +40,9 @@ records what they measured.)
 Operands sharded over explicit mesh axes take the ``dequantize`` / plain int8
 formulations, which keep every axis in place for sharding propagation. On CPU:
 ``chunked`` for a single row, either mode (bandwidth-bound; no full f32 copy of
-the weights); more rows: ``split_int8`` (weight-only) or ``int8_dot``. Elsewhere:
+the weights); more rows: ``split_int8`` (weight-only) or ``int8_dot``, except
+weight-only products with tiny weights (``SMALL_WEIGHT_ELEMENTS``), which take
+``dequantize``: they read x, and have no weight bytes to save. Elsewhere:
 ``dequantize`` (weight-only) and ``int8_dot``. The measurements behind these
 choices are in ``benchmarks/`` (``make bench``).
 
@@ -161,6 +163,10 @@ def dequantize_groups(packed, scale):
 # rows up to which qarray's CPU kernel beats the XLA formulations, by layout
 # and activations (``make bench``, suite kernels, weights cold and hot): at
 # more rows XLA's int8 dots are better blocked
+# weight-only products with at most this many weights take "dequantize" on
+# CPU too (a 4 KiB float32 copy, in cache)
+SMALL_WEIGHT_ELEMENTS = 1024
+
 KERNEL_MAX_ROWS = {
     ("nk", "float32"): 2,
     ("nk", "int8"): 8,
@@ -181,13 +187,17 @@ def choose_strategy(
     """The formulation ``matmul`` (x[m, k] @ q8[k, n], layout "kn") and
     ``linear`` (x[m, k] @ q8[n, k]^T, "nk") use (see module doc).
     ``kernels``: whether qarray's CPU kernels run here (default: ``_ffi``)."""
-    del k, n  # measured so far: the best choice depends on M alone
     if platform != "cpu":
         return "int8_dot" if activations == "int8" else "dequantize"
     if kernels is None:
         kernels = _ffi.available()
     if kernels and m <= KERNEL_MAX_ROWS[layout, activations]:
         return "kernel"
+    if activations == "float32" and k * n <= SMALL_WEIGHT_ELEMENTS:
+        # no weight bytes to save: the product reads x, and the three int8
+        # parts of split_int8 would write and read it three times more
+        # (make bench, suite served: the 10-million-element rows)
+        return "dequantize"
     if m == 1:
         return "chunked"
     return "int8_dot" if activations == "int8" else "split_int8"
