@@ -1,4 +1,4 @@
-"""The served paths: qarray's Tesseract against a stock dense float32 one, per transport.
+"""The served paths: qarray's Tesseract against stock dense float32, per transport.
 
 Three ways a user calls a Tesseract, each side by side with what they would
 run instead (benchmarks/dense_api.py, a plain float32 JAX Tesseract written

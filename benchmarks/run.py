@@ -3,6 +3,9 @@
     .venv/bin/python -m benchmarks.run [--quick] [--only kernels,int4,conv,...]
     .venv/bin/python -m benchmarks.run --docs-only   # docs/performance.md again
 
+With --only, the suites run replace their own rows in results.json and keep
+the other suites' rows from earlier runs.
+
 Prints a table (markdown), writes benchmarks/results.json,
 benchmarks/results.png and the docs' performance page (docs/performance.md,
 from the results: never edited by hand). Never part of `make test`.
@@ -97,7 +100,7 @@ def plot(rows, path):
 
     speed = [r for r in rows if r["unit"] == "x faster"]
     # end-to-end rows: ours / the dense Tesseract, lower is better
-    e2e = [r for r in rows if r["row"].startswith("end to end:")]
+    e2e = [r for r in rows if r["row"].startswith(("end to end:", "served"))]
     panels = [(p, x) for p, x in ((speed, "speed"), (e2e, "e2e")) if p]
     fig, axes = plt.subplots(
         len(panels),
@@ -176,13 +179,27 @@ def write_docs(report: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def _kept_rows(path: Path, ran: list[str]) -> list[dict]:
+    """The rows of an earlier results.json from suites not run now."""
+    if not path.is_file():
+        return []
+    kept = []
+    for row in json.loads(path.read_text())["rows"]:
+        suite = row.get("suite") or (
+            "served" if row["row"].startswith("served") else None
+        )
+        if suite not in ran:
+            kept.append(row)
+    return kept
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     # e2e runs last: it tunes this process's malloc like the servers' (see
     # bench_e2e.run), which the other suites should not measure under
     parser.add_argument(
-        "--only", default="kernels,int4,matmul,conv,cache,http,scaling,e2e"
+        "--only", default="kernels,int4,matmul,conv,cache,http,scaling,e2e,served"
     )
     parser.add_argument("--out", default=str(HERE / "results.json"))
     parser.add_argument("--plot", default=str(HERE / "results.png"))
@@ -207,6 +224,7 @@ def main():
         bench_kernels,
         bench_matmul,
         bench_scaling,
+        bench_served,
     )
 
     reps = 5 if args.quick else 41
@@ -219,12 +237,15 @@ def main():
         "http": lambda: bench_http.run(reps=50 if args.quick else 600),
         "scaling": lambda: bench_scaling.run(seconds=3.0 if args.quick else 8.0),
         "e2e": lambda: bench_e2e.run(reps=5 if args.quick else 31),
+        "served": lambda: bench_served.run(reps=5 if args.quick else 21),
     }
     rows = []
     started = time.time()
-    for name in args.only.split(","):
+    names = args.only.split(",")
+    for name in names:
         print(f"running {name} ...", file=sys.stderr, flush=True)
-        rows += suites[name]()
+        rows += [{**row, "suite": name} for row in suites[name]()]
+    rows = _kept_rows(Path(args.out), names) + rows
     report = {
         "machine": machine(),
         "command": "make bench",

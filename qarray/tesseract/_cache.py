@@ -125,6 +125,14 @@ class _HostKey:
         )
 
 
+class _Entry:
+    """A kept pullback, and whether a VJP has read it."""
+
+    def __init__(self, pullback):
+        self.pullback = pullback
+        self.read = False
+
+
 def _bits(a: np.ndarray) -> np.ndarray:
     return a.view(np.dtype(f"u{a.dtype.itemsize}"))
 
@@ -193,7 +201,7 @@ class ResidualCache:
             arrays, tuple(constants), fn=fn, static=static, outputs=tuple(outputs)
         )
         key = _HostKey(fn, arrays, static)
-        self._entries[key] = pullback
+        self._entries[key] = _Entry(pullback)
         self._entries.move_to_end(key)
         while len(self._entries) > self.size:
             self._entries.popitem(last=False)
@@ -207,8 +215,22 @@ class ResidualCache:
         if not self._entries:
             return None
         key = _HostKey(fn, *split_request(inputs))
-        pullback = self._entries.get(key)
-        if pullback is None:
+        entry = self._entries.get(key)
+        if entry is None:
             return None
+        # entries stored before this one whose VJP has come already are the
+        # earlier steps of a training loop, which never sends the same weights
+        # again: their residual buffers go now rather than ``size`` steps
+        # later, so the next step's allocations reuse warm memory; entries not
+        # read yet stay (another client's VJP may still come)
+        stale = []
+        for stored, other in self._entries.items():
+            if other is entry:
+                break
+            if other.read:
+                stale.append(stored)
+        for stored in stale:
+            del self._entries[stored]
+        entry.read = True
         self._entries.move_to_end(key)
-        return _run_pullback(pullback, cotangents, tuple(sorted(paths)))
+        return _run_pullback(entry.pullback, cotangents, tuple(sorted(paths)))

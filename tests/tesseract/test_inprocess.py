@@ -270,3 +270,35 @@ def test_inference_traffic_stops_storing_pullbacks(api_module, inputs, rng):
     assert not model.cache_pays()  # only applies since the last VJP
     api_module.vector_jacobian_product(model, {"x"}, {"y"}, {"y": g})
     assert model.cache_pays()
+
+
+def test_a_training_loop_keeps_one_pullback(api_module, rng, monkeypatch):
+    """New weights every step: once step n's VJP reads its pullback, the
+    pullbacks of earlier steps (read already) go; one an apply stored whose
+    VJP has not come yet (another client's) stays and still hits."""
+    from tesseract_core.runtime import jax_recipes
+
+    cache = api_module.RUNTIME.cache
+    cache.resize(0)
+    cache.resize(8)
+
+    def recompute(*args, **kwargs):
+        raise AssertionError("the VJP recomputed instead of using the cache")
+
+    monkeypatch.setattr(jax_recipes, "jax_vjp", recompute)
+    steps = [net.three_layer(rng) for _ in range(4)]
+    g = net.normal(rng, net.forward(steps[0]).shape)
+    other = net.three_layer(rng)
+    pending = api_module.InputSchema.model_validate(other)
+    api_module.apply(pending)  # another client's apply, its VJP comes last
+    for i, inputs in enumerate(steps):
+        model = api_module.InputSchema.model_validate(inputs)
+        api_module.apply(model)
+        got = api_module.vector_jacobian_product(model, {"x"}, {"y"}, {"y": g})
+        np.testing.assert_allclose(
+            got["x"], net.vjp(inputs, g)["x"], rtol=RTOL, atol=ATOL
+        )
+        assert len(cache) == 2, i  # this step's and the pending one
+    got = api_module.vector_jacobian_product(pending, {"x"}, {"y"}, {"y": g})
+    want = net.vjp(other, g)["x"]
+    np.testing.assert_allclose(got["x"], want, rtol=RTOL, atol=ATOL)
