@@ -139,7 +139,9 @@ def _bits(a: np.ndarray) -> np.ndarray:
 
 class ResidualCache:
     """Apply's pullbacks, least recently used first out, for the VJPs that
-    follow; ``size == 0`` turns it off.
+    follow; ``size == 0`` turns it off. A VJP that reads an entry also drops
+    the entries stored before it that a VJP has read already (the past steps
+    of a training loop), so a loop holds one pullback, not ``size``.
 
     ``fn(inputs, *constants) -> outputs`` is the endpoint's function: a
     hashable callable (a module-level function) of the request dict (array
