@@ -145,8 +145,38 @@ def rows_for(layout, shape, reps, cold, strategies=False):
     return rows
 
 
+# quantize's throughput (issue 26): GB/s of float32 input, inputs cold
+QUANTIZE_SHAPE, QUANTIZE_TARGET = (4096, 4096), 20.0
+
+
+def quantize_rows(reps=21, shape=QUANTIZE_SHAPE):
+    """``qarray.quantize`` (its CPU kernel where it runs) against the XLA
+    formulation (``_kernels.quantize_rows``), each on distinct copies of the
+    input beyond the cache: GB/s of float32 read, and the ratio."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    xs = rotating([x + i for i in range(copies_beyond_cache(x.nbytes))])
+    ours = jax.jit(lambda x: qa.unpack(qa.quantize(x)))
+    xla = jax.jit(_kernels.quantize_rows)
+    times = interleaved({"ours": lambda: ours(xs()), "xla": lambda: xla(xs())}, reps)
+    gbs = {k: x.nbytes / t / 1e9 for k, t in times.items()}
+    return [
+        {
+            "row": f"quantize, GB/s of float32 input ({_ffi.status()})",
+            "shape": shape,
+            "baseline": "the XLA formulation (_kernels.quantize_rows): "
+            f"{gbs['xla']:.1f} GB/s",
+            "ratio": gbs["ours"],
+            "target": QUANTIZE_TARGET,
+            "unit": "GB/s",
+            "ms": 1e3 * times["ours"],
+            "baseline_ms": 1e3 * times["xla"],
+        }
+    ]
+
+
 def run(reps=21, strategies=False, shapes=SHAPES):
-    rows = []
+    rows = quantize_rows(reps)
     for shape in shapes:
         for layout in ("nk", "kn"):
             for cold in (True, False):

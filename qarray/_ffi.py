@@ -24,6 +24,7 @@ LIBRARY = Path(__file__).parent / "_cpu" / "libqarray_cpu.so"
 BUILT_FOR = LIBRARY.with_suffix(".jaxlib")
 TARGET = "qarray_product"
 TARGET_INT4 = "qarray_product_int4"
+TARGET_QUANTIZE = "qarray_quantize"
 KERNELS_ENV = "QARRAY_KERNELS"  # "xla": never use the CPU kernels
 
 
@@ -55,6 +56,9 @@ def status() -> str:
     jax.ffi.register_ffi_target(
         TARGET_INT4, jax.ffi.pycapsule(library.QarrayProductInt4), platform="cpu"
     )
+    jax.ffi.register_ffi_target(
+        TARGET_QUANTIZE, jax.ffi.pycapsule(library.QarrayQuantize), platform="cpu"
+    )
     return "available"
 
 
@@ -63,19 +67,24 @@ def available() -> bool:
     return status() == "available"
 
 
-def _call(target, x, n, operands, **attrs):
-    """The kernel ``target`` on ``operands`` -> f32[x.shape[0], n], typed
-    like the operands inside shard_map."""
+def _call(target, x, n, operands, results=None, **attrs):
+    """The kernel ``target`` on ``operands`` -> f32[x.shape[0], n] (or
+    ``results``, a tuple of shape-dtype structs), typed like the operands
+    inside shard_map."""
     if not available():
         raise RuntimeError(f"qarray's CPU kernels do not run here: {status()}")
-    call = jax.ffi.ffi_call(
-        target,
-        jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
-        vmap_method="sequential",
-    )
-    y = call(*operands, **attrs)
-    # inside shard_map the result varies over the manual axes its operands do
-    # (what the typing rules declared); the call's own type says none
+    if results is None:
+        results = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    call = jax.ffi.ffi_call(target, results, vmap_method="sequential")
+    out = call(*operands, **attrs)
+    if isinstance(out, tuple | list):
+        return tuple(_varying_like(o, operands) for o in out)
+    return _varying_like(out, operands)
+
+
+def _varying_like(y, operands):
+    """``y`` varying over the manual axes its operands do inside shard_map
+    (what the typing rules declared; the call's own type says none)."""
     varying = frozenset().union(
         *(jax.typeof(a).manual_axis_type.varying for a in operands)
     )
@@ -92,6 +101,17 @@ def product_int4(x, packed, scale):
     """x f32[m, k] @ W^T for int4 weights W[n, k] (packed uint8[n, k / 2], one
     scale per group of k: f32[n, k / G], G a multiple of 32) -> f32[m, n]."""
     return _call(TARGET_INT4, x, packed.shape[0], (x, packed, scale))
+
+
+def quantize_rows(x):
+    """x f32[m, k] -> (int8[m, k], f32[m]): ``_kernels.quantize_rows``'s
+    numerics (the division correctly rounded), each row read once."""
+    m, k = x.shape
+    results = (
+        jax.ShapeDtypeStruct((m, k), jnp.int8),
+        jax.ShapeDtypeStruct((m,), jnp.float32),
+    )
+    return _call(TARGET_QUANTIZE, x, k, (x,), results)
 
 
 def product(x, qvalue, scale, *, kn: bool, int8: bool):

@@ -187,7 +187,7 @@ class Quantize(HiPrim):
     def expand(self, x):
         if self.bits == 4:
             return QArray(*_kernels.quantize_groups(x, self.group_size))
-        return QArray(*_kernels.quantize_rows(x))
+        return QArray(*_kernels.quantize(x))
 
     # straight-through estimator: the identity for tangents and cotangents
     def jvp(self, primals, tangents):

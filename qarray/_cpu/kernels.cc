@@ -1,7 +1,8 @@
 // qarray's CPU product kernels, registered with XLA through jax.ffi.
 //
-// Two handlers. qarray_product_int4 (below) runs linear_q on packed int4
-// weights. qarray_product computes y f32[M, N] from x f32[M, K] and
+// Three handlers. qarray_quantize (at the end) runs qarray.quantize's int8
+// rows; qarray_product_int4 (below) runs linear_q on packed int4 weights.
+// qarray_product computes y f32[M, N] from x f32[M, K] and
 // int8 weights with one float32 scale per stored row:
 //
 //   layout nk (linear_q): q[N, K], scale[N]   y[m, n] = scale[n] * sum_k x[m, k] q[n, k]
@@ -32,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -136,12 +138,15 @@ QARRAY_AVX512 void NkFloatBlock(const float* x, int64_t k, const int8_t* q,
 
 // u8 rows xq (k bytes each, k_stride apart), s8 weights: integer dot
 // products of MB rows with NB output channels from n (NB a constant, so that
-// the accumulators live in registers)
-template <int MB, int NB>
+// the accumulators live in registers). The u8 rows are v + 128, so each dot
+// is corrected by 128 * rowsum(q[n]): the first block of rows over a tile
+// computes those sums (SUM) into corr[n], the later ones read them back
+// instead of spending an instruction in five on them again.
+template <int MB, int NB, bool SUM>
 QARRAY_AVX512 inline void NkInt8Tile(const uint8_t* xq, int64_t k_stride,
                                      const float* sx, int64_t k, const int8_t* q,
                                      const float* scale, int64_t n, float* y,
-                                     int64_t n_total) {
+                                     int64_t n_total, int64_t* corr) {
   const __m512i ones = _mm512_set1_epi8(1);
   __m512i acc[MB][NB], rowsum[NB];
   for (int c = 0; c < NB; ++c) {
@@ -150,11 +155,11 @@ QARRAY_AVX512 inline void NkInt8Tile(const uint8_t* xq, int64_t k_stride,
   }
   for (int64_t i = 0; i < k; i += 64) {
     const __mmask64 m = (k - i >= 64) ? ~0ULL : ((1ULL << (k - i)) - 1);
-    Prefetch<NB>(q + (n + 2 * NB) * k + i, k);
+    if (SUM) Prefetch<NB>(q + (n + 2 * NB) * k + i, k);
     __m512i w[NB];
     for (int c = 0; c < NB; ++c) {
       w[c] = _mm512_maskz_loadu_epi8(m, q + (n + c) * k + i);
-      rowsum[c] = _mm512_dpbusd_epi32(rowsum[c], ones, w[c]);
+      if (SUM) rowsum[c] = _mm512_dpbusd_epi32(rowsum[c], ones, w[c]);
     }
     for (int r = 0; r < MB; ++r) {
       const __m512i xv = _mm512_maskz_loadu_epi8(m, xq + r * k_stride + i);
@@ -162,7 +167,8 @@ QARRAY_AVX512 inline void NkInt8Tile(const uint8_t* xq, int64_t k_stride,
     }
   }
   for (int c = 0; c < NB; ++c) {
-    const int64_t correction = 128LL * _mm512_reduce_add_epi32(rowsum[c]);
+    if (SUM) corr[n + c] = 128LL * _mm512_reduce_add_epi32(rowsum[c]);
+    const int64_t correction = corr[n + c];
     for (int r = 0; r < MB; ++r) {
       const int64_t dot = _mm512_reduce_add_epi32(acc[r][c]) - correction;
       y[r * n_total + n + c] = (float)dot * sx[r] * scale[n + c];
@@ -170,15 +176,16 @@ QARRAY_AVX512 inline void NkInt8Tile(const uint8_t* xq, int64_t k_stride,
   }
 }
 
-template <int MB>
+template <int MB, bool SUM>
 QARRAY_AVX512 void NkInt8Block(const uint8_t* xq, int64_t k_stride,
                                const float* sx, int64_t k, const int8_t* q,
                                const float* scale, int64_t n0, int64_t n1,
-                               float* y, int64_t n_total) {
+                               float* y, int64_t n_total, int64_t* corr) {
   int64_t n = n0;
   for (; n + 4 <= n1; n += 4)
-    NkInt8Tile<MB, 4>(xq, k_stride, sx, k, q, scale, n, y, n_total);
-  for (; n < n1; ++n) NkInt8Tile<MB, 1>(xq, k_stride, sx, k, q, scale, n, y, n_total);
+    NkInt8Tile<MB, 4, SUM>(xq, k_stride, sx, k, q, scale, n, y, n_total, corr);
+  for (; n < n1; ++n)
+    NkInt8Tile<MB, 1, SUM>(xq, k_stride, sx, k, q, scale, n, y, n_total, corr);
 }
 
 // --- layout kn: y[m, n] = sum_k v[m, k] q[k, n], 64 output columns at a time
@@ -324,18 +331,32 @@ struct Problem {
   int64_t k_stride = 0;
 };
 
-template <int MB>
-QARRAY_AVX512 void RunBlock(const Problem& p, int64_t row, int64_t n0, int64_t n1) {
-  float* y = p.y + row * p.n;
+template <int MB, bool SUM>
+QARRAY_AVX512 void NkInt8Rows(const Problem& p, int64_t row, int64_t n0, int64_t n1,
+                              int64_t* corr) {
   if (p.split) {
-    NkInt8Block<MB>(p.xq.data() + row * p.k, p.k, p.sx.data() + row, p.k, p.q,
-                    p.scale, n0, n1, const_cast<float*>(p.y_parts.data()) + row * p.n,
-                    p.n);
-  } else if (!p.kn && !p.int8) {
-    NkFloatBlock<MB>(p.x + row * p.k, p.k, p.q, p.scale, n0, n1, y, p.n);
+    NkInt8Block<MB, SUM>(p.xq.data() + row * p.k, p.k, p.sx.data() + row, p.k, p.q,
+                         p.scale, n0, n1,
+                         const_cast<float*>(p.y_parts.data()) + row * p.n, p.n, corr);
+  } else {
+    NkInt8Block<MB, SUM>(p.xq.data() + row * p.k_stride, p.k_stride,
+                         p.sx.data() + row, p.k, p.q, p.scale, n0, n1,
+                         p.y + row * p.n, p.n, corr);
+  }
+}
+
+template <int MB>
+QARRAY_AVX512 void RunBlock(const Problem& p, int64_t row, int64_t n0, int64_t n1,
+                            int64_t* corr) {
+  float* y = p.y + row * p.n;
+  if (p.split || (!p.kn && p.int8)) {
+    // the first block of rows over these channels sums their weights
+    if (row == 0)
+      NkInt8Rows<MB, true>(p, row, n0, n1, corr);
+    else
+      NkInt8Rows<MB, false>(p, row, n0, n1, corr);
   } else if (!p.kn) {
-    NkInt8Block<MB>(p.xq.data() + row * p.k_stride, p.k_stride, p.sx.data() + row,
-                    p.k, p.q, p.scale, n0, n1, y, p.n);
+    NkFloatBlock<MB>(p.x + row * p.k, p.k, p.q, p.scale, n0, n1, y, p.n);
   } else {
     const float* x = p.xf.data() + row * p.k;  // folded (and quantized) rows
     const float* fold = nullptr;
@@ -357,15 +378,18 @@ QARRAY_AVX512 void RunChunk(const Problem& p, int64_t n0, int64_t n1) {
   // measured no better); kn: one pass streams the weights for a few rows
   int64_t tile = std::clamp<int64_t>((131072 / p.k) / 4 * 4, 4, 256);
   if (p.kn) tile = p.m <= kRowBlock ? n1 - n0 : 64;
+  // 128 * rowsum(q[n]) of this chunk's channels (W8A8 nk), indexed by n
+  std::vector<int64_t> sums(p.kn ? 0 : n1);
+  int64_t* corr = sums.data();
   for (int64_t t0 = n0; t0 < n1; t0 += tile) {
     const int64_t t1 = std::min(t0 + tile, n1);
     int64_t row = 0;
     for (; row + kRowBlock <= p.rows; row += kRowBlock)
-      RunBlock<kRowBlock>(p, row, t0, t1);
+      RunBlock<kRowBlock>(p, row, t0, t1, corr);
     switch (p.rows - row) {
-      case 3: RunBlock<3>(p, row, t0, t1); break;
-      case 2: RunBlock<2>(p, row, t0, t1); break;
-      case 1: RunBlock<1>(p, row, t0, t1); break;
+      case 3: RunBlock<3>(p, row, t0, t1, corr); break;
+      case 2: RunBlock<2>(p, row, t0, t1, corr); break;
+      case 1: RunBlock<1>(p, row, t0, t1, corr); break;
       default: break;
     }
   }
@@ -633,6 +657,74 @@ ffi::Error ProductInt4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+// --- qarray.quantize on CPU: x f32[M, K] -> q s8[M, K], scale f32[M]
+//
+// Each row read from memory once (its second pass comes from L1: a row of
+// K <= 8192 floats fits), rows split over the pool's threads. The numerics of
+// _kernels.quantize_rows' numerics: scale = max|row| times the float32
+// reciprocal of 127, as XLA compiles it (its simplifier turns the division by
+// a constant into that product), NaN if the row holds one; q =
+// round_half_even(x / divisor), divisor = scale if scale > 0 else 1, with a
+// correctly rounded division (XLA's is within 1 ulp), NaN entries 0, clipped
+// to [-127, 127].
+QARRAY_AVX512 void QuantizeRowS8(const float* x, int64_t k, int8_t* q, float* scale) {
+  __m512 vmax = _mm512_setzero_ps();
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < k; i += 16) {
+    const __mmask16 m = (k - i >= 16) ? 0xFFFF : (__mmask16)((1u << (k - i)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    vmax = _mm512_max_ps(_mm512_abs_ps(v), vmax);  // a NaN lane keeps vmax
+  }
+  const float s = nan ? std::numeric_limits<float>::quiet_NaN()
+                      : _mm512_reduce_max_ps(vmax) * (1.0f / 127.0f);
+  *scale = s;
+  const __m512 divisor = _mm512_set1_ps(s > 0.0f ? s : 1.0f);
+  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+  for (int64_t i = 0; i < k; i += 16) {
+    const __mmask16 m = (k - i >= 16) ? 0xFFFF : (__mmask16)((1u << (k - i)) - 1);
+    __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(m, x + i), divisor),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_setzero_ps());
+    v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+    _mm_mask_storeu_epi8(q + i, m, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
+  }
+}
+
+struct QuantizeProblem {
+  int64_t m, k;
+  const float* x;
+  int8_t* q;
+  float* scale;
+};
+
+ffi::Error QuantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                        ffi::ResultBuffer<ffi::S8> q, ffi::ResultBuffer<ffi::F32> scale) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2)
+    return ffi::Error::InvalidArgument("qarray_quantize takes x[M, K]");
+  auto p = std::make_shared<QuantizeProblem>();
+  p->m = xd[0];
+  p->k = xd[1];
+  p->x = x.typed_data();
+  p->q = q->typed_data();
+  p->scale = scale->typed_data();
+  if (p->m == 0) return ffi::Error::Success();
+  // rows in chunks of ~256 KiB of input, over the threads for big inputs
+  const int64_t chunk = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(p->k, 1));
+  const int64_t threads =
+      p->m * p->k < kParallelWork ? 1 : std::max<int64_t>(1, pool.num_threads());
+  const QuantizeProblem* problem = p.get();
+  Parallel(pool, p->m, chunk, threads,
+           [problem](int64_t r0, int64_t r1) {
+             for (int64_t r = r0; r < r1; ++r)
+               QuantizeRowS8(problem->x + r * problem->k, problem->k,
+                             problem->q + r * problem->k, problem->scale + r);
+           },
+           p);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QarrayProduct, ProductImpl,
@@ -651,6 +743,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QarrayProductInt4, ProductInt4Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QarrayQuantize, QuantizeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 // Whether this CPU runs the kernels (AVX-512 F, BW, VL and VNNI).

@@ -292,3 +292,30 @@ def test_kernels_switch_off_with_qarray_kernels_xla():
         [sys.executable, "-c", code], env=env, capture_output=True, text=True
     )
     assert out.stdout.strip() == "QARRAY_KERNELS=xla", out.stderr
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (5, 17), (64, 300), (3, 2, 33), (0, 5)])
+def test_quantize_kernel_matches_numpy_and_xla(rng, shape):
+    """quantize's CPU kernel: the XLA formulation's scales bit for bit (the
+    reciprocal of 127), the NumPy reference's values, zero and inf rows; a row
+    with a NaN gets a NaN scale (jnp.max's rule, which XLA's vectorised max
+    keeps at some widths only) and 0 for the NaN entry."""
+    needs("kernel")
+    x = (rng.standard_normal(shape) * 5).astype(np.float32)
+    rows = x.reshape(-1, shape[-1])  # a view: the edits below land in x
+    rows[:1] = 0.0  # an all-zero row: scale 0, values 0
+    rows[1:2, 0] = np.nan  # NaN scale, the NaN entry 0
+    rows[2:3, -1] = np.inf
+    qvalue, scale = jax.jit(_ffi.quantize_rows)(rows)
+    want_q, want_s = jax.jit(_kernels.quantize_rows)(rows)
+    has_nan = np.isnan(rows).any(axis=-1)
+    np.testing.assert_array_equal(np.asarray(scale)[~has_nan], want_s[~has_nan])
+    np.testing.assert_array_equal(np.asarray(qvalue)[~has_nan], want_q[~has_nan])
+    assert np.isnan(np.asarray(scale)[has_nan]).all()
+    assert (np.asarray(qvalue)[np.isnan(rows)] == 0).all()
+    finite = np.isfinite(rows).all(axis=-1)
+    ref_q, _ = ref.quantize(rows[finite])
+    np.testing.assert_array_equal(np.asarray(qvalue)[finite], ref_q)
+    # and through the primitive, any leading axes
+    q = jax.jit(qa.quantize)(x)
+    np.testing.assert_array_equal(qa.unpack(q)[0], np.asarray(qvalue).reshape(shape))
