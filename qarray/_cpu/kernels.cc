@@ -138,15 +138,12 @@ QARRAY_AVX512 void NkFloatBlock(const float* x, int64_t k, const int8_t* q,
 
 // u8 rows xq (k bytes each, k_stride apart), s8 weights: integer dot
 // products of MB rows with NB output channels from n (NB a constant, so that
-// the accumulators live in registers). The u8 rows are v + 128, so each dot
-// is corrected by 128 * rowsum(q[n]): the first block of rows over a tile
-// computes those sums (SUM) into corr[n], the later ones read them back
-// instead of spending an instruction in five on them again.
-template <int MB, int NB, bool SUM>
+// the accumulators live in registers)
+template <int MB, int NB>
 QARRAY_AVX512 inline void NkInt8Tile(const uint8_t* xq, int64_t k_stride,
                                      const float* sx, int64_t k, const int8_t* q,
                                      const float* scale, int64_t n, float* y,
-                                     int64_t n_total, int64_t* corr) {
+                                     int64_t n_total) {
   const __m512i ones = _mm512_set1_epi8(1);
   __m512i acc[MB][NB], rowsum[NB];
   for (int c = 0; c < NB; ++c) {
@@ -155,11 +152,11 @@ QARRAY_AVX512 inline void NkInt8Tile(const uint8_t* xq, int64_t k_stride,
   }
   for (int64_t i = 0; i < k; i += 64) {
     const __mmask64 m = (k - i >= 64) ? ~0ULL : ((1ULL << (k - i)) - 1);
-    if (SUM) Prefetch<NB>(q + (n + 2 * NB) * k + i, k);
+    Prefetch<NB>(q + (n + 2 * NB) * k + i, k);
     __m512i w[NB];
     for (int c = 0; c < NB; ++c) {
       w[c] = _mm512_maskz_loadu_epi8(m, q + (n + c) * k + i);
-      if (SUM) rowsum[c] = _mm512_dpbusd_epi32(rowsum[c], ones, w[c]);
+      rowsum[c] = _mm512_dpbusd_epi32(rowsum[c], ones, w[c]);
     }
     for (int r = 0; r < MB; ++r) {
       const __m512i xv = _mm512_maskz_loadu_epi8(m, xq + r * k_stride + i);
@@ -167,8 +164,7 @@ QARRAY_AVX512 inline void NkInt8Tile(const uint8_t* xq, int64_t k_stride,
     }
   }
   for (int c = 0; c < NB; ++c) {
-    if (SUM) corr[n + c] = 128LL * _mm512_reduce_add_epi32(rowsum[c]);
-    const int64_t correction = corr[n + c];
+    const int64_t correction = 128LL * _mm512_reduce_add_epi32(rowsum[c]);
     for (int r = 0; r < MB; ++r) {
       const int64_t dot = _mm512_reduce_add_epi32(acc[r][c]) - correction;
       y[r * n_total + n + c] = (float)dot * sx[r] * scale[n + c];
@@ -176,16 +172,15 @@ QARRAY_AVX512 inline void NkInt8Tile(const uint8_t* xq, int64_t k_stride,
   }
 }
 
-template <int MB, bool SUM>
+template <int MB>
 QARRAY_AVX512 void NkInt8Block(const uint8_t* xq, int64_t k_stride,
                                const float* sx, int64_t k, const int8_t* q,
                                const float* scale, int64_t n0, int64_t n1,
-                               float* y, int64_t n_total, int64_t* corr) {
+                               float* y, int64_t n_total) {
   int64_t n = n0;
   for (; n + 4 <= n1; n += 4)
-    NkInt8Tile<MB, 4, SUM>(xq, k_stride, sx, k, q, scale, n, y, n_total, corr);
-  for (; n < n1; ++n)
-    NkInt8Tile<MB, 1, SUM>(xq, k_stride, sx, k, q, scale, n, y, n_total, corr);
+    NkInt8Tile<MB, 4>(xq, k_stride, sx, k, q, scale, n, y, n_total);
+  for (; n < n1; ++n) NkInt8Tile<MB, 1>(xq, k_stride, sx, k, q, scale, n, y, n_total);
 }
 
 // --- layout kn: y[m, n] = sum_k v[m, k] q[k, n], 64 output columns at a time
@@ -331,32 +326,18 @@ struct Problem {
   int64_t k_stride = 0;
 };
 
-template <int MB, bool SUM>
-QARRAY_AVX512 void NkInt8Rows(const Problem& p, int64_t row, int64_t n0, int64_t n1,
-                              int64_t* corr) {
-  if (p.split) {
-    NkInt8Block<MB, SUM>(p.xq.data() + row * p.k, p.k, p.sx.data() + row, p.k, p.q,
-                         p.scale, n0, n1,
-                         const_cast<float*>(p.y_parts.data()) + row * p.n, p.n, corr);
-  } else {
-    NkInt8Block<MB, SUM>(p.xq.data() + row * p.k_stride, p.k_stride,
-                         p.sx.data() + row, p.k, p.q, p.scale, n0, n1,
-                         p.y + row * p.n, p.n, corr);
-  }
-}
-
 template <int MB>
-QARRAY_AVX512 void RunBlock(const Problem& p, int64_t row, int64_t n0, int64_t n1,
-                            int64_t* corr) {
+QARRAY_AVX512 void RunBlock(const Problem& p, int64_t row, int64_t n0, int64_t n1) {
   float* y = p.y + row * p.n;
-  if (p.split || (!p.kn && p.int8)) {
-    // the first block of rows over these channels sums their weights
-    if (row == 0)
-      NkInt8Rows<MB, true>(p, row, n0, n1, corr);
-    else
-      NkInt8Rows<MB, false>(p, row, n0, n1, corr);
-  } else if (!p.kn) {
+  if (p.split) {
+    NkInt8Block<MB>(p.xq.data() + row * p.k, p.k, p.sx.data() + row, p.k, p.q,
+                    p.scale, n0, n1, const_cast<float*>(p.y_parts.data()) + row * p.n,
+                    p.n);
+  } else if (!p.kn && !p.int8) {
     NkFloatBlock<MB>(p.x + row * p.k, p.k, p.q, p.scale, n0, n1, y, p.n);
+  } else if (!p.kn) {
+    NkInt8Block<MB>(p.xq.data() + row * p.k_stride, p.k_stride, p.sx.data() + row,
+                    p.k, p.q, p.scale, n0, n1, y, p.n);
   } else {
     const float* x = p.xf.data() + row * p.k;  // folded (and quantized) rows
     const float* fold = nullptr;
@@ -378,18 +359,15 @@ QARRAY_AVX512 void RunChunk(const Problem& p, int64_t n0, int64_t n1) {
   // measured no better); kn: one pass streams the weights for a few rows
   int64_t tile = std::clamp<int64_t>((131072 / p.k) / 4 * 4, 4, 256);
   if (p.kn) tile = p.m <= kRowBlock ? n1 - n0 : 64;
-  // 128 * rowsum(q[n]) of this chunk's channels (W8A8 nk), indexed by n
-  std::vector<int64_t> sums(p.kn ? 0 : n1);
-  int64_t* corr = sums.data();
   for (int64_t t0 = n0; t0 < n1; t0 += tile) {
     const int64_t t1 = std::min(t0 + tile, n1);
     int64_t row = 0;
     for (; row + kRowBlock <= p.rows; row += kRowBlock)
-      RunBlock<kRowBlock>(p, row, t0, t1, corr);
+      RunBlock<kRowBlock>(p, row, t0, t1);
     switch (p.rows - row) {
-      case 3: RunBlock<3>(p, row, t0, t1, corr); break;
-      case 2: RunBlock<2>(p, row, t0, t1, corr); break;
-      case 1: RunBlock<1>(p, row, t0, t1, corr); break;
+      case 3: RunBlock<3>(p, row, t0, t1); break;
+      case 2: RunBlock<2>(p, row, t0, t1); break;
+      case 1: RunBlock<1>(p, row, t0, t1); break;
       default: break;
     }
   }
