@@ -175,19 +175,35 @@ def dequantize_groups(packed, scale):
     return groups.reshape(*lead, n)
 
 
-# rows up to which qarray's CPU kernel beats the XLA formulations, by layout
-# and activations (``make bench``, suite kernels, weights cold and hot): at
-# more rows XLA's int8 dots are better blocked
 # weight-only products with at most this many weights take "dequantize" on
 # CPU too (a 4 KiB float32 copy, in cache)
 SMALL_WEIGHT_ELEMENTS = 1024
 
-KERNEL_MAX_ROWS = {
+# Where qarray's CPU kernel beats the XLA formulations (make bench, suite
+# kernels --strategies, weights cold): its dot-product tiles up to
+# KERNEL_TILE_ROWS rows, its GEMM from KERNEL_GEMM_ROWS int8 rows (kGemmRows
+# in kernels.cc; weight-only runs three int8 parts a row) up to
+# KERNEL_MAX_ROWS rows, past which XLA's int8 dots measure as fast; for layout
+# "kn" only while the weights the GEMM repacks every call are few.
+KERNEL_TILE_ROWS = {
     ("nk", "float32"): 2,
     ("nk", "int8"): 8,
     ("kn", "float32"): 1,
     ("kn", "int8"): 1,
 }
+KERNEL_GEMM_ROWS = 32
+KERNEL_MAX_ROWS = {"float32": 64, "int8": 256}
+KN_GEMM_MAX_WEIGHTS = 2**21
+
+
+def kernel_wins(m: int, k: int, n: int, activations: str, layout: str) -> bool:
+    """Whether the CPU kernel is the faster formulation (see above)."""
+    if m <= KERNEL_TILE_ROWS[layout, activations]:
+        return True
+    int8_rows = m if activations == "int8" else 3 * m
+    if int8_rows < KERNEL_GEMM_ROWS or m > KERNEL_MAX_ROWS[activations]:
+        return False
+    return layout == "nk" or k * n <= KN_GEMM_MAX_WEIGHTS
 
 
 def choose_strategy(
@@ -206,7 +222,7 @@ def choose_strategy(
         return "int8_dot" if activations == "int8" else "dequantize"
     if kernels is None:
         kernels = _ffi.available()
-    if kernels and m <= KERNEL_MAX_ROWS[layout, activations]:
+    if kernels and kernel_wins(m, k, n, activations, layout):
         return "kernel"
     if activations == "float32" and k * n <= SMALL_WEIGHT_ELEMENTS:
         # no weight bytes to save: the product reads x, and the three int8

@@ -21,6 +21,10 @@
 //       integers up to 2^24), times s.
 // Rows are taken MB at a time so that each weight load serves MB rows; the
 // output channels are split in chunks over XLA's intra-op thread pool.
+// From kGemmRows int8 rows (W8A8 rows, or weight-only's parts, in either
+// layout; kn's weight-only then runs on split parts of x * scale too) each
+// chunk repacks its weights for vpdpbusd and runs a register-blocked GEMM
+// instead of the dot products (GemmChunk).
 //
 // Only AVX-512 (F, BW, VNNI) code is here, compiled with target attributes and
 // used only where qarray_cpu_supported() says the CPU has it; elsewhere
@@ -36,6 +40,7 @@
 #include <limits>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -183,6 +188,161 @@ QARRAY_AVX512 void NkInt8Block(const uint8_t* xq, int64_t k_stride,
   for (; n < n1; ++n) NkInt8Tile<MB, 1>(xq, k_stride, sx, k, q, scale, n, y, n_total);
 }
 
+
+// --- layout nk, many rows: a GEMM on weights repacked per chunk
+//
+// From kGemmRows rows (W8A8, or weight-only's int8 parts) each chunk of
+// output channels first copies its weights into vpdpbusd's layout: 16
+// channels x 4 consecutive k per 64-byte vector (k padded to 4 with zeros),
+// with 128 * rowsum per channel. Then kGemmMR rows x 32 channels accumulate
+// in registers, 4 bytes of a row broadcast against two weight vectors: no
+// horizontal sums (what the dot-product tiles above spend most on at many
+// rows), and each weight vector serves kGemmMR rows from L1/L2.
+constexpr int64_t kGemmRows = 32;
+constexpr int kGemmMR = 8;
+
+struct Panel {
+  std::vector<int8_t> w;       // (n16 + 1) blocks of k4 x 64 bytes
+  std::vector<int32_t> corr;   // 128 * rowsum, per channel of the chunk
+  int64_t k4 = 0;
+};
+
+// 16 vectors of 16 int32 lanes, transposed in place (lane e of r[c] becomes
+// lane c of r[e]): each lane here is 4 consecutive bytes of a weight row
+QARRAY_AVX512 inline void Transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + j]: element 4 L + j of rows i..i+3
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i a01 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44);
+    const __m512i a23 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
+    const __m512i b01 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
+    const __m512i b23 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
+    r[j] = _mm512_shuffle_i32x4(a01, b01, 0x88);
+    r[4 + j] = _mm512_shuffle_i32x4(a01, b01, 0xDD);
+    r[8 + j] = _mm512_shuffle_i32x4(a23, b23, 0x88);
+    r[12 + j] = _mm512_shuffle_i32x4(a23, b23, 0xDD);
+  }
+}
+
+QARRAY_AVX512 void PackPanel(const int8_t* q, int64_t k, int64_t n0, int64_t n1,
+                             Panel& panel) {
+  const int64_t k4 = (k + 3) / 4, n16 = (n1 - n0 + 15) / 16;
+  panel.k4 = k4;
+  // one zero block more: the last pair of vectors may hold one real one
+  panel.w.assign((n16 + 1) * k4 * 64, 0);
+  panel.corr.assign((n16 + 1) * 16, 0);
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t b = 0; b < n16; ++b) {
+    const int64_t lanes = std::min<int64_t>(16, n1 - n0 - 16 * b);
+    const int8_t* rows = q + (n0 + 16 * b) * k;
+    int8_t* dst = panel.w.data() + b * k4 * 64;
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t i = 0; i < k; i += 64) {  // 16 groups of 4 k at a time
+      const __mmask64 m = (k - i >= 64) ? ~0ULL : ((1ULL << (k - i)) - 1);
+      __m512i r[16];
+      for (int c = 0; c < 16; ++c)
+        r[c] = c < lanes ? _mm512_maskz_loadu_epi8(m, rows + c * k + i)
+                         : _mm512_setzero_si512();
+      Transpose16(r);
+      const int64_t groups = std::min<int64_t>(16, k4 - i / 4);
+      for (int64_t e = 0; e < groups; ++e) {
+        _mm512_storeu_si512(dst + (i / 4 + e) * 64, r[e]);
+        sum = _mm512_dpbusd_epi32(sum, ones, r[e]);  // lane c: channel c's bytes
+      }
+    }
+    _mm512_storeu_si512(panel.corr.data() + 16 * b,
+                        _mm512_mullo_epi32(sum, _mm512_set1_epi32(128)));
+  }
+}
+
+// The same panel from layout kn's q[K, N] (row-major, N apart): four rows'
+// 16 bytes interleaved byte by byte into one 64-byte vector per 4 k
+QARRAY_AVX512 void PackPanelKn(const int8_t* q, int64_t k, int64_t n, int64_t n0,
+                               int64_t n1, Panel& panel) {
+  const int64_t k4 = (k + 3) / 4, n16 = (n1 - n0 + 15) / 16;
+  panel.k4 = k4;
+  panel.w.assign((n16 + 1) * k4 * 64, 0);
+  panel.corr.assign((n16 + 1) * 16, 0);
+  // four rows at a time across the chunk's columns: each row read in order
+  // (a block of 16 columns down all K rows would touch a page per row)
+  for (int64_t g = 0; g < k4; ++g) {
+    for (int64_t b = 0; b < n16; ++b) {
+      const int64_t c0 = n0 + 16 * b, lanes = std::min<int64_t>(16, n1 - c0);
+      const __mmask16 m = lanes == 16 ? 0xFFFF : (__mmask16)((1u << lanes) - 1);
+      __m128i r[4];
+      for (int t = 0; t < 4; ++t)
+        r[t] = 4 * g + t < k ? _mm_maskz_loadu_epi8(m, q + (4 * g + t) * n + c0)
+                             : _mm_setzero_si128();
+      const __m128i ab_lo = _mm_unpacklo_epi8(r[0], r[1]);
+      const __m128i ab_hi = _mm_unpackhi_epi8(r[0], r[1]);
+      const __m128i cd_lo = _mm_unpacklo_epi8(r[2], r[3]);
+      const __m128i cd_hi = _mm_unpackhi_epi8(r[2], r[3]);
+      __m512i v = _mm512_castsi128_si512(_mm_unpacklo_epi16(ab_lo, cd_lo));
+      v = _mm512_inserti32x4(v, _mm_unpackhi_epi16(ab_lo, cd_lo), 1);
+      v = _mm512_inserti32x4(v, _mm_unpacklo_epi16(ab_hi, cd_hi), 2);
+      v = _mm512_inserti32x4(v, _mm_unpackhi_epi16(ab_hi, cd_hi), 3);
+      _mm512_storeu_si512(panel.w.data() + (b * k4 + g) * 64, v);
+    }
+  }
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t b = 0; b < n16; ++b) {  // the sums, from the panel (in L2)
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t g = 0; g < k4; ++g)
+      sum = _mm512_dpbusd_epi32(sum, ones,
+                                _mm512_loadu_si512(panel.w.data() + (b * k4 + g) * 64));
+    _mm512_storeu_si512(panel.corr.data() + 16 * b,
+                        _mm512_mullo_epi32(sum, _mm512_set1_epi32(128)));
+  }
+}
+
+// MR rows of u8 xq (ks bytes apart) times the panel's 32 channels from c
+// (two blocks of 16), `cols` of them real, into y (ldy apart), scaled
+template <int MR>
+QARRAY_AVX512 void GemmTile(const uint8_t* xq, int64_t ks, const float* sx,
+                            const Panel& panel, int64_t c, int64_t cols,
+                            const float* scale, float* y, int64_t ldy) {
+  const int64_t k4 = panel.k4;
+  const int8_t* w0 = panel.w.data() + (c / 16) * k4 * 64;
+  const int8_t* w1 = w0 + k4 * 64;
+  __m512i acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+  for (int64_t g = 0; g < k4; ++g) {
+    const __m512i a = _mm512_loadu_si512(w0 + g * 64);
+    const __m512i b = _mm512_loadu_si512(w1 + g * 64);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      int32_t four;
+      std::memcpy(&four, xq + r * ks + 4 * g, 4);
+      const __m512i xb = _mm512_set1_epi32(four);
+      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], xb, a);
+      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], xb, b);
+    }
+  }
+  const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
+  const __mmask16 m1 =
+      cols >= 32 ? 0xFFFF : (cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1));
+  const __m512i c0 = _mm512_loadu_si512(panel.corr.data() + c);
+  const __m512i c1 = _mm512_loadu_si512(panel.corr.data() + c + 16);
+  const __m512 s0 = _mm512_maskz_loadu_ps(m0, scale);
+  const __m512 s1 = _mm512_maskz_loadu_ps(m1, scale + 16);
+  for (int r = 0; r < MR; ++r) {
+    const __m512 x = _mm512_set1_ps(sx[r]);
+    const __m512 y0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][0], c0));
+    const __m512 y1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][1], c1));
+    _mm512_mask_storeu_ps(y + r * ldy, m0, _mm512_mul_ps(_mm512_mul_ps(y0, x), s0));
+    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, _mm512_mul_ps(_mm512_mul_ps(y1, x), s1));
+  }
+}
+
 // --- layout kn: y[m, n] = sum_k v[m, k] q[k, n], 64 output columns at a time
 
 // MB rows and NB groups of 16 columns from n, the last group masked
@@ -323,16 +483,18 @@ struct Problem {
   // int8 activations: quantized rows (u8 for nk, float for kn) and scales
   std::vector<uint8_t> xq;
   std::vector<float> xf, sx;
-  int64_t k_stride = 0;
+  int64_t k_stride = 0;  // bytes between rows of xq (nk): k rounded up to 4
+  bool gemm = false;  // kGemmRows rows (parts) or more: GemmChunk
+  std::vector<float> ones;  // kn's output scales under the GEMM
 };
 
 template <int MB>
 QARRAY_AVX512 void RunBlock(const Problem& p, int64_t row, int64_t n0, int64_t n1) {
   float* y = p.y + row * p.n;
   if (p.split) {
-    NkInt8Block<MB>(p.xq.data() + row * p.k, p.k, p.sx.data() + row, p.k, p.q,
-                    p.scale, n0, n1, const_cast<float*>(p.y_parts.data()) + row * p.n,
-                    p.n);
+    NkInt8Block<MB>(p.xq.data() + row * p.k_stride, p.k_stride, p.sx.data() + row,
+                    p.k, p.q, p.scale, n0, n1,
+                    const_cast<float*>(p.y_parts.data()) + row * p.n, p.n);
   } else if (!p.kn && !p.int8) {
     NkFloatBlock<MB>(p.x + row * p.k, p.k, p.q, p.scale, n0, n1, y, p.n);
   } else if (!p.kn) {
@@ -352,9 +514,10 @@ QARRAY_AVX512 void RunBlock(const Problem& p, int64_t row, int64_t n0, int64_t n
   }
 }
 
-// Output channels in tiles whose weights (tile x K int8) stay in L2 while
-// every block of rows passes over them: weights are read from memory once.
-QARRAY_AVX512 void RunChunk(const Problem& p, int64_t n0, int64_t n1) {
+// The dot-product tiles over channels [n0, n1): output channels in tiles
+// whose weights (tile x K int8) stay in L2 while every block of rows passes
+// over them, so the weights are read from memory once.
+QARRAY_AVX512 void RunTiles(const Problem& p, int64_t n0, int64_t n1) {
   // nk: tiles of output channels that stay in L2 (four at a time, in L1,
   // measured no better); kn: one pass streams the weights for a few rows
   int64_t tile = std::clamp<int64_t>((131072 / p.k) / 4 * 4, 4, 256);
@@ -370,6 +533,38 @@ QARRAY_AVX512 void RunChunk(const Problem& p, int64_t n0, int64_t n1) {
       case 1: RunBlock<1>(p, row, t0, t1); break;
       default: break;
     }
+  }
+}
+
+// The GEMM form over channels [n0, n1): panel, then tiles of rows x 32
+QARRAY_AVX512 void GemmChunk(const Problem& p, int64_t n0, int64_t n1) {
+  Panel panel;
+  if (p.kn)
+    PackPanelKn(p.q, p.k, p.n, n0, n1, panel);
+  else
+    PackPanel(p.q, p.k, n0, n1, panel);
+  // kn: the scales folded into x already, the output's are ones
+  const float* scale = p.kn ? p.ones.data() : p.scale;
+  float* y = p.split ? const_cast<float*>(p.y_parts.data()) : p.y;
+  // a block of rows stays in L1 while it passes over the whole panel (in L2)
+  auto rows = [&](auto mr, int64_t row) {
+    constexpr int MR = decltype(mr)::value;
+    for (int64_t c = 0; c < n1 - n0; c += 32)
+      GemmTile<MR>(p.xq.data() + row * p.k_stride, p.k_stride, p.sx.data() + row,
+                   panel, c, std::min<int64_t>(32, n1 - n0 - c), scale + n0 + c,
+                   y + row * p.n + n0 + c, p.n);
+  };
+  int64_t row = 0;
+  for (; row + kGemmMR <= p.rows; row += kGemmMR)
+    rows(std::integral_constant<int, kGemmMR>{}, row);
+  for (; row < p.rows; ++row) rows(std::integral_constant<int, 1>{}, row);
+}
+
+QARRAY_AVX512 void RunChunk(const Problem& p, int64_t n0, int64_t n1) {
+  if (p.gemm) {
+    GemmChunk(p, n0, n1);
+  } else {
+    RunTiles(p, n0, n1);
   }
   if (p.split) {  // the parts' products, summed
     for (int64_t r = 0; r < p.m; ++r)
@@ -427,18 +622,27 @@ int64_t ChunkSize(int64_t n, int64_t threads, int64_t per_thread) {
 
 QARRAY_AVX512 void Prepare(Problem& p) {
   p.rows = p.m;
+  // u8 rows 4-byte aligned for the GEMM's broadcasts (the padding meets zero
+  // weights there, and the tiles never read it)
+  p.k_stride = (p.k + 3) / 4 * 4;
+  // the GEMM from kGemmRows int8 rows (weight-only: kSplit parts a row);
+  // weight-only runs on split rows for nk, and for kn under the GEMM
+  p.gemm = (p.int8 ? p.m : kSplit * p.m) >= kGemmRows;
+  p.split = !p.int8 && (!p.kn || p.gemm);
+  if (p.kn && p.gemm) p.ones.assign(p.n, 1.0f);
   if (p.split) {
     p.rows = kSplit * p.m;
-    p.xq.resize(p.rows * p.k);
+    p.xq.assign(p.rows * p.k_stride, 0);
     p.sx.resize(p.rows);
     p.y_parts.resize(p.rows * p.n);
     std::vector<float> rest(p.k), levels(p.k);
     for (int64_t r = 0; r < p.m; ++r) {
-      std::copy(p.x + r * p.k, p.x + (r + 1) * p.k, rest.begin());
+      const float* x = p.x + r * p.k;
+      for (int64_t i = 0; i < p.k; ++i) rest[i] = p.kn ? x[i] * p.scale[i] : x[i];
       for (int part = 0; part < kSplit; ++part) {
         const int64_t at = kSplit * r + part;
         const float a = QuantizeRow(rest.data(), nullptr, p.k, levels.data(),
-                                    p.xq.data() + at * p.k);
+                                    p.xq.data() + at * p.k_stride);
         p.sx[at] = a;
         for (int64_t i = 0; i < p.k; ++i) rest[i] -= levels[i] * a;
       }
@@ -453,15 +657,16 @@ QARRAY_AVX512 void Prepare(Problem& p) {
   }
   if (!p.int8) return;
   p.sx.resize(p.m);
-  if (p.kn) {
+  if (p.kn && !p.gemm) {
     p.xf.resize(p.m * p.k);
     for (int64_t r = 0; r < p.m; ++r)
       p.sx[r] = QuantizeRow(p.x + r * p.k, p.scale, p.k, p.xf.data() + r * p.k, nullptr);
-  } else {
-    p.k_stride = p.k;
-    p.xq.resize(p.m * p.k);
+  } else {  // u8 rows (kn: of x * scale)
+    p.xq.assign(p.m * p.k_stride, 0);
+    const float* fold = p.kn ? p.scale : nullptr;
     for (int64_t r = 0; r < p.m; ++r)
-      p.sx[r] = QuantizeRow(p.x + r * p.k, nullptr, p.k, nullptr, p.xq.data() + r * p.k);
+      p.sx[r] = QuantizeRow(p.x + r * p.k, fold, p.k, nullptr,
+                            p.xq.data() + r * p.k_stride);
   }
 }
 
@@ -477,7 +682,6 @@ ffi::Error ProductImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   p->n = kn ? qd[1] : qd[0];
   p->kn = kn != 0;
   p->int8 = int8 != 0;
-  p->split = !p->kn && !p->int8;
   if ((kn ? qd[0] : qd[1]) != p->k)
     return ffi::Error::InvalidArgument("qarray_product: x and q do not contract");
   p->x = x.typed_data();

@@ -53,6 +53,11 @@ SHAPES = [
     (5, 300, 7),
     (0, 16, 8),
     (2, 0, 3),
+    # the kernel's GEMM (32 int8 rows and more; weight-only: three a row):
+    # K not a multiple of 4, N not one of 16, rows not one of 8
+    (11, 5, 17),
+    (37, 70, 33),
+    (64, 96, 130),
 ]
 
 
@@ -132,6 +137,13 @@ def test_choose_strategy(m, kn, activations, platform, expected):
         (3, "nk", "float32", "cpu", "split_int8"),
         (8, "nk", "int8", "cpu", "kernel"),
         (9, "nk", "int8", "cpu", "int8_dot"),
+        (11, "nk", "float32", "cpu", "kernel"),  # 33 int8 rows: the GEMM
+        (64, "nk", "float32", "cpu", "kernel"),
+        (65, "nk", "float32", "cpu", "split_int8"),
+        (32, "nk", "int8", "cpu", "kernel"),
+        (256, "nk", "int8", "cpu", "kernel"),
+        (257, "nk", "int8", "cpu", "int8_dot"),
+        (16, "kn", "float32", "cpu", "split_int8"),  # 4096 x 4096: repacking costs
         (1, "kn", "float32", "cpu", "kernel"),
         (1, "kn", "int8", "cpu", "kernel"),
         (2, "kn", "float32", "cpu", "split_int8"),
@@ -145,6 +157,14 @@ def test_choose_strategy_with_the_cpu_kernels(
         m, 4096, 4096, activations, platform, layout, kernels=True
     )
     assert got == expected
+
+
+def test_the_kn_gemm_takes_small_weights():
+    for activations in ("float32", "int8"):
+        got = _kernels.choose_strategy(
+            64, 1024, 1024, activations, "cpu", "kn", kernels=True
+        )
+        assert got == "kernel"
 
 
 @pytest.mark.parametrize(
