@@ -290,8 +290,10 @@ def linear(x, qvalue, scale, activations="float32", strategy=None):
 
 
 # rows up to which the int4 CPU kernel beats dequantizing and a float32 dot
-# (``make bench``, suite kernels)
-INT4_KERNEL_MAX_ROWS = 16
+# (``make bench``, suite kernels): its float32 tiles for a few rows, then (from
+# KERNEL_GEMM_ROWS int8 parts: three a row) the int8 GEMM with the nibbles
+# unpacked into its panel and each group's sums scaled in the tile
+INT4_KERNEL_MAX_ROWS = 256
 
 
 def linear_int4(x, packed, scale, strategy=None):

@@ -1,7 +1,9 @@
 // qarray's CPU product kernels, registered with XLA through jax.ffi.
 //
 // Three handlers. qarray_quantize (at the end) runs qarray.quantize's int8
-// rows; qarray_product_int4 (below) runs linear_q on packed int4 weights.
+// rows; qarray_product_int4 (below) runs linear_q on packed int4 weights (for
+// many rows through the same GEMM: nibbles unpacked into the panel, the group
+// scales applied to each group's integer sums).
 // qarray_product computes y f32[M, N] from x f32[M, K] and
 // int8 weights with one float32 scale per stored row:
 //
@@ -620,6 +622,23 @@ int64_t ChunkSize(int64_t n, int64_t threads, int64_t per_thread) {
   return std::max<int64_t>(64, (chunk + 63) / 64 * 64);
 }
 
+// Each row of x (times fold, if given) as kSplit int8 parts, each quantizing
+// what the previous left (x to ~1e-7 of its row's largest entry: float32
+// precision): u8 rows (v + 128) of xq, kSplit per row, ks bytes apart, and
+// their scales
+QARRAY_AVX512 void SplitRows(const float* x, const float* fold, int64_t m, int64_t k,
+                             int64_t ks, uint8_t* xq, float* sx) {
+  std::vector<float> rest(k), levels(k);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t i = 0; i < k; ++i) rest[i] = fold ? x[r * k + i] * fold[i] : x[r * k + i];
+    for (int part = 0; part < kSplit; ++part) {
+      const int64_t at = kSplit * r + part;
+      sx[at] = QuantizeRow(rest.data(), nullptr, k, levels.data(), xq + at * ks);
+      for (int64_t i = 0; i < k; ++i) rest[i] -= levels[i] * sx[at];
+    }
+  }
+}
+
 QARRAY_AVX512 void Prepare(Problem& p) {
   p.rows = p.m;
   // u8 rows 4-byte aligned for the GEMM's broadcasts (the padding meets zero
@@ -635,18 +654,8 @@ QARRAY_AVX512 void Prepare(Problem& p) {
     p.xq.assign(p.rows * p.k_stride, 0);
     p.sx.resize(p.rows);
     p.y_parts.resize(p.rows * p.n);
-    std::vector<float> rest(p.k), levels(p.k);
-    for (int64_t r = 0; r < p.m; ++r) {
-      const float* x = p.x + r * p.k;
-      for (int64_t i = 0; i < p.k; ++i) rest[i] = p.kn ? x[i] * p.scale[i] : x[i];
-      for (int part = 0; part < kSplit; ++part) {
-        const int64_t at = kSplit * r + part;
-        const float a = QuantizeRow(rest.data(), nullptr, p.k, levels.data(),
-                                    p.xq.data() + at * p.k_stride);
-        p.sx[at] = a;
-        for (int64_t i = 0; i < p.k; ++i) rest[i] -= levels[i] * a;
-      }
-    }
+    SplitRows(p.x, p.kn ? p.scale : nullptr, p.m, p.k, p.k_stride, p.xq.data(),
+              p.sx.data());
     return;
   }
   if (p.kn && !p.int8) {  // the scales fold into x once: v = x * scale
@@ -723,6 +732,10 @@ struct Int4Problem {
   const float* scale;
   float* y;
   std::vector<float> xe, xo;  // x's even and odd entries, (m, k / 2) each
+  // the GEMM (kGemmRows split rows and more): u8 parts of x (k apart),
+  // their scales, and the parts' products
+  std::vector<uint8_t> xq;
+  std::vector<float> sx, y_parts;
 };
 
 constexpr int kInt4RowBlock = 8;  // rows of x per pass over int4 weights
@@ -801,6 +814,139 @@ QARRAY_AVX512 void Int4Chunk(const Int4Problem& p, int64_t n0, int64_t n1) {
   }
 }
 
+
+// --- int4 weights through the GEMM (weight-only, kGemmRows parts and more):
+// the nibbles become int8 in the panel, and each group's integer sums are
+// scaled by the group's scale in the tile, in float32.
+struct Int4Panel {
+  std::vector<int8_t> w;      // (n16 + 1) blocks of k4 x 64 bytes, as Panel
+  std::vector<int32_t> corr;  // 128 * rowsum per (block, group, lane)
+  std::vector<float> sg;      // scale[n, g] per (block, group, lane)
+  int64_t k4 = 0, groups = 0, g4 = 0;  // g4: steps of 4 k per group
+};
+
+// 32 packed bytes (fewer under m) -> their 64 int4 values as int8, k order
+QARRAY_AVX512 inline __m512i Nibbles64(const uint8_t* q, __mmask32 m) {
+  const __m512i table = _mm512_broadcast_i32x4(
+      _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1));
+  const __m512i low4 = _mm512_set1_epi16(0x0F);
+  const __m512i b = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, q));
+  const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(b, low4));
+  const __m512i hi =
+      _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(b, 4), low4));
+  return _mm512_or_si512(lo, _mm512_slli_epi16(hi, 8));  // even k low, odd k high
+}
+
+QARRAY_AVX512 void PackInt4Panel(const uint8_t* q, const float* scale, int64_t k,
+                                 int64_t group, int64_t n0, int64_t n1, Int4Panel& panel) {
+  const int64_t k4 = k / 4, n16 = (n1 - n0 + 15) / 16, groups = k / group;
+  panel.k4 = k4;
+  panel.groups = groups;
+  panel.g4 = group / 4;
+  panel.w.assign((n16 + 1) * k4 * 64, 0);
+  panel.corr.assign((n16 + 1) * groups * 16, 0);
+  panel.sg.assign((n16 + 1) * groups * 16, 0.0f);
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t b = 0; b < n16; ++b) {
+    const int64_t lanes = std::min<int64_t>(16, n1 - n0 - 16 * b);
+    int8_t* dst = panel.w.data() + b * k4 * 64;
+    for (int64_t i = 0; i < k; i += 64) {
+      const int64_t bytes = std::min<int64_t>(32, (k - i) / 2);
+      const __mmask32 m = bytes == 32 ? ~0u : ((1u << bytes) - 1);
+      __m512i r[16];
+      for (int c = 0; c < 16; ++c)
+        r[c] = c < lanes ? Nibbles64(q + (n0 + 16 * b + c) * (k / 2) + i / 2, m)
+                         : _mm512_setzero_si512();
+      Transpose16(r);
+      const int64_t steps = std::min<int64_t>(16, k4 - i / 4);
+      for (int64_t e = 0; e < steps; ++e) _mm512_storeu_si512(dst + (i / 4 + e) * 64, r[e]);
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t e = g * panel.g4; e < (g + 1) * panel.g4; ++e)
+        sum = _mm512_dpbusd_epi32(sum, ones, _mm512_loadu_si512(dst + e * 64));
+      _mm512_storeu_si512(panel.corr.data() + (b * groups + g) * 16,
+                          _mm512_mullo_epi32(sum, _mm512_set1_epi32(128)));
+      for (int64_t lane = 0; lane < lanes; ++lane)
+        panel.sg[(b * groups + g) * 16 + lane] = scale[(n0 + 16 * b + lane) * groups + g];
+    }
+  }
+}
+
+template <int MR>
+QARRAY_AVX512 void Int4GemmTile(const uint8_t* xq, int64_t ks, const float* sx,
+                                const Int4Panel& panel, int64_t c, int64_t cols,
+                                float* y, int64_t ldy) {
+  const int64_t b0 = c / 16, k4 = panel.k4, groups = panel.groups;
+  const int8_t* w0 = panel.w.data() + b0 * k4 * 64;
+  const int8_t* w1 = w0 + k4 * 64;
+  __m512 f[MR][2];
+  for (int r = 0; r < MR; ++r) f[r][0] = f[r][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i acc[MR][2];
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+    for (int64_t e = g * panel.g4; e < (g + 1) * panel.g4; ++e) {
+      const __m512i a = _mm512_loadu_si512(w0 + e * 64);
+      const __m512i b = _mm512_loadu_si512(w1 + e * 64);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        int32_t four;
+        std::memcpy(&four, xq + r * ks + 4 * e, 4);
+        const __m512i xb = _mm512_set1_epi32(four);
+        acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], xb, a);
+        acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], xb, b);
+      }
+    }
+    const int64_t at0 = (b0 * groups + g) * 16, at1 = ((b0 + 1) * groups + g) * 16;
+    const __m512i c0 = _mm512_loadu_si512(panel.corr.data() + at0);
+    const __m512i c1 = _mm512_loadu_si512(panel.corr.data() + at1);
+    const __m512 s0 = _mm512_loadu_ps(panel.sg.data() + at0);
+    const __m512 s1 = _mm512_loadu_ps(panel.sg.data() + at1);
+    for (int r = 0; r < MR; ++r) {
+      f[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][0], c0)), s0,
+                                f[r][0]);
+      f[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][1], c1)), s1,
+                                f[r][1]);
+    }
+  }
+  const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
+  const __mmask16 m1 =
+      cols >= 32 ? 0xFFFF : (cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1));
+  for (int r = 0; r < MR; ++r) {
+    const __m512 x = _mm512_set1_ps(sx[r]);
+    _mm512_mask_storeu_ps(y + r * ldy, m0, _mm512_mul_ps(f[r][0], x));
+    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, _mm512_mul_ps(f[r][1], x));
+  }
+}
+
+constexpr int kInt4GemmMR = 4;
+
+// channels [n0, n1) of the split rows' products, then the parts summed
+QARRAY_AVX512 void Int4GemmChunk(const Int4Problem& p, int64_t n0, int64_t n1) {
+  Int4Panel panel;
+  PackInt4Panel(p.q, p.scale, p.k, p.group, n0, n1, panel);
+  float* parts = const_cast<float*>(p.y_parts.data());
+  const int64_t rows = kSplit * p.m;
+  auto block = [&](auto mr, int64_t row) {
+    constexpr int MR = decltype(mr)::value;
+    for (int64_t c = 0; c < n1 - n0; c += 32)
+      Int4GemmTile<MR>(p.xq.data() + row * p.k, p.k, p.sx.data() + row, panel, c,
+                       std::min<int64_t>(32, n1 - n0 - c), parts + row * p.n + n0 + c,
+                       p.n);
+  };
+  int64_t row = 0;
+  for (; row + kInt4GemmMR <= rows; row += kInt4GemmMR)
+    block(std::integral_constant<int, kInt4GemmMR>{}, row);
+  for (; row < rows; ++row) block(std::integral_constant<int, 1>{}, row);
+  for (int64_t r = 0; r < p.m; ++r)
+    for (int64_t j = n0; j < n1; ++j) {
+      float sum = 0.0f;
+      for (int part = 0; part < kSplit; ++part)
+        sum += parts[(kSplit * r + part) * p.n + j];
+      p.y[r * p.n + j] = sum;
+    }
+}
+
 ffi::Error ProductInt4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                            ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi::F32> scale,
                            ffi::ResultBuffer<ffi::F32> y) {
@@ -822,6 +968,19 @@ ffi::Error ProductInt4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   p->scale = scale.typed_data();
   p->y = y->typed_data();
   if (p->m == 0 || p->n == 0) return ffi::Error::Success();
+  const int64_t threads = p->m * p->k * p->n < kParallelWork
+                              ? 1
+                              : std::max<int64_t>(1, pool.num_threads());
+  const Int4Problem* problem = p.get();
+  if (kSplit * p->m >= kGemmRows) {
+    p->xq.assign(kSplit * p->m * p->k, 0);
+    p->sx.resize(kSplit * p->m);
+    p->y_parts.resize(kSplit * p->m * p->n);
+    SplitRows(p->x, nullptr, p->m, p->k, p->k, p->xq.data(), p->sx.data());
+    Parallel(pool, p->n, ChunkSize(p->n, threads, 4), threads,
+             [problem](int64_t n0, int64_t n1) { Int4GemmChunk(*problem, n0, n1); }, p);
+    return ffi::Error::Success();
+  }
   const int64_t half = p->k / 2;
   p->xe.resize(p->m * half);
   p->xo.resize(p->m * half);
@@ -830,10 +989,6 @@ ffi::Error ProductInt4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       p->xe[r * half + i] = p->x[r * p->k + 2 * i];
       p->xo[r * half + i] = p->x[r * p->k + 2 * i + 1];
     }
-  const int64_t threads = p->m * p->k * p->n < kParallelWork
-                              ? 1
-                              : std::max<int64_t>(1, pool.num_threads());
-  const Int4Problem* problem = p.get();
   Parallel(pool, p->n, ChunkSize(p->n, threads, 4), threads,
            [problem](int64_t n0, int64_t n1) { Int4Chunk(*problem, n0, n1); }, p);
   return ffi::Error::Success();

@@ -87,6 +87,20 @@ def test_linear_q_int4_matches_numpy(rng, strategy, m):
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL * np.abs(want).max())
 
 
+@pytest.mark.parametrize("m", [11, 40])
+def test_int4_kernel_gemm_matches_numpy(rng, m):
+    """The kernel's GEMM (33 int8 parts and more): K not a multiple of 64, N
+    not one of 16, rows not one of 4."""
+    if not _ffi.available():
+        pytest.skip(f"CPU kernels: {_ffi.status()}")
+    k, n, group = 96, 33, 32
+    x, w = normal(rng, (m, k)), normal(rng, (n, k))
+    packed, scale = qa.unpack(qa.quantize(jnp.asarray(w), bits=4, group_size=group))
+    want = x.astype(np.float64) @ ref.roundtrip4(w, group).astype(np.float64).T
+    got = jax.jit(lambda *a: _kernels.linear_int4(*a, "kernel"))(x, packed, scale)
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL * np.abs(want).max())
+
+
 def test_vmap_and_scan_over_stacked_int4_weights(rng):
     ws = normal(rng, (3, 6, 32))
     qws = jax.vmap(
