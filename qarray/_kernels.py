@@ -192,7 +192,7 @@ KERNEL_TILE_ROWS = {
     ("kn", "int8"): 1,
 }
 KERNEL_GEMM_ROWS = 32
-KERNEL_MAX_ROWS = {"float32": 64, "int8": 256}
+KERNEL_MAX_ROWS = {"float32": 64, "int8": 128}
 KN_GEMM_MAX_WEIGHTS = 2**21
 
 

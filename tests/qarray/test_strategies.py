@@ -141,8 +141,8 @@ def test_choose_strategy(m, kn, activations, platform, expected):
         (64, "nk", "float32", "cpu", "kernel"),
         (65, "nk", "float32", "cpu", "split_int8"),
         (32, "nk", "int8", "cpu", "kernel"),
-        (256, "nk", "int8", "cpu", "kernel"),
-        (257, "nk", "int8", "cpu", "int8_dot"),
+        (128, "nk", "int8", "cpu", "kernel"),
+        (129, "nk", "int8", "cpu", "int8_dot"),
         (16, "kn", "float32", "cpu", "split_int8"),  # 4096 x 4096: repacking costs
         (1, "kn", "float32", "cpu", "kernel"),
         (1, "kn", "int8", "cpu", "kernel"),
