@@ -90,7 +90,13 @@ def rows_for(shape, reps):
     rows = []
     for activations, strategy in variants:
         label = "weight-only" if activations == "float32" else "W8A8"
-        how = strategy or ("dequantized" if activations == "float32" else "float_sums")
+        if activations == "float32":
+            default = "dequantized"
+        else:  # what conv_q picks here (ConvQ._kernel_pays)
+            prim = ConvQ(jax.typeof(x), jax.typeof(qw), kernel, padding=padding,
+                         activations=activations)  # fmt: skip
+            default = "kernel" if prim._kernel_pays(x) else "float_sums"
+        how = strategy or default
         forced = "" if strategy is None else ", forced"
         rows.append(
             {

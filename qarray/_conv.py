@@ -32,7 +32,7 @@ from jax.experimental.hijax import (
     linearize_from_jvp,
 )
 
-from . import _kernels
+from . import _ffi, _kernels
 from ._ops import (
     ACTIVATION_PRECISIONS,
     _explicit_spec,
@@ -53,8 +53,13 @@ PADDINGS = ("VALID", "SAME", "SAME_LOWER")
 # weights to float32 (weight-only); for int8 activations "float_sums" convolves
 # the integer-valued float32 operands (exact while every sum stays below 2**24,
 # i.e. C/groups * prod(kernel) <= 1040) and "int8_conv" asks XLA for int8 x
-# int8 -> int32, which XLA:CPU runs as a slow generic loop.
-CONV_STRATEGIES = ("dequantized", "float_sums", "int8_conv")
+# int8 -> int32, which XLA:CPU runs as a slow generic loop; "kernel" is
+# qarray's CPU kernel (an implicit int8 GEMM over a padded channels-last copy
+# of x, qarray/_cpu/kernels.cc), the default for int8 activations on CPU where
+# it measured faster: a kernel window of more than one position and two
+# examples or more (weight-only, its three int8 parts of x measured slower
+# than the dequantized float32 convolution).
+CONV_STRATEGIES = ("dequantized", "float_sums", "int8_conv", "kernel")
 
 
 def _positive_ints(name: str, value, nsp: int) -> tuple[int, ...]:
@@ -262,9 +267,17 @@ class ConvQ(HiPrim):
 
     def forward(self, x, qvalue, scale, strategy=None):
         """The convolution of ``x`` with the parts of ``qw``, in the
-        formulation ``strategy`` (one of CONV_STRATEGIES; default: "float_sums"
-        for int8 activations, which measured fastest, else "dequantized")."""
+        formulation ``strategy`` (one of CONV_STRATEGIES; default: the CPU
+        kernel for int8 activations where it runs and pays, else "float_sums"
+        for int8 activations, "dequantized" weight-only)."""
         nsp = len(self.kernel_size)
+        if strategy == "kernel":
+            return self._kernel(x, qvalue, scale)
+        if strategy is None and self._kernel_pays(x):
+            return lax.platform_dependent(
+                cpu=lambda: self._kernel(x, qvalue, scale),
+                default=lambda: self.forward(x, qvalue, scale, "float_sums"),
+            )
         w = self._dense_w(qvalue)
         scale = scale.reshape(-1, *(1,) * nsp)
         if self.activations == "float32":
@@ -278,6 +291,42 @@ class ConvQ(HiPrim):
         else:  # integer-valued float32 operands
             sums = self._conv(xq.astype(FLOAT32), w.astype(FLOAT32))
         return sums * (sx * scale)
+
+    def _kernel_pays(self, x) -> bool:
+        """Whether the CPU kernel is the default here (see CONV_STRATEGIES)."""
+        batched = x.ndim == len(self.kernel_size) + 2
+        return (
+            self.activations == "int8"
+            and _ffi.available()
+            and batched
+            and x.shape[0] >= 2
+            and math.prod(self.kernel_size) > 1
+            and not _kernels._explicitly_sharded(x)
+        )
+
+    def _kernel(self, x, qvalue, scale):
+        """The CPU kernel (``_ffi.conv``) with this primitive's parameters."""
+        nsp = len(self.kernel_size)
+        batched = x.ndim == nsp + 2
+        xb = x if batched else x[None]
+        lead = 3 - nsp
+        geometry = (
+            *(1,) * lead,
+            *self.kernel_size,
+            *(1,) * lead,
+            *self.window_strides,
+            *(0,) * lead,
+            *(lo for lo, _ in self.padding),
+            *(1,) * lead,
+            *self.rhs_dilation,
+            self.feature_group_count,
+            0,
+        )
+        out_shape = self.out_aval.shape if batched else (1, *self.out_aval.shape)
+        y = _ffi.conv(
+            xb, qvalue, scale, out_shape, geometry, int8=self.activations == "int8"
+        )
+        return y if batched else y[0]
 
     # d conv(x, W) = conv(dx, W) + conv(x, dW), with W = dequantize(qw); the
     # first term is the weight-only conv_q whatever the activations

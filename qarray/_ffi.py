@@ -25,6 +25,7 @@ BUILT_FOR = LIBRARY.with_suffix(".jaxlib")
 TARGET = "qarray_product"
 TARGET_INT4 = "qarray_product_int4"
 TARGET_QUANTIZE = "qarray_quantize"
+TARGET_CONV = "qarray_conv"
 KERNELS_ENV = "QARRAY_KERNELS"  # "xla": never use the CPU kernels
 
 
@@ -58,6 +59,9 @@ def status() -> str:
     )
     jax.ffi.register_ffi_target(
         TARGET_QUANTIZE, jax.ffi.pycapsule(library.QarrayQuantize), platform="cpu"
+    )
+    jax.ffi.register_ffi_target(
+        TARGET_CONV, jax.ffi.pycapsule(library.QarrayConv), platform="cpu"
     )
     return "available"
 
@@ -112,6 +116,23 @@ def quantize_rows(x):
         jax.ShapeDtypeStruct((m,), jnp.float32),
     )
     return _call(TARGET_QUANTIZE, x, k, (x,), results)
+
+
+def conv(x, qvalue, scale, out_shape, geometry, *, int8: bool):
+    """x f32[B, C, *S] convolved with int8 weights q[O, C / G * prod(k)] and
+    one scale per output channel -> f32 ``out_shape`` (B, O, *S'), im2col and
+    the kernel's products; ``geometry``: kernel sizes, strides, low paddings
+    and dilations (3 each, the used ones last) and the group count."""
+    results = jax.ShapeDtypeStruct(out_shape, jnp.float32)
+    return _call(
+        TARGET_CONV,
+        x,
+        0,
+        (x, qvalue, scale),
+        results,
+        geometry=np.asarray(geometry, np.int64),
+        int8=np.int64(int8),
+    )
 
 
 def product(x, qvalue, scale, *, kn: bool, int8: bool):

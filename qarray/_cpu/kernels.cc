@@ -539,7 +539,8 @@ QARRAY_AVX512 void RunTiles(const Problem& p, int64_t n0, int64_t n1) {
 }
 
 // The GEMM form over channels [n0, n1): panel, then tiles of rows x 32
-QARRAY_AVX512 void GemmChunk(const Problem& p, int64_t n0, int64_t n1) {
+QARRAY_AVX512 void GemmChunk(const Problem& p, int64_t n0, int64_t n1, int64_t r0,
+                             int64_t r1) {
   Panel panel;
   if (p.kn)
     PackPanelKn(p.q, p.k, p.n, n0, n1, panel);
@@ -556,27 +557,31 @@ QARRAY_AVX512 void GemmChunk(const Problem& p, int64_t n0, int64_t n1) {
                    panel, c, std::min<int64_t>(32, n1 - n0 - c), scale + n0 + c,
                    y + row * p.n + n0 + c, p.n);
   };
-  int64_t row = 0;
-  for (; row + kGemmMR <= p.rows; row += kGemmMR)
+  int64_t row = r0;
+  for (; row + kGemmMR <= r1; row += kGemmMR)
     rows(std::integral_constant<int, kGemmMR>{}, row);
-  for (; row < p.rows; ++row) rows(std::integral_constant<int, 1>{}, row);
+  for (; row < r1; ++row) rows(std::integral_constant<int, 1>{}, row);
+}
+
+// y's rows [r0, r1) / kSplit, channels [n0, n1): the parts' products summed
+QARRAY_AVX512 void SumParts(const Problem& p, int64_t n0, int64_t n1, int64_t r0,
+                            int64_t r1) {
+  for (int64_t r = r0 / kSplit; r < r1 / kSplit; ++r)
+    for (int64_t j = n0; j < n1; ++j) {
+      float sum = 0.0f;
+      for (int part = 0; part < kSplit; ++part)
+        sum += p.y_parts[(kSplit * r + part) * p.n + j];
+      p.y[r * p.n + j] = sum;
+    }
 }
 
 QARRAY_AVX512 void RunChunk(const Problem& p, int64_t n0, int64_t n1) {
   if (p.gemm) {
-    GemmChunk(p, n0, n1);
+    GemmChunk(p, n0, n1, 0, p.rows);
   } else {
     RunTiles(p, n0, n1);
   }
-  if (p.split) {  // the parts' products, summed
-    for (int64_t r = 0; r < p.m; ++r)
-      for (int64_t j = n0; j < n1; ++j) {
-        float sum = 0.0f;
-        for (int part = 0; part < kSplit; ++part)
-          sum += p.y_parts[(kSplit * r + part) * p.n + j];
-        p.y[r * p.n + j] = sum;
-      }
-  }
+  if (p.split) SumParts(p, n0, n1, 0, p.rows);
 }
 
 // Chunks are claimed from a shared counter by the calling thread and by the
@@ -994,6 +999,234 @@ ffi::Error ProductInt4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+
+// --- conv_q on CPU: an implicit GEMM over a padded channels-last copy of x
+//
+// x f32[B, C, *S] (1-3 spatial axes, channels first), q s8[O, C/G * prod(k)]
+// (one row per output channel, (C/G, *k) flattened), scale f32[O] ->
+// y f32[B, O, *S']. Each example is quantized as one row (W8A8: one scale per
+// example, conv_q's numerics) or split in kSplit int8 parts (weight-only),
+// and written channels last, as u8 (v + 128), inside a border of 128s (the
+// zero padding). For each kernel offset, kGemmMR consecutive output positions
+// of a line read kGemmMR rows of C bytes a fixed stride apart, so the GEMM's
+// tile runs on that buffer directly, offset after offset, with the weights
+// packed offset-major (no im2col copy).
+struct ConvGeometry {
+  int64_t nsp, groups;
+  int64_t k[3], stride[3], pad[3], dilation[3], in[3], out[3], padded[3];
+};
+
+struct ConvProblem {
+  ConvGeometry g;
+  int64_t batch, channels, cpad, cg, cg4, og, out_channels, parts, positions;
+  int64_t offsets, plane;  // kernel offsets; padded positions of an example
+  std::vector<uint8_t> xc;  // (parts * batch, *padded, cpad)
+  std::vector<float> sx;    // per example part
+  std::vector<float> y;     // (parts * batch, positions, og) of one group
+  Panel panel;              // one group's weights, k = offsets * cg4
+  const float* scale;
+};
+
+// one group's weights (og rows of cg * offsets, channel-major) repacked
+// offset-major with the channels padded to cg4: row o, entry (off, c)
+QARRAY_AVX512 void PackConvPanel(const int8_t* q, const ConvProblem& c, Panel& panel) {
+  const int64_t k = c.offsets * c.cg4;
+  std::vector<int8_t> rows(c.og * k, 0);
+  for (int64_t o = 0; o < c.og; ++o)
+    for (int64_t ch = 0; ch < c.cg; ++ch)
+      for (int64_t off = 0; off < c.offsets; ++off)
+        rows[o * k + off * c.cg4 + ch] = q[(o * c.cg + ch) * c.offsets + off];
+  PackPanel(rows.data(), k, 0, c.og, panel);
+}
+
+// kGemmMR (or MR) output positions from (e, line, o2) times the panel's 32
+// channels from col: offsets outer, the channels of each in steps of 4
+template <int MR>
+QARRAY_AVX512 void ConvTile(const ConvProblem& c, int64_t e, int64_t o0, int64_t o1,
+                            int64_t o2, int64_t c0, int64_t col, int64_t cols,
+                            float* y) {
+  const ConvGeometry& g = c.g;
+  const Panel& panel = c.panel;
+  const int8_t* w0 = panel.w.data() + (col / 16) * panel.k4 * 64;
+  const int8_t* w1 = w0 + panel.k4 * 64;
+  const int64_t row_step = g.stride[2] * c.cpad, c4 = c.cg4 / 4;
+  __m512i acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+  const uint8_t* xe = c.xc.data() + e * c.plane * c.cpad + c0;
+  int64_t step = 0;
+  for (int64_t i0 = 0; i0 < g.k[0]; ++i0)
+    for (int64_t i1 = 0; i1 < g.k[1]; ++i1)
+      for (int64_t i2 = 0; i2 < g.k[2]; ++i2) {
+        const int64_t p0 = o0 * g.stride[0] + i0 * g.dilation[0];
+        const int64_t p1 = o1 * g.stride[1] + i1 * g.dilation[1];
+        const int64_t p2 = o2 * g.stride[2] + i2 * g.dilation[2];
+        const uint8_t* x = xe + ((p0 * g.padded[1] + p1) * g.padded[2] + p2) * c.cpad;
+        for (int64_t j = 0; j < c4; ++j, ++step) {
+          const __m512i a = _mm512_loadu_si512(w0 + step * 64);
+          const __m512i b = _mm512_loadu_si512(w1 + step * 64);
+#pragma GCC unroll 8
+          for (int r = 0; r < MR; ++r) {
+            int32_t four;
+            std::memcpy(&four, x + r * row_step + 4 * j, 4);
+            const __m512i xb = _mm512_set1_epi32(four);
+            acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], xb, a);
+            acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], xb, b);
+          }
+        }
+      }
+  const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
+  const __mmask16 m1 =
+      cols >= 32 ? 0xFFFF : (cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1));
+  const __m512i k0 = _mm512_loadu_si512(panel.corr.data() + col);
+  const __m512i k1 = _mm512_loadu_si512(panel.corr.data() + col + 16);
+  const __m512 s0 = _mm512_maskz_loadu_ps(m0, c.scale + col);
+  const __m512 s1 = _mm512_maskz_loadu_ps(m1, c.scale + col + 16);
+  const __m512 sx = _mm512_set1_ps(c.sx[e]);
+  for (int r = 0; r < MR; ++r) {
+    const __m512 y0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][0], k0));
+    const __m512 y1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][1], k1));
+    _mm512_mask_storeu_ps(y + r * c.og + col, m0, _mm512_mul_ps(_mm512_mul_ps(y0, sx), s0));
+    _mm512_mask_storeu_ps(y + r * c.og + col + 16, m1,
+                          _mm512_mul_ps(_mm512_mul_ps(y1, sx), s1));
+  }
+}
+
+// lines [l0, l1) of all example parts (a line: fixed o0, o1; all of o2)
+QARRAY_AVX512 void ConvLines(ConvProblem& c, int64_t c0, int64_t l0, int64_t l1) {
+  const ConvGeometry& g = c.g;
+  const int64_t lines = g.out[0] * g.out[1];
+  for (int64_t l = l0; l < l1; ++l) {
+    const int64_t e = l / lines, line = l % lines, o0 = line / g.out[1],
+                  o1 = line % g.out[1];
+    float* y = c.y.data() + (e * c.positions + line * g.out[2]) * c.og;
+    int64_t o2 = 0;
+    for (; o2 + kGemmMR <= g.out[2]; o2 += kGemmMR)
+      for (int64_t col = 0; col < c.og; col += 32)
+        ConvTile<kGemmMR>(c, e, o0, o1, o2, c0, col, std::min<int64_t>(32, c.og - col),
+                          y + o2 * c.og);
+    for (; o2 < g.out[2]; ++o2)
+      for (int64_t col = 0; col < c.og; col += 32)
+        ConvTile<1>(c, e, o0, o1, o2, c0, col, std::min<int64_t>(32, c.og - col),
+                    y + o2 * c.og);
+  }
+}
+
+ffi::Error ConvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                    ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
+                    ffi::ResultBuffer<ffi::F32> y, ffi::Span<const int64_t> geometry,
+                    int64_t int8) {
+  auto xd = x.dimensions(), qd = q.dimensions(), yd = y->dimensions();
+  if (geometry.size() != 14 || xd.size() < 3 || xd.size() > 5 || qd.size() != 2 ||
+      yd.size() != xd.size())
+    return ffi::Error::InvalidArgument("qarray_conv: bad geometry or ranks");
+  auto c = std::make_shared<ConvProblem>();
+  ConvGeometry& g = c->g;
+  g.nsp = static_cast<int64_t>(xd.size()) - 2;
+  g.groups = geometry[12];
+  // geometry: kernel sizes, strides, low paddings, dilations (three each,
+  // unused leading axes 1, 1, 0, 1), the group count, and a spare
+  for (int i = 0; i < 3; ++i) {
+    const int j = i - (3 - static_cast<int>(g.nsp));  // the spatial axis, if used
+    g.k[i] = geometry[i];
+    g.stride[i] = geometry[3 + i];
+    g.pad[i] = geometry[6 + i];
+    g.dilation[i] = geometry[9 + i];
+    g.in[i] = j >= 0 ? xd[2 + j] : 1;
+    g.out[i] = j >= 0 ? yd[2 + j] : 1;
+    // every position any window reads (a high padding past what the input
+    // covers is read as zeros too)
+    g.padded[i] = std::max(g.pad[i] + g.in[i],
+                           (g.out[i] - 1) * g.stride[i] + (g.k[i] - 1) * g.dilation[i] + 1);
+  }
+  c->batch = xd[0];
+  c->channels = xd[1];
+  c->out_channels = qd[0];
+  c->cg = c->channels / std::max<int64_t>(g.groups, 1);
+  c->og = c->out_channels / std::max<int64_t>(g.groups, 1);
+  c->offsets = g.k[0] * g.k[1] * g.k[2];
+  if (g.groups < 1 || c->channels % g.groups || c->out_channels % g.groups ||
+      qd[1] != c->cg * c->offsets || yd[0] != c->batch || yd[1] != c->out_channels)
+    return ffi::Error::InvalidArgument("qarray_conv: shapes do not match");
+  c->cg4 = (c->cg + 3) / 4 * 4;
+  c->cpad = c->channels + 4;  // a group's last 4 bytes stay inside the row
+  c->positions = g.out[0] * g.out[1] * g.out[2];
+  c->plane = g.padded[0] * g.padded[1] * g.padded[2];
+  c->parts = int8 ? 1 : kSplit;
+  float* out = y->typed_data();
+  if (c->batch == 0 || c->positions == 0 || c->out_channels == 0)
+    return ffi::Error::Success();
+  // each example quantized (or split) as one row, then channels last inside
+  // its border of 128s: examples over the threads
+  const int64_t plane_in = g.in[0] * g.in[1] * g.in[2], example = c->channels * plane_in;
+  const int64_t examples = c->parts * c->batch;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  c->sx.resize(examples);
+  c->xc.assign(examples * c->plane * c->cpad, 128);
+  {
+    ConvProblem* problem = c.get();
+    const float* xs = x.typed_data();
+    Parallel(pool, c->batch, 1, example < 4096 ? 1 : threads,
+             [problem, xs, example, plane_in](int64_t b0, int64_t b1) {
+               ConvProblem& c = *problem;
+               const ConvGeometry& g = c.g;
+               std::vector<uint8_t> xq(c.parts * example);
+               for (int64_t b = b0; b < b1; ++b) {
+                 if (c.parts == 1)
+                   c.sx[b] = QuantizeRow(xs + b * example, nullptr, example, nullptr,
+                                         xq.data());
+                 else
+                   SplitRows(xs + b * example, nullptr, 1, example, example, xq.data(),
+                             c.sx.data() + b * c.parts);
+                 for (int64_t part = 0; part < c.parts; ++part) {
+                   uint8_t* base = c.xc.data() + (b * c.parts + part) * c.plane * c.cpad;
+                   for (int64_t ch = 0; ch < c.channels; ++ch)
+                     for (int64_t p0 = 0; p0 < g.in[0]; ++p0)
+                       for (int64_t p1 = 0; p1 < g.in[1]; ++p1) {
+                         const uint8_t* src = xq.data() + part * example + ch * plane_in +
+                                              (p0 * g.in[1] + p1) * g.in[2];
+                         uint8_t* dst = base +
+                                        (((p0 + g.pad[0]) * g.padded[1] + p1 + g.pad[1]) *
+                                             g.padded[2] +
+                                         g.pad[2]) * c.cpad + ch;
+                         for (int64_t p2 = 0; p2 < g.in[2]; ++p2) dst[p2 * c.cpad] = src[p2];
+                       }
+                 }
+               }
+             },
+             c);
+  }
+  c->y.resize(examples * c->positions * c->og);
+  const int64_t lines = examples * g.out[0] * g.out[1];
+  const int64_t work = examples * c->positions * c->og * c->offsets * c->cg4;
+  const int64_t gemm_threads = work < kParallelWork ? 1 : threads;
+  const int64_t per_chunk = std::max<int64_t>(1, lines / (4 * gemm_threads));
+  for (int64_t gi = 0; gi < g.groups; ++gi) {
+    PackConvPanel(q.typed_data() + gi * c->og * c->cg * c->offsets, *c, c->panel);
+    c->scale = scale.typed_data() + gi * c->og;
+    ConvProblem* problem = c.get();
+    const int64_t c0 = gi * c->cg;
+    Parallel(pool, lines, per_chunk, gemm_threads,
+             [problem, c0](int64_t l0, int64_t l1) { ConvLines(*problem, c0, l0, l1); },
+             c);
+    // (parts * batch, positions, og) -> y (batch, out_channels, positions),
+    // the parts summed, examples over the threads
+    Parallel(pool, c->batch, 1, gemm_threads,
+             [problem, out, gi](int64_t b0, int64_t b1) {
+               const ConvProblem& c = *problem;
+               for (int64_t b = b0; b < b1; ++b)
+                 for (int64_t at = 0; at < c.positions; ++at)
+                   for (int64_t o = 0; o < c.og; ++o) {
+                     float sum = 0.0f;
+                     for (int64_t part = 0; part < c.parts; ++part)
+                       sum += c.y[((b * c.parts + part) * c.positions + at) * c.og + o];
+                     out[(b * c.out_channels + gi * c.og + o) * c.positions + at] = sum;
+                   }
+             },
+             c);
+  }
+  return ffi::Error::Success();
+}
+
 // --- qarray.quantize on CPU: x f32[M, K] -> q s8[M, K], scale f32[M]
 //
 // Each row read from memory once (its second pass comes from L1: a row of
@@ -1088,6 +1321,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QarrayQuantize, QuantizeImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QarrayConv, ConvImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<ffi::Span<const int64_t>>("geometry")
+                                  .Attr<int64_t>("int8"));
 
 // Whether this CPU runs the kernels (AVX-512 F, BW, VL and VNNI).
 extern "C" __attribute__((visibility("default"))) int qarray_cpu_supported() {

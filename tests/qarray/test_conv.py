@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import AxisType
 
 import qarray as qa
+from qarray import _ffi
 from qarray._conv import CONV_STRATEGIES, ConvQ
 from tests import reference as ref
 
@@ -26,28 +27,30 @@ def quantized(rng, out, per_out):
     return w, qa.quantize(jnp.asarray(w))
 
 
+GEOMETRIES = [
+    ((4, 16, 32, 32), 32, (3, 3), {"padding": "SAME"}, ((1, 1), (1, 1))),
+    (
+        (2, 8, 33, 31),
+        16,
+        (5, 3),
+        {"padding": ((2, 2), (0, 1)), "window_strides": (2, 3)},
+        ((2, 2), (0, 1)),
+    ),
+    (
+        (3, 12, 64),
+        12,
+        (3,),
+        {"padding": "VALID", "rhs_dilation": (2,), "feature_group_count": 3},
+        ((0, 0),),
+    ),
+    ((2, 4, 8, 8, 8), 6, (3, 3, 3), {"padding": 1}, ((1, 1),) * 3),
+]
+GEOMETRY_IDS = ["2d-same", "2d-strided", "1d-grouped-dilated", "3d"]
+
+
 @pytest.mark.parametrize("activations", ["float32", "int8"])
 @pytest.mark.parametrize(
-    "x_shape, out, kernel, conv, pads",
-    [
-        ((4, 16, 32, 32), 32, (3, 3), {"padding": "SAME"}, ((1, 1), (1, 1))),
-        (
-            (2, 8, 33, 31),
-            16,
-            (5, 3),
-            {"padding": ((2, 2), (0, 1)), "window_strides": (2, 3)},
-            ((2, 2), (0, 1)),
-        ),
-        (
-            (3, 12, 64),
-            12,
-            (3,),
-            {"padding": "VALID", "rhs_dilation": (2,), "feature_group_count": 3},
-            ((0, 0),),
-        ),
-        ((2, 4, 8, 8, 8), 6, (3, 3, 3), {"padding": 1}, ((1, 1),) * 3),
-    ],
-    ids=["2d-same", "2d-strided", "1d-grouped-dilated", "3d"],
+    "x_shape, out, kernel, conv, pads", GEOMETRIES, ids=GEOMETRY_IDS
 )
 def test_matches_the_reference(rng, x_shape, out, kernel, conv, pads, activations):
     groups = conv.get("feature_group_count", 1)
@@ -66,6 +69,32 @@ def test_matches_the_reference(rng, x_shape, out, kernel, conv, pads, activation
     np.testing.assert_allclose(f(x[1]), want[1], rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+@pytest.mark.parametrize(
+    "x_shape, out, kernel, conv, pads", GEOMETRIES, ids=GEOMETRY_IDS
+)
+def test_cpu_kernel_matches_the_reference(
+    rng, x_shape, out, kernel, conv, pads, activations
+):
+    """The CPU kernel forced, weight-only (three int8 parts of each example)
+    as well as W8A8, every geometry."""
+    if not _ffi.available():
+        pytest.skip(f"CPU kernels: {_ffi.status()}")
+    groups = conv.get("feature_group_count", 1)
+    x = normal(rng, x_shape)
+    w, qw = quantized(rng, out, x_shape[1] // groups * int(np.prod(kernel)))
+    strides = conv.get("window_strides", (1,) * len(kernel))
+    dilation = conv.get("rhs_dilation", (1,) * len(kernel))
+    want = ref.conv_q(
+        x, *ref.quantize(w), kernel, strides, pads, dilation, groups, activations
+    )
+    prim = ConvQ(jax.typeof(x), jax.typeof(qw), kernel, activations=activations, **conv)
+    got = jax.jit(lambda x, q, s: prim.forward(x, q, s, "kernel"))(
+        x, qw.qvalue, qw.scale
+    )
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
 def test_weight_only_is_the_dense_convolution_of_the_dequantized_weights(rng):
     """The DESIGN.md definition, with lax as the second reference."""
     x = normal(rng, (2, 3, 10, 10))
@@ -80,6 +109,8 @@ def test_weight_only_is_the_dense_convolution_of_the_dequantized_weights(rng):
 
 @pytest.mark.parametrize("strategy", CONV_STRATEGIES)
 def test_int8_formulations_agree(rng, strategy):
+    if strategy == "kernel" and not _ffi.available():
+        pytest.skip(f"CPU kernels: {_ffi.status()}")
     x = normal(rng, (2, 6, 9, 9))
     w, qw = quantized(rng, 4, 6 * 9)
     prim = ConvQ(jax.typeof(x), jax.typeof(qw), (3, 3), activations="int8")
