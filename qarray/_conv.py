@@ -55,10 +55,9 @@ PADDINGS = ("VALID", "SAME", "SAME_LOWER")
 # i.e. C/groups * prod(kernel) <= 1040) and "int8_conv" asks XLA for int8 x
 # int8 -> int32, which XLA:CPU runs as a slow generic loop; "kernel" is
 # qarray's CPU kernel (an implicit int8 GEMM over a padded channels-last copy
-# of x, qarray/_cpu/kernels.cc), the default for int8 activations on CPU where
-# it measured faster: a kernel window of more than one position and two
-# examples or more (weight-only, its three int8 parts of x measured slower
-# than the dequantized float32 convolution).
+# of x, qarray/_cpu/kernels.cc), the default for int8 activations on CPU
+# (weight-only, its three int8 parts of x measured slower than the
+# dequantized float32 convolution: make bench, suite conv).
 CONV_STRATEGIES = ("dequantized", "float_sums", "int8_conv", "kernel")
 
 
@@ -294,13 +293,9 @@ class ConvQ(HiPrim):
 
     def _kernel_pays(self, x) -> bool:
         """Whether the CPU kernel is the default here (see CONV_STRATEGIES)."""
-        batched = x.ndim == len(self.kernel_size) + 2
         return (
             self.activations == "int8"
             and _ffi.available()
-            and batched
-            and x.shape[0] >= 2
-            and math.prod(self.kernel_size) > 1
             and not _kernels._explicitly_sharded(x)
         )
 

@@ -1022,7 +1022,6 @@ struct ConvProblem {
   int64_t offsets, plane;  // kernel offsets; padded positions of an example
   std::vector<uint8_t> xc;  // (parts * batch, *padded, cpad)
   std::vector<float> sx;    // per example part
-  std::vector<float> y;     // (parts * batch, positions, og) of one group
   Panel panel;              // one group's weights, k = offsets * cg4
   const float* scale;
 };
@@ -1044,7 +1043,7 @@ QARRAY_AVX512 void PackConvPanel(const int8_t* q, const ConvProblem& c, Panel& p
 template <int MR>
 QARRAY_AVX512 void ConvTile(const ConvProblem& c, int64_t e, int64_t o0, int64_t o1,
                             int64_t o2, int64_t c0, int64_t col, int64_t cols,
-                            float* y) {
+                            float* y, bool add) {
   const ConvGeometry& g = c.g;
   const Panel& panel = c.panel;
   const int8_t* w0 = panel.w.data() + (col / 16) * panel.k4 * 64;
@@ -1082,32 +1081,44 @@ QARRAY_AVX512 void ConvTile(const ConvProblem& c, int64_t e, int64_t o0, int64_t
   const __m512 s0 = _mm512_maskz_loadu_ps(m0, c.scale + col);
   const __m512 s1 = _mm512_maskz_loadu_ps(m1, c.scale + col + 16);
   const __m512 sx = _mm512_set1_ps(c.sx[e]);
+  // rows of 32 channels, then written channel by channel (MR positions
+  // each) into y's (channels, positions) layout; the parts after the first add
+  alignas(64) float tile[MR][32];
   for (int r = 0; r < MR; ++r) {
     const __m512 y0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][0], k0));
     const __m512 y1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][1], k1));
-    _mm512_mask_storeu_ps(y + r * c.og + col, m0, _mm512_mul_ps(_mm512_mul_ps(y0, sx), s0));
-    _mm512_mask_storeu_ps(y + r * c.og + col + 16, m1,
-                          _mm512_mul_ps(_mm512_mul_ps(y1, sx), s1));
+    _mm512_store_ps(tile[r], _mm512_mul_ps(_mm512_mul_ps(y0, sx), s0));
+    _mm512_store_ps(tile[r] + 16, _mm512_mul_ps(_mm512_mul_ps(y1, sx), s1));
+  }
+  for (int64_t j = 0; j < cols; ++j) {
+    float* dst = y + (col + j) * c.positions;
+    for (int r = 0; r < MR; ++r) dst[r] = add ? dst[r] + tile[r][j] : tile[r][j];
   }
 }
 
-// lines [l0, l1) of all example parts (a line: fixed o0, o1; all of o2)
-QARRAY_AVX512 void ConvLines(ConvProblem& c, int64_t c0, int64_t l0, int64_t l1) {
+// lines [l0, l1) of all examples (a line: fixed o0, o1; all of o2), each
+// example's parts in turn, into out (batch, out_channels, positions) at the
+// group's channels
+QARRAY_AVX512 void ConvLines(const ConvProblem& c, int64_t gi, int64_t l0, int64_t l1,
+                             float* out) {
   const ConvGeometry& g = c.g;
-  const int64_t lines = g.out[0] * g.out[1];
+  const int64_t lines = g.out[0] * g.out[1], c0 = gi * c.cg;
   for (int64_t l = l0; l < l1; ++l) {
-    const int64_t e = l / lines, line = l % lines, o0 = line / g.out[1],
+    const int64_t b = l / lines, line = l % lines, o0 = line / g.out[1],
                   o1 = line % g.out[1];
-    float* y = c.y.data() + (e * c.positions + line * g.out[2]) * c.og;
-    int64_t o2 = 0;
-    for (; o2 + kGemmMR <= g.out[2]; o2 += kGemmMR)
-      for (int64_t col = 0; col < c.og; col += 32)
-        ConvTile<kGemmMR>(c, e, o0, o1, o2, c0, col, std::min<int64_t>(32, c.og - col),
-                          y + o2 * c.og);
-    for (; o2 < g.out[2]; ++o2)
-      for (int64_t col = 0; col < c.og; col += 32)
-        ConvTile<1>(c, e, o0, o1, o2, c0, col, std::min<int64_t>(32, c.og - col),
-                    y + o2 * c.og);
+    float* y = out + (b * c.out_channels + gi * c.og) * c.positions + line * g.out[2];
+    for (int64_t part = 0; part < c.parts; ++part) {
+      const int64_t e = b * c.parts + part;
+      int64_t o2 = 0;
+      for (; o2 + kGemmMR <= g.out[2]; o2 += kGemmMR)
+        for (int64_t col = 0; col < c.og; col += 32)
+          ConvTile<kGemmMR>(c, e, o0, o1, o2, c0, col,
+                            std::min<int64_t>(32, c.og - col), y + o2, part > 0);
+      for (; o2 < g.out[2]; ++o2)
+        for (int64_t col = 0; col < c.og; col += 32)
+          ConvTile<1>(c, e, o0, o1, o2, c0, col, std::min<int64_t>(32, c.og - col),
+                      y + o2, part > 0);
+    }
   }
 }
 
@@ -1195,32 +1206,17 @@ ffi::Error ConvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
              },
              c);
   }
-  c->y.resize(examples * c->positions * c->og);
-  const int64_t lines = examples * g.out[0] * g.out[1];
+  const int64_t lines = c->batch * g.out[0] * g.out[1];
   const int64_t work = examples * c->positions * c->og * c->offsets * c->cg4;
   const int64_t gemm_threads = work < kParallelWork ? 1 : threads;
   const int64_t per_chunk = std::max<int64_t>(1, lines / (4 * gemm_threads));
   for (int64_t gi = 0; gi < g.groups; ++gi) {
     PackConvPanel(q.typed_data() + gi * c->og * c->cg * c->offsets, *c, c->panel);
     c->scale = scale.typed_data() + gi * c->og;
-    ConvProblem* problem = c.get();
-    const int64_t c0 = gi * c->cg;
+    const ConvProblem* problem = c.get();
     Parallel(pool, lines, per_chunk, gemm_threads,
-             [problem, c0](int64_t l0, int64_t l1) { ConvLines(*problem, c0, l0, l1); },
-             c);
-    // (parts * batch, positions, og) -> y (batch, out_channels, positions),
-    // the parts summed, examples over the threads
-    Parallel(pool, c->batch, 1, gemm_threads,
-             [problem, out, gi](int64_t b0, int64_t b1) {
-               const ConvProblem& c = *problem;
-               for (int64_t b = b0; b < b1; ++b)
-                 for (int64_t at = 0; at < c.positions; ++at)
-                   for (int64_t o = 0; o < c.og; ++o) {
-                     float sum = 0.0f;
-                     for (int64_t part = 0; part < c.parts; ++part)
-                       sum += c.y[((b * c.parts + part) * c.positions + at) * c.og + o];
-                     out[(b * c.out_channels + gi * c.og + o) * c.positions + at] = sum;
-                   }
+             [problem, gi, out](int64_t l0, int64_t l1) {
+               ConvLines(*problem, gi, l0, l1, out);
              },
              c);
   }
