@@ -221,8 +221,15 @@ class Conv(eqx.Module):
         qvalue, scale = jnp.asarray(self.qvalue), jnp.asarray(self.scale)
         return pack(qvalue, scale, bits, self.group_size)
 
-    def __call__(self, x, qw=None):
-        """``x (C, *spatial)`` or ``(B, C, *spatial)`` -> ``(out, ...)``."""
+    def __call__(self, x, *, key=None):
+        """``x (C, *spatial)`` or ``(B, C, *spatial)`` -> ``(out, ...)``;
+        ``key`` is accepted and unused (equinox's convention)."""
+        del key
+        return self.product(x)
+
+    def product(self, x, qw=None):
+        """The convolution with the quantized weights ``qw`` (default:
+        ``self.quantized()``)."""
         qw = self.quantized() if qw is None else qw
         y = conv_q(
             jnp.asarray(x),

@@ -282,9 +282,18 @@ class Linear(eqx.Module):
         qvalue, scale = jnp.asarray(self.qvalue), jnp.asarray(self.scale)
         return pack(qvalue, scale, bits, self.group_size)
 
-    def __call__(self, x, qw=None):
-        """``x (..., K) -> (..., N)``; ``qw``: ``self.quantized()``, if the
-        caller already holds it."""
+    def __call__(self, x, *, key=None):
+        """``x (..., K) -> (..., N)``; ``key`` is accepted and unused (equinox's
+        convention: ``eqx.nn.Sequential`` passes one to every layer)."""
+        del key
+        if self.precision == "float32":
+            return self.product(x)
+        return self.product(x, self.quantized())
+
+    def product(self, x, qw=None):
+        """``x (..., K) -> (..., N)`` with the quantized weights ``qw``
+        (``self.quantized()``, when the caller already holds it; unused for a
+        float32 layer)."""
         if self.precision == "float32":  # as given: exact gradients
             w = jnp.asarray(self.weight)
             w = w if self.layout == "kn" else jnp.swapaxes(w, -1, -2)

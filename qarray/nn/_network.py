@@ -130,7 +130,7 @@ class Network(eqx.Module):
                 per_layer.append({"weight_error": layer.weight_error(), "w_q": None})
                 continue
             qw = layer.quantized()
-            h = ACTIVATIONS[activation](layer(h, qw))
+            h = ACTIVATIONS[activation](layer.product(h, qw))
             w_q = None
             if return_w_q and layer.trainable:
                 qvalue, scale = unpack(qw)

@@ -323,3 +323,59 @@ def test_the_library_imports_no_server():
         [sys.executable, "-c", code], env=env, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
+
+
+# --- equinox's calling conventions: every layer takes key= (issue 27)
+
+
+@pytest.mark.parametrize("trainable", [False, True])
+def test_a_sequential_runs_quantized_with_a_key(rng, trainable):
+    """eqx.nn.Sequential passes key= to every layer; the quantized model is the
+    NumPy network of the dequantized weights."""
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    seq = eqx.nn.Sequential(
+        [
+            eqx.nn.Linear(8, 16, key=k1),
+            eqx.nn.Lambda(jax.nn.relu),
+            eqx.nn.Linear(16, 4, key=k2),
+        ]
+    )
+    quantized = qnn.quantize(seq, trainable=trainable)
+    x = normal(rng, 3, 8)
+    got = jax.vmap(lambda x: quantized(x, key=k3))(x)
+    first, last = seq.layers[0], seq.layers[2]
+    h = x @ dense(np.asarray(first.weight), "nk") + np.asarray(first.bias)
+    want = np.maximum(h, 0) @ dense(np.asarray(last.weight), "nk") + np.asarray(
+        last.bias
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_sequential_of_convolutions_and_a_stateful_one_take_a_key(rng):
+    k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
+    convs = eqx.nn.Sequential(
+        [
+            eqx.nn.Conv2d(3, 8, 3, key=k1),
+            eqx.nn.Lambda(jax.nn.relu),
+            eqx.nn.Conv2d(8, 4, 3, key=k2),
+        ]
+    )
+    x = normal(rng, 3, 12, 12)
+    got, want = qnn.quantize(convs)(x, key=k3), convs(x)
+    assert np.linalg.norm(got - want) <= 2e-2 * np.linalg.norm(want)
+    model, state = eqx.nn.make_with_state(eqx.nn.Sequential)(
+        [
+            eqx.nn.Linear(8, 16, key=k1),
+            eqx.nn.BatchNorm(16, "batch", mode="batch"),
+            eqx.nn.Linear(16, 4, key=k2),
+        ]
+    )
+    batch = jax.vmap(
+        lambda m, x, s: m(x, s, key=k3),
+        axis_name="batch",
+        in_axes=(None, 0, None),
+        out_axes=(0, None),
+    )
+    xs = normal(rng, 5, 8)
+    (got, _), (want, _) = batch(qnn.quantize(model), xs, state), batch(model, xs, state)
+    assert np.linalg.norm(got - want) <= 5e-2 * np.linalg.norm(want)
