@@ -379,3 +379,36 @@ def test_a_sequential_of_convolutions_and_a_stateful_one_take_a_key(rng):
     xs = normal(rng, 5, 8)
     (got, _), (want, _) = batch(qnn.quantize(model), xs, state), batch(model, xs, state)
     assert np.linalg.norm(got - want) <= 5e-2 * np.linalg.norm(want)
+
+
+def test_equinox_tools_work_on_a_quantized_model(rng, tmp_path):
+    """filter_vmap, tree_serialise_leaves / tree_deserialise_leaves,
+    filter_grad and partition, as on the float model."""
+    k1, k2 = jax.random.split(jax.random.key(2))
+    mlp = eqx.nn.MLP(6, 3, 8, 2, key=k1)
+    stored, trainable = qnn.quantize(mlp), qnn.quantize(mlp, trainable=True)
+    x = normal(rng, 4, 6)
+    y = eqx.filter_vmap(stored)(x)
+    np.testing.assert_allclose(y, jax.vmap(stored)(x), rtol=1e-6, atol=1e-6)
+    path = tmp_path / "model.eqx"
+    eqx.tree_serialise_leaves(path, stored)
+    like = qnn.quantize(eqx.nn.MLP(6, 3, 8, 2, key=k2))  # other weights, same tree
+    loaded = eqx.tree_deserialise_leaves(path, like)
+    np.testing.assert_array_equal(eqx.filter_vmap(loaded)(x), y)
+
+    def loss(model):
+        return jnp.sum(eqx.filter_vmap(model)(x) ** 2)
+
+    grads = eqx.filter_grad(loss)(trainable)
+    float_grads = eqx.filter_grad(loss)(mlp)
+    for got, want in zip(
+        jax.tree.leaves(eqx.filter(grads, eqx.is_inexact_array)),
+        jax.tree.leaves(eqx.filter(float_grads, eqx.is_inexact_array)),
+        strict=True,
+    ):  # straight-through: the float model's gradients, up to quantization
+        assert got.shape == want.shape
+        assert np.linalg.norm(got - want) <= 0.1 * np.linalg.norm(want) + 1e-6
+    params, static = eqx.partition(trainable, eqx.is_inexact_array)
+    np.testing.assert_array_equal(
+        eqx.filter_vmap(eqx.combine(params, static))(x), eqx.filter_vmap(trainable)(x)
+    )
