@@ -15,6 +15,7 @@ from ._accuracy import apply_plan as apply_plan
 from ._accuracy import evaluate as evaluate
 from ._accuracy import plan as plan
 from ._conv import Conv as Conv
+from ._embedding import Embedding as Embedding
 from ._linear import Linear as Linear
 from ._network import ACTIVATIONS as ACTIVATIONS
 from ._network import Network as Network

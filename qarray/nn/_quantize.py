@@ -11,6 +11,7 @@ import jax
 
 from .._ops import DEFAULT_GROUP_SIZE
 from ._conv import Conv
+from ._embedding import Embedding
 from ._linear import Linear
 
 
@@ -33,12 +34,15 @@ def quantize(
     precision: str = "int8",
     group_size: int | None = None,
 ):
-    """A copy of ``model`` with every ``eqx.nn.Linear`` and ``eqx.nn.Conv``
-    (``Conv1d``, ``Conv2d``, ``Conv3d``) that ``where(layer)`` accepts
-    (default: all) replaced by a ``qarray.nn.Linear`` (weights ``(out, in)``:
-    layout "nk", one scale per output channel) or ``qarray.nn.Conv``; every
-    other node (normalisation, convolutions with non-zero padding modes, ...)
-    is kept as it is, float32.
+    """A copy of ``model`` with every ``eqx.nn.Linear``, ``eqx.nn.Conv``
+    (``Conv1d``, ``Conv2d``, ``Conv3d``) and ``eqx.nn.Embedding`` that
+    ``where(layer)`` accepts (default: all) replaced by a ``qarray.nn.Linear``
+    (weights ``(out, in)``: layout "nk", one scale per output channel),
+    ``qarray.nn.Conv`` or ``qarray.nn.Embedding`` (one scale per row of the
+    table); every other node (normalisation, convolutions with non-zero
+    padding modes, ...) is kept as it is, float32. Embeddings take
+    ``precision`` and ``trainable``; their lookups have no activations to
+    quantize.
 
     ``trainable=False``: weights quantized now and stored int8 (serving);
     ``True``: kept float32 and quantized on every call with a straight-through
@@ -63,6 +67,8 @@ def quantize(
             return layer
         chosen = precision if fits_int4(layer, group_size) else "int8"
         options = {"precision": chosen, "group_size": group_size}
+        if isinstance(layer, eqx.nn.Embedding):
+            return Embedding.from_eqx(layer, trainable=trainable, **options)
         if isinstance(layer, eqx.nn.Conv):
             if layer.padding_mode != "ZEROS":
                 return layer
@@ -80,19 +86,21 @@ def quantize(
             **options,
         )
 
-    return _replace(model, (eqx.nn.Linear, eqx.nn.Conv), convert)
+    return _replace(model, (eqx.nn.Linear, eqx.nn.Conv, eqx.nn.Embedding), convert)
 
 
 def fits_int4(layer, group_size: int | None = None) -> bool:
-    """Whether an ``eqx.nn.Linear`` / ``eqx.nn.Conv`` (weights ``(out, ...)``)
-    packs into int4 groups: ``group_size`` divides its input width."""
+    """Whether an ``eqx.nn.Linear`` / ``eqx.nn.Conv`` / ``eqx.nn.Embedding``
+    (weights ``(out, ...)``, a table ``(num, size)``) packs into int4 groups:
+    ``group_size`` divides its input width (an embedding's row size)."""
     group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
     return math.prod(layer.weight.shape[1:]) % group_size == 0
 
 
 def freeze(model):
-    """A copy of ``model`` with every trainable ``qarray.nn.Linear`` and
-    ``qarray.nn.Conv`` stored as the int8 weights and scales it quantizes to
+    """A copy of ``model`` with every trainable ``qarray.nn.Linear``,
+    ``qarray.nn.Conv`` and ``qarray.nn.Embedding`` stored as the int8 (or
+    int4) weights and scales it quantizes to
     (the export after quantization-aware training: the same outputs, a
     quarter of the bytes). Eager: call it outside ``jit``."""
-    return _replace(model, (Linear, Conv), lambda layer: layer.frozen())
+    return _replace(model, (Linear, Conv, Embedding), lambda layer: layer.frozen())

@@ -1,0 +1,141 @@
+"""``qarray.nn.Embedding``: a quantized ``eqx.nn.Embedding``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._ops import dequantize, pack, quantize, unpack
+from ._linear import _require, checked_group_size, relative_error, stored_width
+
+
+class Embedding(eqx.Module):
+    """A lookup table of quantized rows: ``index -> weight[index]``, shape
+    ``(embedding_size,)``, as ``eqx.nn.Embedding`` (an integer index per call;
+    ``jax.vmap`` for many).
+
+    Each row of the table ``(num_embeddings, embedding_size)`` is quantized on
+    its own: int8 with one scale per row (``row = qvalue[i] * scale[i]``), or
+    int4 packed with one scale per group of ``group_size`` entries. Stored
+    (``qvalue``, ``scale``): the lookup reads the row's integers and scales,
+    and the gradient with respect to the scales is exact; trainable
+    (``weight`` float32): the looked-up row is quantized on every call, with a
+    straight-through gradient. ``precision="float32"`` keeps the table as it is.
+    """
+
+    weight: jax.Array | None
+    qvalue: jax.Array | None
+    scale: jax.Array | None
+    precision: str = eqx.field(static=True)
+    group_size: int | None = eqx.field(static=True)
+    stored_error: float | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        weight=None,
+        *,
+        qvalue=None,
+        scale=None,
+        precision: str = "int8",
+        group_size: int | None = None,
+        stored_error: float | None = None,
+    ):
+        group_size = checked_group_size("Embedding", precision, group_size, "float32")
+        if (weight is None) == (qvalue is None and scale is None):
+            got = "both" if weight is not None else "neither"
+            raise TypeError(
+                "Embedding takes either weight (trainable) or qvalue and scale "
+                f"(stored), got {got}."
+            )
+        if weight is None:
+            if qvalue is None or scale is None:
+                raise TypeError("Embedding takes qvalue and scale together.")
+            if precision == "float32":
+                raise TypeError(
+                    "Embedding with precision 'float32' takes weight (not quantized)."
+                )
+            stored_width("Embedding", qvalue, scale, precision, group_size)
+        else:
+            _require("weight", weight, np.float32, 2, "Embedding")
+            if precision == "int4" and weight.shape[-1] % group_size:
+                raise TypeError(
+                    f"Embedding (int4) requires embedding_size {weight.shape[-1]} "
+                    f"to be a multiple of group_size {group_size}."
+                )
+        self.weight, self.qvalue, self.scale = weight, qvalue, scale
+        self.precision, self.group_size = precision, group_size
+        self.stored_error = stored_error
+
+    @classmethod
+    def from_eqx(
+        cls,
+        layer: eqx.nn.Embedding,
+        *,
+        trainable: bool = False,
+        precision: str = "int8",
+        group_size: int | None = None,
+    ) -> Embedding:
+        """The quantized counterpart of an ``eqx.nn.Embedding``: its table kept
+        float and quantized row by row on every call (``trainable=True``) or
+        quantized now and stored."""
+        table = cls(
+            jnp.asarray(layer.weight), precision=precision, group_size=group_size
+        )
+        return table if trainable else table.frozen()
+
+    @property
+    def trainable(self) -> bool:
+        """Float32 rows quantized on every lookup (else stored)."""
+        return self.weight is not None
+
+    @property
+    def _bits(self) -> int:
+        return 4 if self.precision == "int4" else 8
+
+    def _quantized(self, rows):
+        return quantize(rows, self._bits, self.group_size)
+
+    def __call__(self, x, *, key=None):
+        """``x``: an integer index -> its row ``(embedding_size,)``; ``key`` is
+        accepted and unused (equinox's convention)."""
+        del key
+        if self.precision == "float32":
+            return jnp.asarray(self.weight)[x]
+        if self.trainable:  # straight-through: the identity for cotangents
+            return dequantize(self._quantized(jnp.asarray(self.weight)[x][None]))[0]
+        qvalue, scale = jnp.asarray(self.qvalue)[x], jnp.asarray(self.scale)[x]
+        return dequantize(pack(qvalue[None], scale[None], self._bits, self.group_size))[
+            0
+        ]
+
+    def frozen(self) -> Embedding:
+        """The stored table a trainable one quantizes to (itself if stored or
+        float32). Eager."""
+        if not self.trainable or self.precision == "float32":
+            return self
+        qvalue, scale, error = _stored_table(self)
+        return dataclasses.replace(
+            self, weight=None, qvalue=qvalue, scale=scale, stored_error=float(error)
+        )
+
+    def weight_error(self):
+        """``||w - W|| / ||w||`` of the table (the one recorded when it was
+        stored; 0 when not known or float32)."""
+        if self.precision == "float32":
+            return jnp.float32(0.0)
+        if not self.trainable:
+            return jnp.float32(self.stored_error or 0.0)
+        weight = jnp.asarray(self.weight)
+        return relative_error(weight, self._quantized(weight))
+
+
+@eqx.filter_jit
+def _stored_table(table: Embedding):
+    weight = jnp.asarray(table.weight)
+    qw = table._quantized(weight)
+    qvalue, scale = unpack(qw)
+    return qvalue, scale, relative_error(weight, qw)
