@@ -290,6 +290,19 @@ class Linear(eqx.Module):
             return self.product(x)
         return self.product(x, self.quantized())
 
+    def __matmul__(self, x):
+        """``W @ x`` for ``x (K,)`` or ``(K, B)`` (a bias-free layer): how
+        equinox's recurrent cells apply their weight matrices, so a quantized
+        layer can stand in for one (``qnn.quantize`` of a ``GRUCell``)."""
+        if self.bias is not None:
+            raise TypeError(
+                "Linear @ x is the bias-free product: this layer has a bias."
+            )
+        x = jnp.asarray(x)
+        if x.ndim == 1:
+            return self(x)
+        return jnp.swapaxes(self(jnp.swapaxes(x, -1, -2)), -1, -2)
+
     def product(self, x, qw=None):
         """``x (..., K) -> (..., N)`` with the quantized weights ``qw``
         (``self.quantized()``, when the caller already holds it; unused for a

@@ -42,7 +42,9 @@ def quantize(
     table); every other node (normalisation, convolutions with non-zero
     padding modes, ...) is kept as it is, float32. Embeddings take
     ``precision`` and ``trainable``; their lookups have no activations to
-    quantize.
+    quantize. ``eqx.nn.GRUCell`` and ``eqx.nn.LSTMCell`` keep their class,
+    their input and hidden matrices replaced by bias-free quantized layers
+    (the cells' biases stay float32).
 
     ``trainable=False``: weights quantized now and stored int8 (serving);
     ``True``: kept float32 and quantized on every call with a straight-through
@@ -69,6 +71,24 @@ def quantize(
         options = {"precision": chosen, "group_size": group_size}
         if isinstance(layer, eqx.nn.Embedding):
             return Embedding.from_eqx(layer, trainable=trainable, **options)
+        if isinstance(layer, eqx.nn.GRUCell | eqx.nn.LSTMCell):
+            # the cell applies its matrices as ``weight @ x``: quantized
+            # bias-free layers stand in for them (``Linear.__matmul__``)
+            def matrix(w):
+                return Linear.from_float(
+                    w,
+                    layout="nk",
+                    trainable=trainable,
+                    activations=activations,
+                    precision=precision if fits_int4_width(w, group_size) else "int8",
+                    group_size=group_size,
+                )
+
+            return eqx.tree_at(
+                lambda c: (c.weight_ih, c.weight_hh),
+                layer,
+                (matrix(layer.weight_ih), matrix(layer.weight_hh)),
+            )
         if isinstance(layer, eqx.nn.Conv):
             if layer.padding_mode != "ZEROS":
                 return layer
@@ -86,15 +106,29 @@ def quantize(
             **options,
         )
 
-    return _replace(model, (eqx.nn.Linear, eqx.nn.Conv, eqx.nn.Embedding), convert)
+    kinds = (
+        eqx.nn.Linear,
+        eqx.nn.Conv,
+        eqx.nn.Embedding,
+        eqx.nn.GRUCell,
+        eqx.nn.LSTMCell,
+    )
+    return _replace(model, kinds, convert)
+
+
+def fits_int4_width(weight, group_size: int | None = None) -> bool:
+    """Whether ``group_size`` divides the input width of weights ``(out, ...)``."""
+    group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
+    return math.prod(weight.shape[1:]) % group_size == 0
 
 
 def fits_int4(layer, group_size: int | None = None) -> bool:
     """Whether an ``eqx.nn.Linear`` / ``eqx.nn.Conv`` / ``eqx.nn.Embedding``
     (weights ``(out, ...)``, a table ``(num, size)``) packs into int4 groups:
     ``group_size`` divides its input width (an embedding's row size)."""
-    group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
-    return math.prod(layer.weight.shape[1:]) % group_size == 0
+    if isinstance(layer, eqx.nn.GRUCell | eqx.nn.LSTMCell):  # each matrix its own
+        return True
+    return fits_int4_width(layer.weight, group_size)
 
 
 def freeze(model):

@@ -1,4 +1,4 @@
-"""qarray.nn.Embedding: quantized lookup tables against NumPy."""
+"""qarray.nn.Embedding and quantized recurrent cells against NumPy."""
 
 import equinox as eqx
 import jax
@@ -101,3 +101,58 @@ def test_errors_name_what_was_required(rng):
         qnn.Embedding(jnp.zeros((4, 12)), precision="int4", group_size=16)
     with pytest.raises(ValueError, match="precision in"):
         qnn.Embedding(jnp.zeros((4, 8)), precision="int2")
+
+
+# --- recurrent cells: their matrices quantized, the cell classes kept
+
+
+def _sigmoid(z):
+    return 1 / (1 + np.exp(-z))
+
+
+def numpy_gru(cell, x, h):
+    w_ih, w_hh = (
+        ref.roundtrip(np.asarray(w)) for w in (cell.weight_ih, cell.weight_hh)
+    )
+    gi = w_ih @ x + np.asarray(cell.bias)
+    gh = w_hh @ h
+    (ir, iz, in_), (hr, hz, hn) = np.split(gi, 3), np.split(gh, 3)
+    reset, update = _sigmoid(ir + hr), _sigmoid(iz + hz)
+    new = np.tanh(in_ + reset * (hn + np.asarray(cell.bias_n)))
+    return new + update * (h - new)
+
+
+def numpy_lstm(cell, x, h, c):
+    w_ih, w_hh = (
+        ref.roundtrip(np.asarray(w)) for w in (cell.weight_ih, cell.weight_hh)
+    )
+    i, f, g, o = np.split(w_ih @ x + w_hh @ h + np.asarray(cell.bias), 4)
+    c = _sigmoid(f) * c + _sigmoid(i) * np.tanh(g)
+    return _sigmoid(o) * np.tanh(c), c
+
+
+@pytest.mark.parametrize("trainable", [False, True])
+def test_recurrent_cells_against_numpy(rng, trainable):
+    k1, k2 = jax.random.split(jax.random.key(3))
+    gru, lstm = eqx.nn.GRUCell(6, 8, key=k1), eqx.nn.LSTMCell(6, 8, key=k2)
+    qgru = qnn.quantize(gru, trainable=trainable)
+    qlstm = qnn.quantize(lstm, trainable=trainable)
+    assert isinstance(qgru.weight_ih, qnn.Linear)  # no float matrix left
+    assert isinstance(qlstm.weight_hh, qnn.Linear)
+    x, h, c = (rng.standard_normal(n).astype(np.float32) for n in (6, 8, 8))
+    got = jax.jit(lambda cell, x, h: cell(x, h, key=k1))(qgru, x, h)
+    np.testing.assert_allclose(got, numpy_gru(gru, x, h), rtol=1e-5, atol=1e-5)
+    got_h, got_c = jax.jit(lambda cell, x, hc: cell(x, hc))(qlstm, x, (h, c))
+    want_h, want_c = numpy_lstm(lstm, x, h, c)
+    np.testing.assert_allclose(got_h, want_h, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_c, want_c, rtol=1e-5, atol=1e-5)
+    # a scan over a sequence, as equinox's RNN examples run them
+    xs = rng.standard_normal((5, 6)).astype(np.float32)
+    _, hs = jax.lax.scan(lambda h, x: (qgru(x, h), qgru(x, h)), h, xs)
+    want, state = [], h
+    for x_t in xs:
+        state = numpy_gru(gru, x_t, state)
+        want.append(state)
+    np.testing.assert_allclose(hs, np.stack(want), rtol=1e-4, atol=1e-4)
+    frozen = qnn.freeze(qgru)
+    assert not frozen.weight_ih.trainable
