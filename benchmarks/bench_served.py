@@ -28,10 +28,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -411,16 +409,6 @@ def _read_binrefs(tree, folder: Path):
     return tree
 
 
-def _median_ms(fn, reps):
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
-
-
 def binref_breakdown(api, endpoint, request: dict, tmp: Path, reps=5):
     """ms per stage of one binref request (``request``: the payload with NumPy
     arrays) to ``endpoint`` of ``api``: parse (the JSON document), decode
@@ -441,9 +429,11 @@ def binref_breakdown(api, endpoint, request: dict, tmp: Path, reps=5):
     tree = json.loads(data)
     payload = schema.model_validate(tree, context=context)
     result = jax.block_until_ready(fn(payload))
-    parse = _median_ms(lambda: json.loads(data), reps)
-    decode = _median_ms(lambda: _read_binrefs(tree, inputs), reps)
-    validate = _median_ms(lambda: schema.model_validate(tree, context=context), reps)
+    parse = bench_e2e._median_ms(lambda: json.loads(data), reps)
+    decode = bench_e2e._median_ms(lambda: _read_binrefs(tree, inputs), reps)
+    validate = bench_e2e._median_ms(
+        lambda: schema.model_validate(tree, context=context), reps
+    )
 
     def encode():
         output_to_bytes(result, "json+binref", base_dir=str(outputs), binref_dir="r")
@@ -454,8 +444,10 @@ def binref_breakdown(api, endpoint, request: dict, tmp: Path, reps=5):
         "guard": 0.0,
         "decode": parse + decode,
         "validation": max(validate - decode, 0.0),
-        "compute": _median_ms(lambda: jax.block_until_ready(fn(payload)), reps),
-        "encode": _median_ms(encode, reps),
+        "compute": bench_e2e._median_ms(
+            lambda: jax.block_until_ready(fn(payload)), reps
+        ),
+        "encode": bench_e2e._median_ms(encode, reps),
     }
 
 

@@ -315,7 +315,6 @@ class ConvQ(HiPrim):
             *(1,) * lead,
             *self.rhs_dilation,
             self.feature_group_count,
-            0,
         )
         out_shape = self.out_aval.shape if batched else (1, *self.out_aval.shape)
         y = _ffi.conv(

@@ -71,14 +71,15 @@ def available() -> bool:
     return status() == "available"
 
 
-def _call(target, x, n, operands, results=None, **attrs):
-    """The kernel ``target`` on ``operands`` -> f32[x.shape[0], n] (or
-    ``results``, a tuple of shape-dtype structs), typed like the operands
-    inside shard_map."""
+def _float32(*shape):
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def _call(target, operands, results, **attrs):
+    """The kernel ``target`` on ``operands`` -> ``results`` (a shape-dtype
+    struct, or a tuple of them), typed like the operands inside shard_map."""
     if not available():
         raise RuntimeError(f"qarray's CPU kernels do not run here: {status()}")
-    if results is None:
-        results = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     call = jax.ffi.ffi_call(target, results, vmap_method="sequential")
     out = call(*operands, **attrs)
     if isinstance(out, tuple | list):
@@ -104,7 +105,7 @@ def _varying_like(y, operands):
 def product_int4(x, packed, scale):
     """x f32[m, k] @ W^T for int4 weights W[n, k] (packed uint8[n, k / 2], one
     scale per group of k: f32[n, k / G], G a multiple of 32) -> f32[m, n]."""
-    return _call(TARGET_INT4, x, packed.shape[0], (x, packed, scale))
+    return _call(TARGET_INT4, (x, packed, scale), _float32(x.shape[0], packed.shape[0]))
 
 
 def quantize_rows(x):
@@ -115,21 +116,18 @@ def quantize_rows(x):
         jax.ShapeDtypeStruct((m, k), jnp.int8),
         jax.ShapeDtypeStruct((m,), jnp.float32),
     )
-    return _call(TARGET_QUANTIZE, x, k, (x,), results)
+    return _call(TARGET_QUANTIZE, (x,), results)
 
 
 def conv(x, qvalue, scale, out_shape, geometry, *, int8: bool):
     """x f32[B, C, *S] convolved with int8 weights q[O, C / G * prod(k)] and
     one scale per output channel -> f32 ``out_shape`` (B, O, *S'), im2col and
     the kernel's products; ``geometry``: kernel sizes, strides, low paddings
-    and dilations (3 each, the used ones last) and the group count."""
-    results = jax.ShapeDtypeStruct(out_shape, jnp.float32)
+    and dilations (3 each, the used ones last), then the group count."""
     return _call(
         TARGET_CONV,
-        x,
-        0,
         (x, qvalue, scale),
-        results,
+        _float32(*out_shape),
         geometry=np.asarray(geometry, np.int64),
         int8=np.int64(int8),
     )
@@ -141,4 +139,10 @@ def product(x, qvalue, scale, *, kn: bool, int8: bool):
     ``(x @ qvalue.T) * scale`` (q[n, k], scale[n]); ``int8``: x's rows
     quantized per row first (after the scales fold in, for kn)."""
     n = qvalue.shape[1] if kn else qvalue.shape[0]
-    return _call(TARGET, x, n, (x, qvalue, scale), kn=np.int64(kn), int8=np.int64(int8))
+    return _call(
+        TARGET,
+        (x, qvalue, scale),
+        _float32(x.shape[0], n),
+        kn=np.int64(kn),
+        int8=np.int64(int8),
+    )

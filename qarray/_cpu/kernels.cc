@@ -209,6 +209,45 @@ struct Panel {
   int64_t k4 = 0;
 };
 
+// acc[r][0..1] += `steps` groups of 4 bytes of MR u8 rows (x + r * rs, 4
+// bytes a step) broadcast against two weight vectors a step (w0, w1: 64
+// bytes a step): the inner loop every GEMM tile below shares
+template <int MR>
+QARRAY_AVX512 inline void DotSteps(__m512i (&acc)[MR][2], const uint8_t* x, int64_t rs,
+                                   const int8_t* w0, const int8_t* w1, int64_t steps) {
+  for (int64_t g = 0; g < steps; ++g) {
+    const __m512i a = _mm512_loadu_si512(w0 + g * 64);
+    const __m512i b = _mm512_loadu_si512(w1 + g * 64);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      int32_t four;
+      std::memcpy(&four, x + r * rs + 4 * g, 4);
+      const __m512i xb = _mm512_set1_epi32(four);
+      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], xb, a);
+      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], xb, b);
+    }
+  }
+}
+
+// the masks of a tile's two blocks of 16 channels, `cols` of 32 real
+struct ColumnMasks {
+  __mmask16 lo, hi;
+  explicit ColumnMasks(int64_t cols)
+      : lo(cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1)),
+        hi(cols >= 32 ? 0xFFFF
+                      : (cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1))) {}
+};
+
+// 128 * the per-lane byte sums of `steps` 64-byte vectors of a panel block
+// (lane c: channel c's weights), what the u8 shift of x subtracts
+QARRAY_AVX512 inline __m512i PanelSums(const int8_t* block, int64_t steps) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i sum = _mm512_setzero_si512();
+  for (int64_t g = 0; g < steps; ++g)
+    sum = _mm512_dpbusd_epi32(sum, ones, _mm512_loadu_si512(block + g * 64));
+  return _mm512_mullo_epi32(sum, _mm512_set1_epi32(128));
+}
+
 // 16 vectors of 16 int32 lanes, transposed in place (lane e of r[c] becomes
 // lane c of r[e]): each lane here is 4 consecutive bytes of a weight row
 QARRAY_AVX512 inline void Transpose16(__m512i r[16]) {
@@ -242,12 +281,10 @@ QARRAY_AVX512 void PackPanel(const int8_t* q, int64_t k, int64_t n0, int64_t n1,
   // one zero block more: the last pair of vectors may hold one real one
   panel.w.assign((n16 + 1) * k4 * 64, 0);
   panel.corr.assign((n16 + 1) * 16, 0);
-  const __m512i ones = _mm512_set1_epi8(1);
   for (int64_t b = 0; b < n16; ++b) {
     const int64_t lanes = std::min<int64_t>(16, n1 - n0 - 16 * b);
     const int8_t* rows = q + (n0 + 16 * b) * k;
     int8_t* dst = panel.w.data() + b * k4 * 64;
-    __m512i sum = _mm512_setzero_si512();
     for (int64_t i = 0; i < k; i += 64) {  // 16 groups of 4 k at a time
       const __mmask64 m = (k - i >= 64) ? ~0ULL : ((1ULL << (k - i)) - 1);
       __m512i r[16];
@@ -256,13 +293,9 @@ QARRAY_AVX512 void PackPanel(const int8_t* q, int64_t k, int64_t n0, int64_t n1,
                          : _mm512_setzero_si512();
       Transpose16(r);
       const int64_t groups = std::min<int64_t>(16, k4 - i / 4);
-      for (int64_t e = 0; e < groups; ++e) {
-        _mm512_storeu_si512(dst + (i / 4 + e) * 64, r[e]);
-        sum = _mm512_dpbusd_epi32(sum, ones, r[e]);  // lane c: channel c's bytes
-      }
+      for (int64_t e = 0; e < groups; ++e) _mm512_storeu_si512(dst + (i / 4 + e) * 64, r[e]);
     }
-    _mm512_storeu_si512(panel.corr.data() + 16 * b,
-                        _mm512_mullo_epi32(sum, _mm512_set1_epi32(128)));
+    _mm512_storeu_si512(panel.corr.data() + 16 * b, PanelSums(dst, k4));
   }
 }
 
@@ -295,15 +328,9 @@ QARRAY_AVX512 void PackPanelKn(const int8_t* q, int64_t k, int64_t n, int64_t n0
       _mm512_storeu_si512(panel.w.data() + (b * k4 + g) * 64, v);
     }
   }
-  const __m512i ones = _mm512_set1_epi8(1);
-  for (int64_t b = 0; b < n16; ++b) {  // the sums, from the panel (in L2)
-    __m512i sum = _mm512_setzero_si512();
-    for (int64_t g = 0; g < k4; ++g)
-      sum = _mm512_dpbusd_epi32(sum, ones,
-                                _mm512_loadu_si512(panel.w.data() + (b * k4 + g) * 64));
+  for (int64_t b = 0; b < n16; ++b)  // the sums, from the panel (in L2)
     _mm512_storeu_si512(panel.corr.data() + 16 * b,
-                        _mm512_mullo_epi32(sum, _mm512_set1_epi32(128)));
-  }
+                        PanelSums(panel.w.data() + b * k4 * 64, k4));
 }
 
 // MR rows of u8 xq (ks bytes apart) times the panel's 32 channels from c
@@ -317,31 +344,18 @@ QARRAY_AVX512 void GemmTile(const uint8_t* xq, int64_t ks, const float* sx,
   const int8_t* w1 = w0 + k4 * 64;
   __m512i acc[MR][2];
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
-  for (int64_t g = 0; g < k4; ++g) {
-    const __m512i a = _mm512_loadu_si512(w0 + g * 64);
-    const __m512i b = _mm512_loadu_si512(w1 + g * 64);
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      int32_t four;
-      std::memcpy(&four, xq + r * ks + 4 * g, 4);
-      const __m512i xb = _mm512_set1_epi32(four);
-      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], xb, a);
-      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], xb, b);
-    }
-  }
-  const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
-  const __mmask16 m1 =
-      cols >= 32 ? 0xFFFF : (cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1));
+  DotSteps<MR>(acc, xq, ks, w0, w1, k4);
+  const ColumnMasks m(cols);
   const __m512i c0 = _mm512_loadu_si512(panel.corr.data() + c);
   const __m512i c1 = _mm512_loadu_si512(panel.corr.data() + c + 16);
-  const __m512 s0 = _mm512_maskz_loadu_ps(m0, scale);
-  const __m512 s1 = _mm512_maskz_loadu_ps(m1, scale + 16);
+  const __m512 s0 = _mm512_maskz_loadu_ps(m.lo, scale);
+  const __m512 s1 = _mm512_maskz_loadu_ps(m.hi, scale + 16);
   for (int r = 0; r < MR; ++r) {
     const __m512 x = _mm512_set1_ps(sx[r]);
     const __m512 y0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][0], c0));
     const __m512 y1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][1], c1));
-    _mm512_mask_storeu_ps(y + r * ldy, m0, _mm512_mul_ps(_mm512_mul_ps(y0, x), s0));
-    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, _mm512_mul_ps(_mm512_mul_ps(y1, x), s1));
+    _mm512_mask_storeu_ps(y + r * ldy, m.lo, _mm512_mul_ps(_mm512_mul_ps(y0, x), s0));
+    _mm512_mask_storeu_ps(y + r * ldy + 16, m.hi, _mm512_mul_ps(_mm512_mul_ps(y1, x), s1));
   }
 }
 
@@ -851,7 +865,6 @@ QARRAY_AVX512 void PackInt4Panel(const uint8_t* q, const float* scale, int64_t k
   panel.w.assign((n16 + 1) * k4 * 64, 0);
   panel.corr.assign((n16 + 1) * groups * 16, 0);
   panel.sg.assign((n16 + 1) * groups * 16, 0.0f);
-  const __m512i ones = _mm512_set1_epi8(1);
   for (int64_t b = 0; b < n16; ++b) {
     const int64_t lanes = std::min<int64_t>(16, n1 - n0 - 16 * b);
     int8_t* dst = panel.w.data() + b * k4 * 64;
@@ -867,11 +880,8 @@ QARRAY_AVX512 void PackInt4Panel(const uint8_t* q, const float* scale, int64_t k
       for (int64_t e = 0; e < steps; ++e) _mm512_storeu_si512(dst + (i / 4 + e) * 64, r[e]);
     }
     for (int64_t g = 0; g < groups; ++g) {
-      __m512i sum = _mm512_setzero_si512();
-      for (int64_t e = g * panel.g4; e < (g + 1) * panel.g4; ++e)
-        sum = _mm512_dpbusd_epi32(sum, ones, _mm512_loadu_si512(dst + e * 64));
       _mm512_storeu_si512(panel.corr.data() + (b * groups + g) * 16,
-                          _mm512_mullo_epi32(sum, _mm512_set1_epi32(128)));
+                          PanelSums(dst + g * panel.g4 * 64, panel.g4));
       for (int64_t lane = 0; lane < lanes; ++lane)
         panel.sg[(b * groups + g) * 16 + lane] = scale[(n0 + 16 * b + lane) * groups + g];
     }
@@ -890,18 +900,8 @@ QARRAY_AVX512 void Int4GemmTile(const uint8_t* xq, int64_t ks, const float* sx,
   for (int64_t g = 0; g < groups; ++g) {
     __m512i acc[MR][2];
     for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
-    for (int64_t e = g * panel.g4; e < (g + 1) * panel.g4; ++e) {
-      const __m512i a = _mm512_loadu_si512(w0 + e * 64);
-      const __m512i b = _mm512_loadu_si512(w1 + e * 64);
-#pragma GCC unroll 8
-      for (int r = 0; r < MR; ++r) {
-        int32_t four;
-        std::memcpy(&four, xq + r * ks + 4 * e, 4);
-        const __m512i xb = _mm512_set1_epi32(four);
-        acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], xb, a);
-        acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], xb, b);
-      }
-    }
+    const int64_t e = g * panel.g4;  // the group's first step of 4 k
+    DotSteps<MR>(acc, xq + 4 * e, ks, w0 + e * 64, w1 + e * 64, panel.g4);
     const int64_t at0 = (b0 * groups + g) * 16, at1 = ((b0 + 1) * groups + g) * 16;
     const __m512i c0 = _mm512_loadu_si512(panel.corr.data() + at0);
     const __m512i c1 = _mm512_loadu_si512(panel.corr.data() + at1);
@@ -914,13 +914,11 @@ QARRAY_AVX512 void Int4GemmTile(const uint8_t* xq, int64_t ks, const float* sx,
                                 f[r][1]);
     }
   }
-  const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
-  const __mmask16 m1 =
-      cols >= 32 ? 0xFFFF : (cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1));
+  const ColumnMasks m(cols);
   for (int r = 0; r < MR; ++r) {
     const __m512 x = _mm512_set1_ps(sx[r]);
-    _mm512_mask_storeu_ps(y + r * ldy, m0, _mm512_mul_ps(f[r][0], x));
-    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, _mm512_mul_ps(f[r][1], x));
+    _mm512_mask_storeu_ps(y + r * ldy, m.lo, _mm512_mul_ps(f[r][0], x));
+    _mm512_mask_storeu_ps(y + r * ldy + 16, m.hi, _mm512_mul_ps(f[r][1], x));
   }
 }
 
@@ -1060,26 +1058,14 @@ QARRAY_AVX512 void ConvTile(const ConvProblem& c, int64_t e, int64_t o0, int64_t
         const int64_t p1 = o1 * g.stride[1] + i1 * g.dilation[1];
         const int64_t p2 = o2 * g.stride[2] + i2 * g.dilation[2];
         const uint8_t* x = xe + ((p0 * g.padded[1] + p1) * g.padded[2] + p2) * c.cpad;
-        for (int64_t j = 0; j < c4; ++j, ++step) {
-          const __m512i a = _mm512_loadu_si512(w0 + step * 64);
-          const __m512i b = _mm512_loadu_si512(w1 + step * 64);
-#pragma GCC unroll 8
-          for (int r = 0; r < MR; ++r) {
-            int32_t four;
-            std::memcpy(&four, x + r * row_step + 4 * j, 4);
-            const __m512i xb = _mm512_set1_epi32(four);
-            acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], xb, a);
-            acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], xb, b);
-          }
-        }
+        DotSteps<MR>(acc, x, row_step, w0 + step * 64, w1 + step * 64, c4);
+        step += c4;
       }
-  const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
-  const __mmask16 m1 =
-      cols >= 32 ? 0xFFFF : (cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1));
+  const ColumnMasks m(cols);
   const __m512i k0 = _mm512_loadu_si512(panel.corr.data() + col);
   const __m512i k1 = _mm512_loadu_si512(panel.corr.data() + col + 16);
-  const __m512 s0 = _mm512_maskz_loadu_ps(m0, c.scale + col);
-  const __m512 s1 = _mm512_maskz_loadu_ps(m1, c.scale + col + 16);
+  const __m512 s0 = _mm512_maskz_loadu_ps(m.lo, c.scale + col);
+  const __m512 s1 = _mm512_maskz_loadu_ps(m.hi, c.scale + col + 16);
   const __m512 sx = _mm512_set1_ps(c.sx[e]);
   // rows of 32 channels, then written channel by channel (MR positions
   // each) into y's (channels, positions) layout; the parts after the first add
@@ -1127,7 +1113,7 @@ ffi::Error ConvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                     ffi::ResultBuffer<ffi::F32> y, ffi::Span<const int64_t> geometry,
                     int64_t int8) {
   auto xd = x.dimensions(), qd = q.dimensions(), yd = y->dimensions();
-  if (geometry.size() != 14 || xd.size() < 3 || xd.size() > 5 || qd.size() != 2 ||
+  if (geometry.size() != 13 || xd.size() < 3 || xd.size() > 5 || qd.size() != 2 ||
       yd.size() != xd.size())
     return ffi::Error::InvalidArgument("qarray_conv: bad geometry or ranks");
   auto c = std::make_shared<ConvProblem>();
@@ -1135,7 +1121,7 @@ ffi::Error ConvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   g.nsp = static_cast<int64_t>(xd.size()) - 2;
   g.groups = geometry[12];
   // geometry: kernel sizes, strides, low paddings, dilations (three each,
-  // unused leading axes 1, 1, 0, 1), the group count, and a spare
+  // unused leading axes 1, 1, 0, 1), then the group count
   for (int i = 0; i < 3; ++i) {
     const int j = i - (3 - static_cast<int>(g.nsp));  // the spatial axis, if used
     g.k[i] = geometry[i];

@@ -7,10 +7,9 @@ import dataclasses
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .._ops import dequantize, pack, quantize, unpack
-from ._linear import _require, checked_group_size, relative_error, stored_width
+from ._linear import check_modes, checked_group_size, checked_parts, relative_error
 
 
 class Embedding(eqx.Module):
@@ -45,27 +44,8 @@ class Embedding(eqx.Module):
         stored_error: float | None = None,
     ):
         group_size = checked_group_size("Embedding", precision, group_size, "float32")
-        if (weight is None) == (qvalue is None and scale is None):
-            got = "both" if weight is not None else "neither"
-            raise TypeError(
-                "Embedding takes either weight (trainable) or qvalue and scale "
-                f"(stored), got {got}."
-            )
-        if weight is None:
-            if qvalue is None or scale is None:
-                raise TypeError("Embedding takes qvalue and scale together.")
-            if precision == "float32":
-                raise TypeError(
-                    "Embedding with precision 'float32' takes weight (not quantized)."
-                )
-            stored_width("Embedding", qvalue, scale, precision, group_size)
-        else:
-            _require("weight", weight, np.float32, 2, "Embedding")
-            if precision == "int4" and weight.shape[-1] % group_size:
-                raise TypeError(
-                    f"Embedding (int4) requires embedding_size {weight.shape[-1]} "
-                    f"to be a multiple of group_size {group_size}."
-                )
+        check_modes("Embedding", "float32", weight, qvalue, scale, "qvalue and scale")
+        checked_parts("Embedding", weight, qvalue, scale, precision, group_size)
         self.weight, self.qvalue, self.scale = weight, qvalue, scale
         self.precision, self.group_size = precision, group_size
         self.stored_error = stored_error

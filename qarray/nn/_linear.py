@@ -72,6 +72,29 @@ def checked_group_size(
     return DEFAULT_GROUP_SIZE if group_size is None else group_size
 
 
+def checked_parts(
+    owner: str, weight, qvalue, scale, precision: str, group_size
+) -> None:
+    """A layer's weights, once ``check_modes`` passed: stored parts given
+    together (not for float32) and fitting (``stored_width``), or float32
+    ``weight (..., out, K)`` whose K the int4 group size divides."""
+    if weight is None:
+        if qvalue is None or scale is None:
+            raise TypeError(f"{owner} takes qvalue and scale together.")
+        if precision == "float32":
+            raise TypeError(
+                f"{owner} with precision 'float32' takes weight (not quantized)."
+            )
+        stored_width(owner, qvalue, scale, precision, group_size)
+        return
+    _require("weight", weight, np.float32, 2, owner)
+    if precision == "int4" and weight.shape[-1] % group_size:
+        raise TypeError(
+            f"{owner} (int4) requires K = {weight.shape[-1]} (weight "
+            f"{_dtype_str(weight)}) to be a multiple of group_size {group_size}."
+        )
+
+
 def stored_width(owner: str, qvalue, scale, precision: str, group_size) -> int:
     """K, the input width of a stored layer's parts, once they fit: int8
     ``qvalue (..., out, K)`` with a float32 scale per row ``(..., out)``;
@@ -180,22 +203,7 @@ class Linear(eqx.Module):
                 f"(N, K), groups along K), got {layout!r}."
             )
         check_modes("Linear", activations, weight, qvalue, scale, "qvalue and scale")
-        if weight is None:
-            if qvalue is None or scale is None:
-                raise TypeError("Linear takes qvalue and scale together.")
-            if precision == "float32":
-                raise TypeError(
-                    "Linear with precision 'float32' takes weight (not quantized)."
-                )
-            stored_width("Linear", qvalue, scale, precision, group_size)
-        else:
-            _require("weight", weight, np.float32, 2)
-            if precision == "int4" and weight.shape[-1] % group_size:
-                raise TypeError(
-                    f"Linear (int4) requires K = {weight.shape[-1]} (weight "
-                    f"{_dtype_str(weight)}) to be a multiple of group_size "
-                    f"{group_size}."
-                )
+        checked_parts("Linear", weight, qvalue, scale, precision, group_size)
         self.weight, self.qvalue, self.scale = weight, qvalue, scale
         self.precision, self.group_size = precision, group_size
         self.layout, self.activations, self.stored_error = (

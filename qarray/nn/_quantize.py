@@ -67,10 +67,6 @@ def quantize(
             return layer
         if precision == "float32":
             return layer
-        chosen = precision if fits_int4(layer, group_size) else "int8"
-        options = {"precision": chosen, "group_size": group_size}
-        if isinstance(layer, eqx.nn.Embedding):
-            return Embedding.from_eqx(layer, trainable=trainable, **options)
         if isinstance(layer, eqx.nn.GRUCell | eqx.nn.LSTMCell):
             # the cell applies its matrices as ``weight @ x``: quantized
             # bias-free layers stand in for them (``Linear.__matmul__``)
@@ -89,6 +85,10 @@ def quantize(
                 layer,
                 (matrix(layer.weight_ih), matrix(layer.weight_hh)),
             )
+        chosen = precision if fits_int4(layer, group_size) else "int8"
+        options = {"precision": chosen, "group_size": group_size}
+        if isinstance(layer, eqx.nn.Embedding):
+            return Embedding.from_eqx(layer, trainable=trainable, **options)
         if isinstance(layer, eqx.nn.Conv):
             if layer.padding_mode != "ZEROS":
                 return layer
@@ -126,8 +126,6 @@ def fits_int4(layer, group_size: int | None = None) -> bool:
     """Whether an ``eqx.nn.Linear`` / ``eqx.nn.Conv`` / ``eqx.nn.Embedding``
     (weights ``(out, ...)``, a table ``(num, size)``) packs into int4 groups:
     ``group_size`` divides its input width (an embedding's row size)."""
-    if isinstance(layer, eqx.nn.GRUCell | eqx.nn.LSTMCell):  # each matrix its own
-        return True
     return fits_int4_width(layer.weight, group_size)
 
 
