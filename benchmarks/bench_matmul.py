@@ -41,7 +41,7 @@ def _data(m, k, n, seed=0):
 def _quantized_matmul(x, qvalue, scale, activations):
     # the QArray is built inside the compiled function, from its int8 payload and
     # scales (as the Tesseract does): a QArray *argument* of jax.jit takes JAX's
-    # Python dispatch path (see dispatch_row)
+    # Python dispatch path (see dispatch_rows)
     return qa.matmul_q(x, qa.pack(qvalue, scale), activations)
 
 
@@ -135,32 +135,40 @@ def linear_rows(reps):
     return rows
 
 
-def dispatch_row(reps, shape=(1, 1024, 1024)):
-    """What passing a QArray as a jax.jit argument costs per call: hi-typed
-    arguments skip jit's C++ fast path (a JAX limitation, not qarray's)."""
+def dispatch_rows(reps, shape=(1, 1024, 1024)):
+    """What passing a QArray as a jit argument costs per call, over passing its
+    parts: ``jax.jit`` takes JAX's Python dispatch path for hi-typed arguments
+    (a JAX limitation); ``qarray.jit`` hands the parts across instead."""
     m, k, n = shape
     x, w = _data(m, k, n)
     qw = qa.quantize(w)
     q, s = jax.block_until_ready(qa.unpack(qw))
     as_argument = jax.jit(qa.matmul_q)
+    through_qarray_jit = qa.jit(qa.matmul_q)
     built_inside = jax.jit(_quantized_matmul, static_argnums=3)
     times = interleaved(
         {
-            "argument": lambda: as_argument(x, qw),
-            "inside": lambda: built_inside(x, q, s, "float32"),
+            "jax.jit": lambda: as_argument(x, qw),
+            "qarray.jit": lambda: through_qarray_jit(x, qw),
+            "parts": lambda: built_inside(x, q, s, "float32"),
         },
         reps,
     )
-    return {
-        "row": "jit dispatch of a QArray argument (extra ms per call)",
-        "shape": shape,
-        "baseline": "same matmul_q with the QArray built inside the jitted function",
-        "ratio": 1e3 * (times["argument"] - times["inside"]),
-        "target": None,
-        "unit": "ms",
-        "ms": 1e3 * times["argument"],
-        "baseline_ms": 1e3 * times["inside"],
-    }
+    targets = {"jax.jit": None, "qarray.jit": 0.02}
+    return [
+        {
+            "row": f"{spelling} of a QArray argument (extra ms per call)",
+            "shape": shape,
+            "baseline": "same matmul_q, the QArray's parts as the arguments",
+            "ratio": 1e3 * (times[spelling] - times["parts"]),
+            "target": target,
+            "unit": "ms",
+            "lower_is_better": True,
+            "ms": 1e3 * times[spelling],
+            "baseline_ms": 1e3 * times["parts"],
+        }
+        for spelling, target in targets.items()
+    ]
 
 
 def grad_row(reps, shape=(512, 1024, 1024)):
@@ -290,7 +298,7 @@ def run(reps=15):
     return [
         *matmul_rows(reps),
         *linear_rows(reps),
-        dispatch_row(reps),
+        *dispatch_rows(reps),
         grad_row(reps),
         quantize_row(reps),
         memory_row(),

@@ -6,6 +6,7 @@ The hijax doc's other teaching types (rank-1 matrices, tuples) live in
 
 from . import nn as nn
 from ._conv import conv_q as conv_q
+from ._jit import jit as jit
 from ._ops import dequantize as dequantize
 from ._ops import linear_q as linear_q
 from ._ops import matmul_q as matmul_q

@@ -1,0 +1,102 @@
+"""``qarray.jit``: ``jax.jit`` whose QArray arguments and results cross the
+boundary as their two parts.
+
+A QArray handed to a ``jax.jit`` function as an argument takes JAX's Python
+dispatch path for hi types (a JAX limitation: the C++ fast path knows only
+arrays), a cost that can exceed a small layer's whole product (``make bench``,
+suite matmul, the dispatch rows). Here each concrete QArray becomes a pytree
+of its parts before the call and is rebuilt with ``pack`` inside the trace,
+so the call stays on the fast path; results that are QArrays come back the
+same way.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from ._ops import pack, unpack
+from ._qarray import UINT8, QArray, QArrayTy
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """A QArray's parts as a pytree: two array leaves, its kind static."""
+
+    qvalue: Any
+    scale: Any
+    bits: int
+    group_size: int | None
+
+
+jax.tree_util.register_dataclass(
+    _Parts, data_fields=["qvalue", "scale"], meta_fields=["bits", "group_size"]
+)
+
+
+def _is_parts(leaf) -> bool:
+    return isinstance(leaf, _Parts)
+
+
+def _parts_of(q: QArray) -> _Parts:
+    qvalue, scale = q.qvalue, q.scale
+    if qvalue.dtype != UINT8:
+        return _Parts(qvalue, scale, 8, None)
+    return _Parts(qvalue, scale, 4, 2 * qvalue.shape[-1] // scale.shape[-1])
+
+
+def _map_leaves(convert, tree, is_leaf=None):
+    # flatten / unflatten rather than jax.tree.map: a visible part of the
+    # saving on a small call
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_leaf)
+    return treedef.unflatten([convert(leaf) for leaf in leaves])
+
+
+def _to_parts(leaf):
+    return _parts_of(leaf) if isinstance(leaf, QArray) else leaf
+
+
+def _from_parts(leaf):
+    return QArray(leaf.qvalue, leaf.scale) if _is_parts(leaf) else leaf
+
+
+def _packed(leaf):
+    if _is_parts(leaf):
+        return pack(leaf.qvalue, leaf.scale, leaf.bits, leaf.group_size)
+    return leaf
+
+
+def _unpacked(leaf):
+    ty = jax.typeof(leaf) if isinstance(leaf, jax.core.Tracer) else None
+    if isinstance(ty, QArrayTy):
+        qvalue, scale = unpack(leaf)
+        return _Parts(qvalue, scale, ty.bits, ty.group_size)
+    return leaf
+
+
+def jit(fun, **jit_kwargs):
+    """``jax.jit(fun, **jit_kwargs)`` for functions of QArrays.
+
+    The same function, compiled the same way; only the way a QArray crosses
+    the boundary differs (as its ``qvalue`` and ``scale``, so a call costs
+    what passing those two arrays costs). Under an outer transformation
+    (``grad``, ``vmap``, ...) the QArray is a tracer and passes as
+    ``jax.jit`` would pass it.
+    """
+
+    @functools.wraps(fun)
+    def on_parts(*args, **kwargs):
+        args, kwargs = _map_leaves(_packed, (args, kwargs), _is_parts)
+        return _map_leaves(_unpacked, fun(*args, **kwargs))
+
+    compiled = jax.jit(on_parts, **jit_kwargs)
+
+    @functools.wraps(fun)
+    def call(*args, **kwargs):
+        args, kwargs = _map_leaves(_to_parts, (args, kwargs))
+        return _map_leaves(_from_parts, compiled(*args, **kwargs), _is_parts)
+
+    return call
