@@ -63,6 +63,21 @@ def _from_parts(leaf):
     return QArray(leaf.qvalue, leaf.scale) if _is_parts(leaf) else leaf
 
 
+def _argument_to_parts(arg):
+    # arrays and QArrays without a flatten: a call's Python cost is the point
+    if isinstance(arg, jax.Array):
+        return arg
+    if isinstance(arg, QArray):
+        return _parts_of(arg)
+    return _map_leaves(_to_parts, arg)
+
+
+def _result_from_parts(result):
+    if isinstance(result, jax.Array):
+        return result
+    return _map_leaves(_from_parts, result, _is_parts)
+
+
 def _packed(leaf):
     if _is_parts(leaf):
         return pack(leaf.qvalue, leaf.scale, leaf.bits, leaf.group_size)
@@ -96,7 +111,8 @@ def jit(fun, **jit_kwargs):
 
     @functools.wraps(fun)
     def call(*args, **kwargs):
-        args, kwargs = _map_leaves(_to_parts, (args, kwargs))
-        return _map_leaves(_from_parts, compiled(*args, **kwargs), _is_parts)
+        args = [_argument_to_parts(arg) for arg in args]
+        kwargs = {name: _argument_to_parts(arg) for name, arg in kwargs.items()}
+        return _result_from_parts(compiled(*args, **kwargs))
 
     return call
