@@ -102,10 +102,12 @@ def _varying_like(y, operands):
     return y
 
 
-def product_int4(x, packed, scale):
+def product_int4(x, packed, scale, *, int8: bool = False):
     """x f32[m, k] @ W^T for int4 weights W[n, k] (packed uint8[n, k / 2], one
-    scale per group of k: f32[n, k / G], G a multiple of 32) -> f32[m, n]."""
-    return _call(TARGET_INT4, (x, packed, scale), _float32(x.shape[0], packed.shape[0]))
+    scale per group of k: f32[n, k / G], G a multiple of 32) -> f32[m, n];
+    ``int8``: x quantized per row first (W4A8)."""
+    results = _float32(x.shape[0], packed.shape[0])
+    return _call(TARGET_INT4, (x, packed, scale), results, int8=np.int64(int8))
 
 
 def quantize_rows(x):

@@ -290,16 +290,19 @@ def linear(x, qvalue, scale, activations="float32", strategy=None):
 
 
 # rows up to which the int4 CPU kernel beats dequantizing and a float32 dot
-# (``make bench``, suite kernels): its float32 tiles for a few rows, then (from
-# KERNEL_GEMM_ROWS int8 parts: three a row) the int8 GEMM with the nibbles
-# unpacked into its panel and each group's sums scaled in the tile
-INT4_KERNEL_MAX_ROWS = 256
+# (``make bench``, suite int4): its float32 tiles for one row, then (from
+# kInt4GemmRows in kernels.cc: two rows) the int8 GEMM with the nibbles
+# unpacked into its panel and each group's sums scaled in the tile, on three
+# int8 parts a row of x (weight-only) or one (W4A8)
+INT4_KERNEL_MAX_ROWS = {"float32": 256, "int8": 4096}
 
 
-def linear_int4(x, packed, scale, strategy=None):
+def linear_int4(x, packed, scale, activations="float32", strategy=None):
     """x f32[..., k] @ W^T with int4 weights W[n, k] (packed uint8[n, k / 2],
-    one scale per group along k: f32[n, k / G]) -> f32[..., n], weight-only.
+    one scale per group along k: f32[n, k / G]) -> f32[..., n].
 
+    ``activations="int8"`` (W4A8) quantizes each row of x first (``xq``,
+    ``sx``, as ``quantize_rows``): ``y = sx[:, None] * (xq @ W^T)``.
     ``"kernel"``: qarray's CPU kernel (nibbles unpacked in registers, the
     group scales applied to each group's sums); ``"dequantize"``: W in float32,
     then one dot (the reference formulation, and what runs elsewhere).
@@ -308,21 +311,32 @@ def linear_int4(x, packed, scale, strategy=None):
     n = packed.shape[0]
     m = math.prod(lead)
     if _explicitly_sharded(x) or _explicitly_sharded(packed):
+        if activations == "int8":
+            xq, xs = quantize_rows(x)
+            x = xq.astype(jnp.float32) * xs[..., None]
         dims = (((x.ndim - 1,), (1,)), ((), ()))
         return lax.dot_general(x, dequantize_groups(packed, scale), dims)
     x2 = x.reshape(m, k)
 
     def run(strategy):
         if strategy == "kernel":
-            return _ffi.product_int4(x2, packed, scale)
+            return _ffi.product_int4(x2, packed, scale, int8=activations == "int8")
         if strategy == "dequantize":
+            v = x2
+            if activations == "int8":
+                xq, xs = quantize_rows(x2)
+                v = xq.astype(jnp.float32) * xs[:, None]
             w = dequantize_groups(packed, scale)
-            return lax.dot_general(x2, w, _LAST_BY_LAST)
+            return lax.dot_general(v, w, _LAST_BY_LAST)
         raise ValueError(f"unknown int4 strategy {strategy!r}")
 
     if strategy is None:
         group = k // max(scale.shape[-1], 1)
-        kernel = _ffi.available() and m <= INT4_KERNEL_MAX_ROWS and group % 32 == 0
+        kernel = (
+            _ffi.available()
+            and m <= INT4_KERNEL_MAX_ROWS[activations]
+            and group % 32 == 0
+        )
         if kernel:
             y = lax.platform_dependent(
                 cpu=lambda: run("kernel"), default=lambda: run("dequantize")

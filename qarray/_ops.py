@@ -285,11 +285,6 @@ class _QProduct(HiPrim):
                     f'each stored row): store them (N, K), layout "nk", and use '
                     f"linear_q, got {operands}."
                 )
-            if activations != "float32":
-                raise TypeError(
-                    f"{name} with int4 weights is weight-only (activations="
-                    f"'float32'), got activations={activations!r} for {operands}."
-                )
         if qw_aval.ndim != 2:
             raise TypeError(f"{name} requires qw of rank 2, got {operands}.")
         if x_aval.shape[-1] != qw_aval.shape[self.w_axis]:
@@ -461,7 +456,7 @@ class LinearQ(_QProduct):
 
     def expand(self, x, qw):
         if self.in_avals[1].bits == 4:
-            return _kernels.linear_int4(x, qw.qvalue, qw.scale)
+            return _kernels.linear_int4(x, qw.qvalue, qw.scale, self.activations)
         return _kernels.linear(x, qw.qvalue, qw.scale, self.activations)
 
     def transposed(self, g, qw):

@@ -1,9 +1,10 @@
 // qarray's CPU product kernels, registered with XLA through jax.ffi.
 //
-// Three handlers. qarray_quantize (at the end) runs qarray.quantize's int8
-// rows; qarray_product_int4 (below) runs linear_q on packed int4 weights (for
-// many rows through the same GEMM: nibbles unpacked into the panel, the group
-// scales applied to each group's integer sums).
+// Four handlers. qarray_quantize (at the end) runs qarray.quantize's int8
+// rows; qarray_product_int4 (below) runs linear_q on packed int4 weights,
+// weight-only or W4A8 (int8 == 1: x quantized per row), for many rows through
+// the same GEMM (nibbles unpacked into the panel, the group scales applied to
+// each group's integer sums); qarray_conv runs conv_q as an implicit GEMM.
 // qarray_product computes y f32[M, N] from x f32[M, K] and
 // int8 weights with one float32 scale per stored row:
 //
@@ -746,12 +747,15 @@ ffi::Error ProductImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
 struct Int4Problem {
   int64_t m, k, n, group;  // group: values per scale, a multiple of 32
+  // int8 parts per row of x: kSplit (weight-only, float32-exact) or 1 (W4A8:
+  // x quantized per row)
+  int parts;
   const float* x;
   const uint8_t* q;
   const float* scale;
   float* y;
   std::vector<float> xe, xo;  // x's even and odd entries, (m, k / 2) each
-  // the GEMM (kGemmRows split rows and more): u8 parts of x (k apart),
+  // the GEMM (kInt4GemmRows rows and more): u8 rows (or parts) of x (k apart),
   // their scales, and the parts' products
   std::vector<uint8_t> xq;
   std::vector<float> sx, y_parts;
@@ -834,7 +838,7 @@ QARRAY_AVX512 void Int4Chunk(const Int4Problem& p, int64_t n0, int64_t n1) {
 }
 
 
-// --- int4 weights through the GEMM (weight-only, kGemmRows parts and more):
+// --- int4 weights through the GEMM (from kInt4GemmRows rows of x):
 // the nibbles become int8 in the panel, and each group's integer sums are
 // scaled by the group's scale in the tile, in float32.
 struct Int4Panel {
@@ -923,13 +927,17 @@ QARRAY_AVX512 void Int4GemmTile(const uint8_t* xq, int64_t ks, const float* sx,
 }
 
 constexpr int kInt4GemmMR = 4;
+// rows of x from which the GEMM beats the float32 tiles on int4 weights, in
+// both modes (make bench, suite int4): far fewer than kGemmRows, since the
+// tiles pay a table permute per nibble per pass, the panel one unpack
+constexpr int64_t kInt4GemmRows = 2;
 
 // channels [n0, n1) of the split rows' products, then the parts summed
 QARRAY_AVX512 void Int4GemmChunk(const Int4Problem& p, int64_t n0, int64_t n1) {
   Int4Panel panel;
   PackInt4Panel(p.q, p.scale, p.k, p.group, n0, n1, panel);
   float* parts = const_cast<float*>(p.y_parts.data());
-  const int64_t rows = kSplit * p.m;
+  const int64_t rows = p.parts * p.m;
   auto block = [&](auto mr, int64_t row) {
     constexpr int MR = decltype(mr)::value;
     for (int64_t c = 0; c < n1 - n0; c += 32)
@@ -944,15 +952,15 @@ QARRAY_AVX512 void Int4GemmChunk(const Int4Problem& p, int64_t n0, int64_t n1) {
   for (int64_t r = 0; r < p.m; ++r)
     for (int64_t j = n0; j < n1; ++j) {
       float sum = 0.0f;
-      for (int part = 0; part < kSplit; ++part)
-        sum += parts[(kSplit * r + part) * p.n + j];
+      for (int part = 0; part < p.parts; ++part)
+        sum += parts[(p.parts * r + part) * p.n + j];
       p.y[r * p.n + j] = sum;
     }
 }
 
 ffi::Error ProductInt4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                            ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi::F32> scale,
-                           ffi::ResultBuffer<ffi::F32> y) {
+                           ffi::ResultBuffer<ffi::F32> y, int64_t int8) {
   auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
   if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2)
     return ffi::Error::InvalidArgument(
@@ -975,23 +983,40 @@ ffi::Error ProductInt4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                               ? 1
                               : std::max<int64_t>(1, pool.num_threads());
   const Int4Problem* problem = p.get();
-  if (kSplit * p->m >= kGemmRows) {
-    p->xq.assign(kSplit * p->m * p->k, 0);
-    p->sx.resize(kSplit * p->m);
-    p->y_parts.resize(kSplit * p->m * p->n);
-    SplitRows(p->x, nullptr, p->m, p->k, p->k, p->xq.data(), p->sx.data());
+  p->parts = int8 ? 1 : kSplit;
+  if (p->m >= kInt4GemmRows) {
+    const int64_t rows = p->parts * p->m;
+    p->xq.assign(rows * p->k, 0);
+    p->sx.resize(rows);
+    p->y_parts.resize(rows * p->n);
+    if (int8)
+      for (int64_t r = 0; r < p->m; ++r)
+        p->sx[r] = QuantizeRow(p->x + r * p->k, nullptr, p->k, nullptr,
+                               p->xq.data() + r * p->k);
+    else
+      SplitRows(p->x, nullptr, p->m, p->k, p->k, p->xq.data(), p->sx.data());
     Parallel(pool, p->n, ChunkSize(p->n, threads, 4), threads,
              [problem](int64_t n0, int64_t n1) { Int4GemmChunk(*problem, n0, n1); }, p);
     return ffi::Error::Success();
   }
+  // a few rows: float32 tiles, on x itself or (W4A8) on its int8 levels
+  // times their scale, the same products the GEMM's integer sums give
   const int64_t half = p->k / 2;
   p->xe.resize(p->m * half);
   p->xo.resize(p->m * half);
-  for (int64_t r = 0; r < p->m; ++r)
-    for (int64_t i = 0; i < half; ++i) {
-      p->xe[r * half + i] = p->x[r * p->k + 2 * i];
-      p->xo[r * half + i] = p->x[r * p->k + 2 * i + 1];
+  std::vector<float> levels(int8 ? p->k : 0);
+  for (int64_t r = 0; r < p->m; ++r) {
+    const float* row = p->x + r * p->k;
+    if (int8) {
+      const float sx = QuantizeRow(row, nullptr, p->k, levels.data(), nullptr);
+      for (float& v : levels) v *= sx;
+      row = levels.data();
     }
+    for (int64_t i = 0; i < half; ++i) {
+      p->xe[r * half + i] = row[2 * i];
+      p->xo[r * half + i] = row[2 * i + 1];
+    }
+  }
   Parallel(pool, p->n, ChunkSize(p->n, threads, 4), threads,
            [problem](int64_t n0, int64_t n1) { Int4Chunk(*problem, n0, n1); }, p);
   return ffi::Error::Success();
@@ -1295,7 +1320,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QarrayProductInt4, ProductInt4Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("int8"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QarrayQuantize, QuantizeImpl,
                               ffi::Ffi::Bind()

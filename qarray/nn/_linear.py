@@ -56,18 +56,25 @@ def check_modes(owner: str, activations, weight, qvalue, scale, stored: str) -> 
 
 
 def checked_group_size(
-    owner: str, precision, group_size, activations, precisions=PRECISIONS, hint=""
+    owner: str,
+    precision,
+    group_size,
+    activations,
+    precisions=PRECISIONS,
+    hint="",
+    w4a8=False,
 ) -> int | None:
     """The group size a layer of ``precision`` keeps (int4: ``group_size`` or
     the default; otherwise None), once ``precision`` is one of
-    ``precisions`` and an int4 layer is weight-only."""
+    ``precisions`` and an int4 layer is weight-only (unless ``w4a8``: int8
+    activations allowed with int4 weights)."""
     if precision not in precisions:
         raise ValueError(
             f"{owner} requires precision in {precisions}{hint}, got {precision!r}."
         )
     if precision != "int4":
         return None
-    if activations != "float32":
+    if activations != "float32" and not w4a8:
         raise ValueError(f"{owner} with precision 'int4' is weight-only.")
     return DEFAULT_GROUP_SIZE if group_size is None else group_size
 
@@ -159,7 +166,8 @@ class Linear(eqx.Module):
     ``precision``: ``"int8"`` (above, the default); ``"int4"``: weights
     ``(N, K)`` (layout "nk") in groups of ``group_size`` along K, stored
     packed (``qvalue`` uint8 ``(N, K / 2)``, ``scale`` ``(N, K / G)``),
-    weight-only; ``"float32"``: ``weight`` used as given, not quantized.
+    weight-only or, with ``activations="int8"``, W4A8; ``"float32"``:
+    ``weight`` used as given, not quantized.
 
     Every leaf is a plain array (``qvalue``, ``scale``, ``weight``, ``bias``)
     and the QArray is built inside the call: a QArray passed to a jitted
@@ -196,7 +204,9 @@ class Linear(eqx.Module):
     ):
         if layout not in LAYOUTS:
             raise ValueError(f"Linear requires layout in {LAYOUTS}, got {layout!r}.")
-        group_size = checked_group_size("Linear", precision, group_size, activations)
+        group_size = checked_group_size(
+            "Linear", precision, group_size, activations, w4a8=True
+        )
         if precision == "int4" and layout != "nk":
             raise ValueError(
                 "Linear with precision 'int4' requires layout 'nk' (weights "

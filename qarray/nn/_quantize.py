@@ -51,10 +51,12 @@ def quantize(
     gradient (quantization-aware training; ``freeze`` exports it).
     ``activations``: "float32" (weight-only) or "int8" (each quantized layer's
     input quantized per row too). ``precision``: "int8" (default), "int4"
-    (weight-only; each output channel's weights packed in groups of
+    (each output channel's weights packed in groups of
     ``group_size``, default 128, along the input axis: a layer whose input
     width, ``in_features`` or ``C / groups * prod(kernel_size)``, the group
-    size does not divide is quantized int8) or "float32" (nothing replaced).
+    size does not divide is quantized int8; weight-only, or W4A8 for Linear
+    layers with ``activations="int8"``: int4 convolutions are weight-only) or
+    "float32" (nothing replaced).
 
     ``where`` sees the model's own layer objects, so keeping the first and last
     layers float is ``where=lambda l: l not in (mlp.layers[0], mlp.layers[-1])``

@@ -2,6 +2,7 @@
 them, against NumPy; the transform table (tests/qarray/test_transforms.py)
 holds their jit/grad/jvp/hessian/checkpoint cases."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,35 +71,68 @@ def test_pack_round_trip_and_scale_gradient(rng):
     np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-5)
 
 
+def int4_reference(x, w, group_size, activations):
+    """x @ W4^T in float64, x first rounded to its per-row int8 grid for W4A8."""
+    if activations == "int8":
+        x = ref.roundtrip(x)
+    return x.astype(np.float64) @ ref.roundtrip4(w, group_size).astype(np.float64).T
+
+
+@pytest.mark.parametrize("activations", ["float32", "int8"])
 @pytest.mark.parametrize("strategy", [None, "dequantize", "kernel"])
 @pytest.mark.parametrize("m", [1, 5, 33])
-def test_linear_q_int4_matches_numpy(rng, strategy, m):
+def test_linear_q_int4_matches_numpy(rng, strategy, m, activations):
     if strategy == "kernel" and not _ffi.available():
         pytest.skip(f"CPU kernels: {_ffi.status()}")
     k, n = 256, 48
     x, w = normal(rng, (m, k)), normal(rng, (n, k))
     q = qa.quantize(jnp.asarray(w), bits=4, group_size=64)
-    want = x.astype(np.float64) @ ref.roundtrip4(w, 64).astype(np.float64).T
+    want = int4_reference(x, w, 64, activations)
     if strategy is None:
-        got = jax.jit(qa.linear_q)(x, q)
+        got = jax.jit(qa.linear_q, static_argnums=2)(x, q, activations)
     else:
         packed, scale = qa.unpack(q)
-        got = jax.jit(lambda *a: _kernels.linear_int4(*a, strategy))(x, packed, scale)
+        product = lambda *a: _kernels.linear_int4(*a, activations, strategy)  # noqa: E731
+        got = jax.jit(product)(x, packed, scale)
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL * np.abs(want).max())
 
 
+@pytest.mark.parametrize("activations", ["float32", "int8"])
 @pytest.mark.parametrize("m", [11, 40])
-def test_int4_kernel_gemm_matches_numpy(rng, m):
-    """The kernel's GEMM (33 int8 parts and more): K not a multiple of 64, N
-    not one of 16, rows not one of 4."""
+def test_int4_kernel_gemm_matches_numpy(rng, m, activations):
+    """The kernel's GEMM (from 32 int8 rows: three parts a row weight-only,
+    one for W4A8): K not a multiple of 64, N not one of 16, rows not one of 4."""
     if not _ffi.available():
         pytest.skip(f"CPU kernels: {_ffi.status()}")
     k, n, group = 96, 33, 32
     x, w = normal(rng, (m, k)), normal(rng, (n, k))
     packed, scale = qa.unpack(qa.quantize(jnp.asarray(w), bits=4, group_size=group))
-    want = x.astype(np.float64) @ ref.roundtrip4(w, group).astype(np.float64).T
-    got = jax.jit(lambda *a: _kernels.linear_int4(*a, "kernel"))(x, packed, scale)
+    want = int4_reference(x, w, group, activations)
+    product = lambda *a: _kernels.linear_int4(*a, activations, "kernel")  # noqa: E731
+    got = jax.jit(product)(x, packed, scale)
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL * np.abs(want).max())
+
+
+@pytest.mark.parametrize("m", [3, 64])
+def test_w4a8_error_bound(rng, m):
+    """W4A8 differs from weight-only int4 by at most the rounding of x to its
+    int8 grid: |y_a8 - y_w4| <= (max|x_row| / 254) * sum_k |W4[n, k]|."""
+    k, n = 256, 40
+    x, w = normal(rng, (m, k)), normal(rng, (n, k))
+    q = qa.quantize(jnp.asarray(w), bits=4, group_size=128)
+    product = jax.jit(qa.linear_q, static_argnums=2)
+    gap = np.abs(np.asarray(product(x, q, "int8")) - np.asarray(product(x, q, "float32")))
+    half_step = np.abs(x).max(-1, keepdims=True) / 254
+    bound = half_step * np.abs(ref.roundtrip4(w, 128)).sum(-1)[None, :]
+    assert np.all(gap <= bound * (1 + 1e-4) + 1e-5)
+    assert gap.max() > 0  # the mode does quantize x
+    # gradients are those of the weight-only product (straight-through in x)
+    g = normal(rng, (m, n))
+    grads = [
+        jax.grad(lambda x, a=a: jnp.sum(qa.linear_q(x, q, a) * g))(x)
+        for a in ("float32", "int8")
+    ]
+    np.testing.assert_allclose(grads[1], grads[0], rtol=1e-6)
 
 
 def test_vmap_and_scan_over_stacked_int4_weights(rng):
@@ -221,15 +255,6 @@ def test_shard_map_in_and_out(mesh, rng):
             'layout "nk"',
         ),
         (
-            lambda: qa.linear_q(
-                jnp.ones((2, 8)),
-                qa.quantize(jnp.ones((3, 8)), bits=4, group_size=4),
-                "int8",
-            ),
-            TypeError,
-            "weight-only",
-        ),
-        (
             lambda: qa.pack(
                 jnp.zeros((2, 4), jnp.int8), jnp.ones((2, 1)), bits=4, group_size=8
             ),
@@ -248,3 +273,19 @@ def test_shard_map_in_and_out(mesh, rng):
 def test_errors_at_trace_time(fn, error, match):
     with pytest.raises(error, match=match):
         fn()
+
+
+def test_w4a8_linear_layer(rng):
+    """qarray.nn.Linear with int4 weights and int8 activations: the W4A8
+    product plus its bias, under jit and grad."""
+    from qarray import nn as qnn
+
+    x, w, b = normal(rng, (6, 128)), normal(rng, (24, 128)), normal(rng, (24,))
+    layer = qnn.Linear.from_float(
+        jnp.asarray(w), jnp.asarray(b), precision="int4", group_size=32, activations="int8"
+    )
+    want = int4_reference(x, w, 32, "int8") + b
+    got = eqx.filter_jit(lambda l, x: l(x))(layer, x)
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL * np.abs(want).max())
+    g = jax.grad(lambda x: jnp.sum(layer(x)))(x)
+    np.testing.assert_allclose(g, np.ones((6, 24)) @ ref.roundtrip4(w, 32), rtol=1e-5, atol=1e-5)
