@@ -15,13 +15,15 @@
 // as int8 (a quarter of float32's bytes), never written back as a float32
 // copy, which is what XLA:CPU does. nk: each row of x split in three int8
 // parts (float32-exact, as _kernels' split_int8) through the W8A8 products
-// below; kn: the int8 weights widened in registers.
+// below; kn: up to kKnDotRows rows split the same way into integer products
+// of interleaved weight rows (KnDotProduct), more rows with the int8 weights
+// widened in registers.
 // Int8 activations (int8 == 1): each row v of x (scales folded in for kn) is
 // quantized like qarray.quantize (s = max|v| / 127, round half to even of
 // v / s, correctly rounded division), then
 //   nk: u8 (v + 128) x s8 dot products with vpdpbusd, minus 128 * rowsum(q);
-//   kn: the weight-only kernel on the integer rows (exact f32 sums of
-//       integers up to 2^24), times s.
+//   kn: KnDotProduct on the integer rows for a few rows, else the widened
+//       weights against them (exact f32 sums of integers up to 2^24), times s.
 // Rows are taken MB at a time so that each weight load serves MB rows; the
 // output channels are split in chunks over XLA's intra-op thread pool.
 // From kGemmRows int8 rows (W8A8 rows, or weight-only's parts, in either
@@ -416,70 +418,6 @@ QARRAY_AVX512 void KnFloatBlock(const float* x, const float* fold, int64_t k,
   }
 }
 
-// A few rows (one block): each weight row's span [n0, n1) is read
-// contiguously, the partial sums stay in a small buffer (L1), so the weights
-// stream from memory in order (the register-blocked form above reads a
-// 64-column strip down all K rows, which the prefetchers follow poorly).
-template <int MB>
-QARRAY_AVX512 void KnStreamBlock(const float* x, const float* fold, int64_t k,
-                                 const int8_t* q, int64_t n0, int64_t n1,
-                                 float* y, int64_t n_total) {
-  // the whole span [n0, n1) of each weight row in one pass: every row (a page
-  // of its own in a large matrix) is visited once, not once per strip
-  const int64_t width = n1 - n0;
-  std::vector<float> part(MB * width);
-  for (int r = 0; r < MB; ++r) std::fill(y + r * n_total + n0, y + r * n_total + n1, 0.0f);
-  for (int64_t i0 = 0; i0 < k; i0 += kKnChunk) {
-    const int64_t i1 = std::min(i0 + kKnChunk, k);
-    std::fill(part.begin(), part.end(), 0.0f);
-    int64_t i = i0;
-    // four weight rows per pass over the sums: a load and a store of the sums
-    // per four products, not per product
-    for (; i + 4 <= i1; i += 4) {
-      const int8_t* row = q + i * n_total + n0;
-      for (int64_t j = 0; j < width; j += 64)
-        for (int u = 0; u < 4; ++u)
-          _mm_prefetch((const char*)(row + (8 + u) * n_total + j), _MM_HINT_T0);
-      __m512 xv[MB][4];
-      for (int r = 0; r < MB; ++r)
-        for (int u = 0; u < 4; ++u)
-          xv[r][u] = _mm512_set1_ps(x[r * k + i + u] * (fold ? fold[i + u] : 1.0f));
-      for (int64_t j = 0; j < width; j += 16) {
-        const __mmask16 m =
-            (width - j >= 16) ? 0xFFFF : (__mmask16)((1u << (width - j)) - 1);
-        __m512 w[4];
-        for (int u = 0; u < 4; ++u) w[u] = Widen16(row + u * n_total + j, m);
-        for (int r = 0; r < MB; ++r) {
-          float* acc = part.data() + r * width + j;
-          __m512 sum = _mm512_maskz_loadu_ps(m, acc);
-          for (int u = 0; u < 4; ++u) sum = _mm512_fmadd_ps(xv[r][u], w[u], sum);
-          _mm512_mask_storeu_ps(acc, m, sum);
-        }
-      }
-    }
-    for (; i < i1; ++i) {
-      const int8_t* row = q + i * n_total + n0;
-      const float f = fold ? fold[i] : 1.0f;
-      __m512 xv[MB];
-      for (int r = 0; r < MB; ++r) xv[r] = _mm512_set1_ps(x[r * k + i] * f);
-      for (int64_t j = 0; j < width; j += 16) {
-        const __mmask16 m =
-            (width - j >= 16) ? 0xFFFF : (__mmask16)((1u << (width - j)) - 1);
-        const __m512 w = Widen16(row + j, m);
-        for (int r = 0; r < MB; ++r) {
-          float* acc = part.data() + r * width + j;
-          _mm512_mask_storeu_ps(acc, m,
-                                _mm512_fmadd_ps(xv[r], w, _mm512_maskz_loadu_ps(m, acc)));
-        }
-      }
-    }
-    for (int r = 0; r < MB; ++r) {
-      float* out = y + r * n_total + n0;
-      const float* sums = part.data() + r * width;
-      for (int64_t j = 0; j < width; ++j) out[j] += sums[j];
-    }
-  }
-}
 
 // --- the handler: rows in blocks, output channels in chunks over threads
 
@@ -518,12 +456,8 @@ QARRAY_AVX512 void RunBlock(const Problem& p, int64_t row, int64_t n0, int64_t n
     NkInt8Block<MB>(p.xq.data() + row * p.k_stride, p.k_stride, p.sx.data() + row,
                     p.k, p.q, p.scale, n0, n1, y, p.n);
   } else {
-    const float* x = p.xf.data() + row * p.k;  // folded (and quantized) rows
-    const float* fold = nullptr;
-    if (p.m <= kRowBlock)
-      KnStreamBlock<MB>(x, fold, p.k, p.q, n0, n1, y, p.n);
-    else
-      KnFloatBlock<MB>(x, fold, p.k, p.q, n0, n1, y, p.n);
+    // folded (and quantized) rows; a few rows run in KnDotProduct instead
+    KnFloatBlock<MB>(p.xf.data() + row * p.k, nullptr, p.k, p.q, n0, n1, y, p.n);
   }
   if (p.kn && p.int8) {
     for (int r = 0; r < MB; ++r)
@@ -536,9 +470,9 @@ QARRAY_AVX512 void RunBlock(const Problem& p, int64_t row, int64_t n0, int64_t n
 // over them, so the weights are read from memory once.
 QARRAY_AVX512 void RunTiles(const Problem& p, int64_t n0, int64_t n1) {
   // nk: tiles of output channels that stay in L2 (four at a time, in L1,
-  // measured no better); kn: one pass streams the weights for a few rows
+  // measured no better); kn: strips of 64 columns down every row
   int64_t tile = std::clamp<int64_t>((131072 / p.k) / 4 * 4, 4, 256);
-  if (p.kn) tile = p.m <= kRowBlock ? n1 - n0 : 64;
+  if (p.kn) tile = 64;
   for (int64_t t0 = n0; t0 < n1; t0 += tile) {
     const int64_t t1 = std::min(t0 + tile, n1);
     int64_t row = 0;
@@ -699,6 +633,160 @@ QARRAY_AVX512 void Prepare(Problem& p) {
   }
 }
 
+// --- layout kn with a few rows (kKnDotRows at most): integer products.
+// Each row of x (times the scales, which fold in for kn) becomes int8 rows:
+// one (W8A8) or kSplit parts (weight-only, float32-exact as for nk). Four
+// weight rows at a time are interleaved in registers into vpdpbusd's
+// four-byte groups (two unpacks of bytes, two of words, per 256 weights),
+// the weights made unsigned by flipping their sign bit (q + 128, corrected
+// by 128 * sum(x) per row), against broadcasts of four entries of each x row.
+// The unpacks leave the columns in a fixed order inside each 64-column block
+// (KnDotColumn), restored when the sums are read. Threads take contiguous
+// ranges of weight rows, so each streams its share of memory in order, and
+// their partial sums are added at the end (make bench, suite kernels, the
+// matmul_q rows with few rows).
+
+constexpr int kKnDotRows = 4;  // rows of x (so up to 3 * 4 int8 rows)
+
+// where column `off` of a 64-column block sits among its four accumulators
+// (e: which unpack, lane L: which 16 columns, t: which of four)
+inline int64_t KnDotColumn(int64_t off) {
+  return 16 * ((off % 16) / 4) + 4 * (off / 16) + off % 4;
+}
+
+struct KnDotProblem {
+  int64_t m, k, n, ks, rows, width;  // rows: int8 rows (parts); width: n to 64
+  int parts;
+  const int8_t* q;
+  float* y;
+  std::vector<int8_t> xs;  // rows x ks signed levels, zero past k
+  std::vector<float> sx;   // their scales
+  std::vector<int32_t> acc;  // per range: rows x width sums, block order
+  std::vector<int64_t> xsum;  // per range: rows' sums of levels
+  int64_t step = 0, ranges = 0;
+};
+
+// four weight rows from `row` (rows past K meet zero entries of x: any
+// readable row serves), columns [j, j + 64) masked by m, as vpdpbusd's
+// unsigned four-byte groups in KnDotColumn's order
+QARRAY_AVX512 inline void KnDotQuads(const int8_t* const* row, int64_t j, __mmask64 m,
+                                     __m512i* w) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i r0 = _mm512_maskz_loadu_epi8(m, row[0] + j);
+  const __m512i r1 = _mm512_maskz_loadu_epi8(m, row[1] + j);
+  const __m512i r2 = _mm512_maskz_loadu_epi8(m, row[2] + j);
+  const __m512i r3 = _mm512_maskz_loadu_epi8(m, row[3] + j);
+  const __m512i lo01 = _mm512_unpacklo_epi8(r0, r1), hi01 = _mm512_unpackhi_epi8(r0, r1);
+  const __m512i lo23 = _mm512_unpacklo_epi8(r2, r3), hi23 = _mm512_unpackhi_epi8(r2, r3);
+  w[0] = _mm512_xor_si512(_mm512_unpacklo_epi16(lo01, lo23), flip);
+  w[1] = _mm512_xor_si512(_mm512_unpackhi_epi16(lo01, lo23), flip);
+  w[2] = _mm512_xor_si512(_mm512_unpacklo_epi16(hi01, hi23), flip);
+  w[3] = _mm512_xor_si512(_mm512_unpackhi_epi16(hi01, hi23), flip);
+}
+
+// weight rows [k0, k1) into acc (rows x width) and xsum, for R int8 rows;
+// S groups of four weight rows per pass over the sums (a load and a store of
+// each sum per 4 * S rows)
+template <int R, int S>
+QARRAY_AVX512 void KnDotRange(const KnDotProblem& p, int64_t k0, int64_t k1,
+                              int32_t* acc, int64_t* xsum) {
+  const int64_t blocks = p.width / 64;
+  std::fill(acc, acc + R * p.width, 0);
+  for (int r = 0; r < R; ++r) {
+    int64_t sum = 0;
+    for (int64_t i = k0; i < k1; ++i) sum += p.xs[r * p.ks + i];
+    xsum[r] = sum;
+  }
+  for (int64_t i = k0; i < k1; i += 4 * S) {
+    const int8_t* row[4 * S];
+    for (int u = 0; u < 4 * S; ++u) row[u] = p.q + std::min(i + u, p.k - 1) * p.n;
+    __m512i xv[S][R];
+    for (int g = 0; g < S; ++g)
+      for (int r = 0; r < R; ++r)  // past k1: x is zero to ks, then unread rows
+        xv[g][r] = i + 4 * g < p.ks ? _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(
+                                          p.xs.data() + r * p.ks + i + 4 * g))
+                                    : _mm512_setzero_si512();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t j = 64 * b;
+      const __mmask64 m = p.n - j >= 64 ? ~0ull : ((1ull << (p.n - j)) - 1);
+      for (int u = 0; u < 4 * S; ++u)  // two passes ahead: from memory in time
+        _mm_prefetch(reinterpret_cast<const char*>(row[u] + 8 * S * p.n + j), _MM_HINT_T0);
+      __m512i w[S][4];
+      for (int g = 0; g < S; ++g) KnDotQuads(row + 4 * g, j, m, w[g]);
+      for (int r = 0; r < R; ++r) {
+        int32_t* at = acc + r * p.width + j;
+        for (int e = 0; e < 4; ++e) {
+          __m512i sum = _mm512_loadu_si512(at + 16 * e);
+          for (int g = 0; g < S; ++g) sum = _mm512_dpbusd_epi32(sum, w[g][e], xv[g][r]);
+          _mm512_storeu_si512(at + 16 * e, sum);
+        }
+      }
+    }
+  }
+}
+
+QARRAY_AVX512 void KnDotRun(const KnDotProblem& p, int64_t c) {
+  const int64_t k0 = c * p.step, k1 = std::min(k0 + p.step, p.k);
+  int32_t* acc = const_cast<int32_t*>(p.acc.data()) + c * p.rows * p.width;
+  int64_t* xsum = const_cast<int64_t*>(p.xsum.data()) + c * p.rows;
+  switch (p.rows) {
+    // eight weight rows a pass while the broadcasts of x fit in registers
+    case 1: KnDotRange<1, 2>(p, k0, k1, acc, xsum); break;
+    case 2: KnDotRange<2, 2>(p, k0, k1, acc, xsum); break;
+    case 3: KnDotRange<3, 2>(p, k0, k1, acc, xsum); break;
+    case 4: KnDotRange<4, 2>(p, k0, k1, acc, xsum); break;
+    case 6: KnDotRange<6, 2>(p, k0, k1, acc, xsum); break;
+    case 9: KnDotRange<9, 1>(p, k0, k1, acc, xsum); break;
+    case 12: KnDotRange<12, 1>(p, k0, k1, acc, xsum); break;
+    default: break;
+  }
+}
+
+QARRAY_AVX512 void KnDotProduct(ffi::ThreadPool& pool, const float* x,
+                                const float* scale, int64_t threads,
+                                std::shared_ptr<KnDotProblem> p) {
+  p->ks = (p->k + 3) / 4 * 4;
+  p->width = (p->n + 63) / 64 * 64;
+  p->rows = p->parts * p->m;
+  p->xs.assign(p->rows * p->ks, 0);
+  p->sx.resize(p->rows);
+  std::vector<uint8_t> u8(p->rows * p->ks);
+  if (p->parts == 1) {
+    for (int64_t r = 0; r < p->m; ++r)
+      p->sx[r] = QuantizeRow(x + r * p->k, scale, p->k, nullptr, u8.data() + r * p->ks);
+  } else {
+    SplitRows(x, scale, p->m, p->k, p->ks, u8.data(), p->sx.data());
+  }
+  for (int64_t r = 0; r < p->rows; ++r)  // u8 (level + 128) -> the level
+    for (int64_t i = 0; i < p->k; ++i)
+      p->xs[r * p->ks + i] = static_cast<int8_t>(u8[r * p->ks + i] ^ 0x80);
+  // contiguous ranges of weight rows, a multiple of 8 long
+  const int64_t span = (p->k + threads - 1) / threads;
+  p->step = (span + 7) / 8 * 8;
+  p->ranges = (p->k + p->step - 1) / p->step;
+  p->acc.resize(p->ranges * p->rows * p->width);
+  p->xsum.resize(p->ranges * p->rows);
+  const KnDotProblem* problem = p.get();
+  Parallel(pool, p->ranges, 1, threads,
+           [problem](int64_t c0, int64_t c1) {
+             for (int64_t c = c0; c < c1; ++c) KnDotRun(*problem, c);
+           },
+           p);
+  for (int64_t r = 0; r < p->m; ++r)
+    for (int64_t j = 0; j < p->n; ++j) {
+      const int64_t at = j / 64 * 64 + KnDotColumn(j % 64);
+      float sum = 0.0f;
+      for (int part = 0; part < p->parts; ++part) {
+        const int64_t row = p->parts * r + part;
+        int64_t total = 0;
+        for (int64_t c = 0; c < p->ranges; ++c)
+          total += p->acc[(c * p->rows + row) * p->width + at] - 128 * p->xsum[c * p->rows + row];
+        sum += p->sx[row] * static_cast<float>(total);
+      }
+      p->y[r * p->n + j] = sum;
+    }
+}
+
 ffi::Error ProductImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                        ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
                        ffi::ResultBuffer<ffi::F32> y, int64_t kn, int64_t int8) {
@@ -722,17 +810,28 @@ ffi::Error ProductImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     std::memset(p->y, 0, sizeof(float) * p->m * p->n);
     return ffi::Error::Success();
   }
-  Prepare(*p);
   // small products stay on the calling thread: waking the pool's threads
-  // costs more than their share of the work (make bench, suite kernels)
+  // costs more than their share of the work (make bench, suite kernels); a
+  // few rows stream their weights from memory, which two threads read faster
+  // than one from a quarter of that work on (the M = 1 rows, weights cold)
   const int64_t work_bytes = p->m * p->k * p->n;
+  const int64_t parallel_from = p->m <= kRowBlock ? kParallelWork / 4 : kParallelWork;
   const int64_t threads =
-      work_bytes < kParallelWork ? 1 : std::max<int64_t>(1, pool.num_threads());
-  // ~4 chunks per thread; kn with a few rows: one chunk per thread (each
-  // streams its columns of every row once)
-  const int64_t per_thread = (p->kn && p->m <= kRowBlock) ? 1 : 4;
-  const Problem* problem = p.get();
-  Parallel(pool, p->n, ChunkSize(p->n, threads, per_thread), threads,
+      work_bytes < parallel_from ? 1 : std::max<int64_t>(1, pool.num_threads());
+  if (p->kn && p->m <= kKnDotRows) {
+    auto dot = std::make_shared<KnDotProblem>();
+    dot->m = p->m;
+    dot->k = p->k;
+    dot->n = p->n;
+    dot->parts = p->int8 ? 1 : kSplit;
+    dot->q = p->q;
+    dot->y = p->y;
+    KnDotProduct(pool, p->x, p->scale, threads, dot);
+    return ffi::Error::Success();
+  }
+  Prepare(*p);
+  const Problem* problem = p.get();  // ~4 chunks per thread
+  Parallel(pool, p->n, ChunkSize(p->n, threads, 4), threads,
            [problem](int64_t n0, int64_t n1) { RunChunk(*problem, n0, n1); }, p);
   return ffi::Error::Success();
 }

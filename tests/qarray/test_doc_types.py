@@ -166,6 +166,7 @@ QUANTIZATION_API = {
     "QArrayTy",
     "conv_q",
     "dequantize",
+    "jit",
     "linear_q",
     "matmul_q",
     "pack",
