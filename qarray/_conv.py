@@ -130,6 +130,7 @@ class ConvQ(HiPrim):
         rhs_dilation=None,
         feature_group_count=1,
         activations="float32",
+        lhs_dilation=None,
     ):
         ks = (kernel_size,) if isinstance(kernel_size, int) else tuple(kernel_size)
         if not 1 <= len(ks) <= 3:
@@ -144,6 +145,7 @@ class ConvQ(HiPrim):
         dilation = _positive_ints(
             "rhs_dilation", 1 if rhs_dilation is None else rhs_dilation, nsp
         )
+        lhs = _positive_ints("lhs_dilation", 1 if lhs_dilation is None else lhs_dilation, nsp)
         (groups,) = _positive_ints("feature_group_count", feature_group_count, 1)
         if activations not in ACTIVATION_PRECISIONS:
             raise ValueError(
@@ -165,7 +167,13 @@ class ConvQ(HiPrim):
                 f"{nsp + 2}, got {operands}."
             )
         batched = x_aval.ndim == nsp + 2
-        channels, spatial = x_aval.shape[-nsp - 1], x_aval.shape[-nsp:]
+        channels = x_aval.shape[-nsp - 1]
+        # an lhs-dilated input: l - 1 zeros between neighbours (a transposed
+        # convolution's stride)
+        spatial = tuple(
+            (n - 1) * d + 1 if n else 0
+            for n, d in zip(x_aval.shape[-nsp:], lhs, strict=True)
+        )
         out_channels, per_out = (*qw_aval.shape, 0, 0)[:2]
         window = math.prod(ks)
         if (
@@ -218,6 +226,7 @@ class ConvQ(HiPrim):
             "padding": pads,
             "rhs_dilation": dilation,
             "feature_group_count": groups,
+            "lhs_dilation": lhs,
             "activations": activations,
         }
         super().__init__()
@@ -239,6 +248,7 @@ class ConvQ(HiPrim):
             w,
             self.window_strides,
             self.padding,
+            lhs_dilation=self.lhs_dilation,
             rhs_dilation=self.rhs_dilation,
             dimension_numbers=_dimension_numbers(len(self.kernel_size)),
             feature_group_count=self.feature_group_count,
@@ -292,15 +302,19 @@ class ConvQ(HiPrim):
         return sums * (sx * scale)
 
     def _kernel_pays(self, x) -> bool:
-        """Whether the CPU kernel is the default here (see CONV_STRATEGIES)."""
+        """Whether the CPU kernel is the default here (see CONV_STRATEGIES):
+        int8 activations, no lhs dilation (which the kernel does not do)."""
         return (
             self.activations == "int8"
+            and set(self.lhs_dilation) == {1}
             and _ffi.available()
             and not _kernels._explicitly_sharded(x)
         )
 
     def _kernel(self, x, qvalue, scale):
         """The CPU kernel (``_ffi.conv``) with this primitive's parameters."""
+        if set(self.lhs_dilation) != {1}:
+            raise ValueError("conv_q's CPU kernel takes no lhs_dilation.")
         nsp = len(self.kernel_size)
         batched = x.ndim == nsp + 2
         xb = x if batched else x[None]
@@ -425,6 +439,7 @@ def conv_q(
     rhs_dilation: int | Sequence[int] | None = None,
     feature_group_count: int = 1,
     activations: str = "float32",
+    lhs_dilation: int | Sequence[int] | None = None,
 ):
     """A convolution of f32 ``x`` with quantized weights: ``(C, *spatial)`` or
     ``(B, C, *spatial)`` -> ``(out, *out_spatial)`` or ``(B, out, ...)``.
@@ -438,6 +453,8 @@ def conv_q(
     spatial axes. ``padding``: "VALID", "SAME", "SAME_LOWER", an int or
     ``(low, high)`` per spatial axis. ``activations="int8"`` quantizes each
     example of ``x`` with one scale for an int8 x int8 convolution.
+    ``lhs_dilation`` spreads x's positions ``l`` apart (zeros between) before
+    padding: a transposed convolution's stride (``qarray.nn.ConvTranspose``).
     Derivatives are those of the dense convolution (straight-through).
     """
     return ConvQ(
@@ -449,4 +466,5 @@ def conv_q(
         rhs_dilation,
         feature_group_count,
         activations,
+        lhs_dilation,
     )(x, qw)

@@ -184,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         "--rename",
         help="with --tree: OLD=NEW name prefixes, e.g. features=features.layers",
     )
+    parser.add_argument(
+        "--transposed",
+        help="with --tree: the nn.ConvTranspose* layers (groups 1), e.g. up1,up2: "
+        "their weights (in, out, *k) laid out as eqx.nn.ConvTranspose's",
+    )
     parser.add_argument("--bn-eps", type=float, default=1e-5, help="BatchNorm eps")
     args = parser.parse_args(argv)
     if args.tree:
@@ -193,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.dst,
                 fold=_pairs(args.fold, "+"),
                 rename=_pairs(args.rename, "="),
+                transposed=[n for n in (args.transposed or "").split(",") if n],
                 eps=args.bn_eps,
                 precision=args.precision,
             )
@@ -202,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: int8, weight error {error:.3e}")
         print(f"wrote {args.dst}")
         return 0
-    if args.fold or args.rename:
-        parser.error("--fold and --rename need --tree")
+    if args.fold or args.rename or args.transposed:
+        parser.error("--fold, --rename and --transposed need --tree")
     if args.group_size < 2 or args.group_size % 2:
         parser.error("--group-size must be a positive even int")
     layers = parse_layers(args.layers)

@@ -19,6 +19,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
+from .nn import Conv, Embedding, Linear
 from .nn import quantize as quantize_model
 
 FORMAT = "qarray-tree"
@@ -122,8 +123,26 @@ def _stored_precision(path, tensors, name: str) -> dict | None:
     return {"precision": "int4", "group_size": 2 * qvalue.shape[-1] // scale.shape[-1]}
 
 
+# what qarray.nn.quantize replaces, and the tensor whose parts say how a
+# quantized file stores it (a recurrent cell: its input matrix's)
+_LAYERS = (
+    eqx.nn.Linear,
+    eqx.nn.Conv,
+    eqx.nn.ConvTranspose,
+    eqx.nn.Embedding,
+    eqx.nn.GRUCell,
+    eqx.nn.LSTMCell,
+)
+
+
 def _is_layer(node) -> bool:
-    return isinstance(node, eqx.nn.Linear | eqx.nn.Conv)
+    return isinstance(node, _LAYERS)
+
+
+def _stored_name(node, name: str) -> str:
+    if isinstance(node, eqx.nn.GRUCell | eqx.nn.LSTMCell):
+        return f"{name}.weight_ih"
+    return name
 
 
 def load_quantized(path: str | Path, like, **quantize_options):
@@ -148,15 +167,27 @@ def load_quantized(path: str | Path, like, **quantize_options):
         if not _is_layer(node):
             return node
         name = ".".join(_key_name(k) for k in key_path)
-        stored = _stored_precision(path, tensors, name)
+        stored = _stored_precision(path, tensors, _stored_name(node, name))
         if stored is None:
             return node
         layer = quantize_model(node, activations=activations, **stored)
         # the skeleton's recorded weight error is its random weights': unknown
-        return dataclasses.replace(layer, stored_error=None)
+        return _unknown_error(layer)
 
     skeleton = jax.tree_util.tree_map_with_path(as_stored, like, is_leaf=_is_layer)
     return _fill(path, tensors, skeleton)
+
+
+def _unknown_error(layer):
+    """``layer`` (a quantized layer, or a cell of them) with no recorded
+    weight error."""
+    return jax.tree.map(
+        lambda n: dataclasses.replace(n, stored_error=None)
+        if isinstance(n, Linear | Conv | Embedding)
+        else n,
+        layer,
+        is_leaf=lambda n: isinstance(n, Linear | Conv | Embedding),
+    )
 
 
 def fold_batchnorm(weight, bias, bn: Mapping[str, np.ndarray], eps: float = 1e-5):
@@ -179,6 +210,7 @@ def convert_tree(
     *,
     fold: Sequence[tuple[str, str]] = (),
     rename: Sequence[tuple[str, str]] = (),
+    transposed: Sequence[str] = (),
     eps: float = 1e-5,
     quantizer: Callable | None = None,
     precision: str = "int8",
@@ -193,8 +225,11 @@ def convert_tree(
     becomes ``{name}.qvalue`` / ``{name}.scale`` (one scale per output
     channel) and its bias ``(out,)``; other tensors are kept as float32.
     ``rename``: ``(old_prefix, new_prefix)`` pairs mapping PyTorch's names to
-    the equinox model's paths. Returns each quantized layer's relative
-    weight error.
+    the equinox model's paths. ``transposed``: the ``nn.ConvTranspose*``
+    layers (groups 1), whose weights ``(in, out, *k)`` become equinox's
+    ``(out, in, *k)`` with the kernel flipped (``eqx.nn.ConvTranspose``
+    computes the forward convolution of the spread-out input). Returns each
+    quantized layer's relative weight error.
     """
     from ._network_file import quantize_rows, relative_error
 
@@ -219,6 +254,16 @@ def convert_tree(
             tensors[f"{layer}.weight"], tensors.get(f"{layer}.bias"), stats, eps
         )
         tensors[f"{layer}.weight"], tensors[f"{layer}.bias"] = w, b
+    for name in transposed:
+        w = tensors.get(f"{name}.weight")
+        if w is None or w.ndim < 3:
+            got = "none" if w is None else f"{w.dtype.name}{w.shape}"
+            raise ModelFileError(
+                f"{src}: transposed layer {name!r} needs {name}.weight (in, out, *k), "
+                f"got {got}"
+            )
+        spatial = tuple(range(2, w.ndim))
+        tensors[f"{name}.weight"] = np.ascontiguousarray(np.flip(w.swapaxes(0, 1), spatial))
     out, errors = {}, {}
     for key, value in tensors.items():
         if key.endswith("num_batches_tracked"):

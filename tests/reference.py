@@ -151,6 +151,18 @@ def conv_vjp(x, w, g, strides, pads, dilation, groups=1):
     return (gx[0] if single else gx), gw
 
 
+def lhs_dilate(x, lhs_dilation):
+    """x (..., *spatial) with ``l - 1`` zeros between neighbours along each of
+    its last ``len(lhs_dilation)`` axes (lax's lhs_dilation)."""
+    x = np.asarray(x)
+    nsp = len(lhs_dilation)
+    spatial = x.shape[x.ndim - nsp :]
+    shape = (*x.shape[: x.ndim - nsp], *((n - 1) * l + 1 for n, l in zip(spatial, lhs_dilation)))
+    out = np.zeros(shape, x.dtype)
+    out[(Ellipsis, *(slice(None, None, l) for l in lhs_dilation))] = x
+    return out
+
+
 def conv_q(
     x,
     qvalue,

@@ -7,6 +7,7 @@ equinox models.
     qat = qnn.quantize(mlp, trainable=True)     # float32, quantized every call
     exported = qnn.freeze(qat)                  # after training: int8
     cnn = qnn.quantize(my_cnn)                  # eqx.nn.Conv layers too
+    unet = qnn.quantize(my_unet)                # and ConvTranspose, Embedding, ...
     report = qnn.plan(mlp, x, budget=0.01)      # a precision per layer
     mixed = qnn.apply_plan(mlp, report)         # int4 / int8 / float32 layers
 """
@@ -15,6 +16,7 @@ from ._accuracy import apply_plan as apply_plan
 from ._accuracy import evaluate as evaluate
 from ._accuracy import plan as plan
 from ._conv import Conv as Conv
+from ._conv import ConvTranspose as ConvTranspose
 from ._embedding import Embedding as Embedding
 from ._linear import Linear as Linear
 from ._network import ACTIVATIONS as ACTIVATIONS

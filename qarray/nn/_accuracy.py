@@ -2,8 +2,8 @@
 plan under an error budget (``qarray-serve evaluate`` / ``plan``).
 
 A model here is a float32 ``Network`` (its layers ``Linear`` with float
-weights) or any equinox model of ``eqx.nn.Linear`` / ``eqx.nn.Conv`` layers,
-called on one example (``jax.vmap`` over the data's leading axis). Errors are
+weights) or any equinox model of ``eqx.nn.Linear`` / ``eqx.nn.Conv`` /
+``eqx.nn.ConvTranspose`` layers (others stay float32), called on one example (``jax.vmap`` over the data's leading axis). Errors are
 measured against the float32 model on the data: the outputs (relative L2 and
 SQNR) and the gradient with respect to the input of ``sum(y * r)`` for a
 fixed random ``r`` (what an optimiser through the model sees: relative L2
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._ops import DEFAULT_GROUP_SIZE, dequantize
-from ._conv import Conv
+from ._conv import Conv, ConvTranspose
 from ._linear import Linear
 from ._network import Network
 from ._quantize import fits_int4, freeze
@@ -35,7 +35,7 @@ LADDER = ("int4", "int8", "float32")
 def _quantizable(node) -> bool:
     if isinstance(node, Linear):
         return node.trainable
-    return isinstance(node, eqx.nn.Linear | eqx.nn.Conv)
+    return isinstance(node, eqx.nn.Linear | eqx.nn.Conv | eqx.nn.ConvTranspose)
 
 
 def layers_of(model) -> list:
@@ -57,8 +57,9 @@ def _as(layer, precision: str, group_size: int):
         return dataclasses.replace(layer, precision=precision, group_size=group)
     if precision == "float32":
         return layer
-    if isinstance(layer, eqx.nn.Conv):
-        return Conv.from_eqx(
+    if isinstance(layer, eqx.nn.Conv | eqx.nn.ConvTranspose):
+        kind = Conv if isinstance(layer, eqx.nn.Conv) else ConvTranspose
+        return kind.from_eqx(
             layer, trainable=True, precision=precision, group_size=group
         )
     return Linear.from_float(

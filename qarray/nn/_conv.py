@@ -231,19 +231,20 @@ class Conv(eqx.Module):
         """The convolution with the quantized weights ``qw`` (default:
         ``self.quantized()``)."""
         qw = self.quantized() if qw is None else qw
-        y = conv_q(
-            jnp.asarray(x),
-            qw,
-            self.kernel_size,
-            window_strides=self.stride,
-            padding=self.padding,
-            rhs_dilation=self.dilation,
-            feature_group_count=self.groups,
-            activations=self.activations,
-        )
+        y = conv_q(jnp.asarray(x), qw, self.kernel_size, **self._conv_parameters())
         if self.bias is None:
             return y
         return y + self.bias.reshape(-1, *(1,) * len(self.kernel_size))
+
+    def _conv_parameters(self) -> dict:
+        """``conv_q``'s keyword arguments for this layer."""
+        return {
+            "window_strides": self.stride,
+            "padding": self.padding,
+            "rhs_dilation": self.dilation,
+            "feature_group_count": self.groups,
+            "activations": self.activations,
+        }
 
     def weight_error(self, qw=None):
         """``||w - W|| / ||w||`` of the float weights (as ``Linear``'s)."""
@@ -262,3 +263,109 @@ class Conv(eqx.Module):
         return dataclasses.replace(
             self, weight=None, qvalue=qvalue, scale=scale, stored_error=float(error)
         )
+
+
+class ConvTranspose(Conv):
+    """One quantized transposed convolution, ``eqx.nn.ConvTranspose``'s
+    conventions: weights ``(out, C / groups, *kernel_size)``, ``stride``,
+    ``padding`` (that of the forward convolution it transposes: ints, pairs,
+    "VALID", "SAME" or "SAME_LOWER"), ``output_padding`` (< stride),
+    ``dilation``, ``groups``; zero padding.
+
+    Computed as equinox computes it: the convolution of ``x`` spread
+    ``stride`` apart (``conv_q``'s ``lhs_dilation``) with the weights, padded
+    ``dilation * (kernel - 1) - padding`` on each side (plus
+    ``output_padding`` at the end). Quantization, storage, ``precision``,
+    ``trainable`` and gradients are ``Conv``'s.
+    """
+
+    output_padding: tuple[int, ...] = eqx.field(static=True)
+
+    def __init__(self, weight=None, bias=None, *, output_padding=0, **conv):
+        super().__init__(weight, bias, **conv)
+        nsp = len(self.kernel_size)
+        extra = (output_padding,) * nsp if isinstance(output_padding, int) else output_padding
+        self.output_padding = tuple(int(a) for a in extra)
+        if len(self.output_padding) != nsp or not all(
+            0 <= a < s for a, s in zip(self.output_padding, self.stride, strict=True)
+        ):
+            raise ValueError(
+                f"ConvTranspose requires output_padding of {nsp} int(s) in "
+                f"[0, stride), got {output_padding!r} with stride {self.stride}."
+            )
+        pads = self.transposed_padding()
+        if any(lo < 0 or hi < 0 for lo, hi in pads):
+            raise ValueError(
+                f"ConvTranspose supports padding up to dilation * (kernel_size - 1) "
+                f"per side, got padding {self.padding} for kernel_size "
+                f"{self.kernel_size} and dilation {self.dilation}."
+            )
+
+    @classmethod
+    def from_eqx(
+        cls,
+        conv: eqx.nn.ConvTranspose,
+        *,
+        trainable=False,
+        activations="float32",
+        precision="int8",
+        group_size=None,
+    ):
+        """The quantized counterpart of an ``eqx.nn.ConvTranspose`` (zero
+        padding)."""
+        if conv.padding_mode != "ZEROS":
+            raise ValueError(
+                "ConvTranspose supports zero padding, got "
+                f"padding_mode={conv.padding_mode!r}."
+            )
+        return cls.from_float(
+            conv.weight,
+            conv.bias,
+            trainable=trainable,
+            stride=conv.stride,
+            padding=conv.padding,
+            output_padding=conv.output_padding,
+            dilation=conv.dilation,
+            groups=conv.groups,
+            activations=activations,
+            precision=precision,
+            group_size=group_size,
+        )
+
+    def transposed_padding(self) -> tuple[tuple[int, int], ...]:
+        """The padding of the spread-out input, per spatial axis: with the
+        forward padding ``(p0, p1)``, ``(d (k - 1) - p0, d (k - 1) - p1 + a)``
+        (Dumoulin and Visin's relationship 14; "SAME" chooses ``p0 + p1 =
+        d (k - 1) - s + a + 1``, the surplus at the end, or the start for
+        "SAME_LOWER", as equinox does)."""
+        pads = []
+        for k, s, a, d, p in zip(
+            self.kernel_size,
+            self.stride,
+            self.output_padding,
+            self.dilation,
+            (None,) * len(self.kernel_size) if isinstance(self.padding, str) else self.padding,
+            strict=True,
+        ):
+            reach = d * (k - 1)
+            if self.padding == "VALID":
+                p0 = p1 = 0
+            elif isinstance(self.padding, str):  # SAME, SAME_LOWER
+                total = reach - s + a + 1
+                a, total = (-total, 0) if total < 0 else (a, total)
+                p0 = (total + (self.padding == "SAME_LOWER")) // 2
+                p1 = total - p0
+            else:
+                p0, p1 = p
+            pads.append((reach - p0, reach - p1 + a))
+        return tuple(pads)
+
+    def _conv_parameters(self) -> dict:
+        return {
+            "window_strides": (1,) * len(self.kernel_size),
+            "padding": self.transposed_padding(),
+            "lhs_dilation": self.stride,
+            "rhs_dilation": self.dilation,
+            "feature_group_count": self.groups,
+            "activations": self.activations,
+        }

@@ -10,7 +10,7 @@ import equinox as eqx
 import jax
 
 from .._ops import DEFAULT_GROUP_SIZE
-from ._conv import Conv
+from ._conv import Conv, ConvTranspose
 from ._embedding import Embedding
 from ._linear import Linear
 
@@ -35,11 +35,12 @@ def quantize(
     group_size: int | None = None,
 ):
     """A copy of ``model`` with every ``eqx.nn.Linear``, ``eqx.nn.Conv``
-    (``Conv1d``, ``Conv2d``, ``Conv3d``) and ``eqx.nn.Embedding`` that
+    (``Conv1d``, ``Conv2d``, ``Conv3d``), ``eqx.nn.ConvTranspose`` (1-3d)
+    and ``eqx.nn.Embedding`` that
     ``where(layer)`` accepts (default: all) replaced by a ``qarray.nn.Linear``
     (weights ``(out, in)``: layout "nk", one scale per output channel),
-    ``qarray.nn.Conv`` or ``qarray.nn.Embedding`` (one scale per row of the
-    table); every other node (normalisation, convolutions with non-zero
+    ``qarray.nn.Conv``, ``qarray.nn.ConvTranspose`` or ``qarray.nn.Embedding``
+    (one scale per row of the table); every other node (normalisation, convolutions with non-zero
     padding modes, ...) is kept as it is, float32. Embeddings take
     ``precision`` and ``trainable``; their lookups have no activations to
     quantize. ``eqx.nn.GRUCell`` and ``eqx.nn.LSTMCell`` keep their class,
@@ -91,10 +92,11 @@ def quantize(
         options = {"precision": chosen, "group_size": group_size}
         if isinstance(layer, eqx.nn.Embedding):
             return Embedding.from_eqx(layer, trainable=trainable, **options)
-        if isinstance(layer, eqx.nn.Conv):
+        if isinstance(layer, eqx.nn.Conv | eqx.nn.ConvTranspose):
             if layer.padding_mode != "ZEROS":
                 return layer
-            return Conv.from_eqx(
+            kind = Conv if isinstance(layer, eqx.nn.Conv) else ConvTranspose
+            return kind.from_eqx(
                 layer, trainable=trainable, activations=activations, **options
             )
         if "scalar" in (layer.in_features, layer.out_features):
@@ -111,6 +113,7 @@ def quantize(
     kinds = (
         eqx.nn.Linear,
         eqx.nn.Conv,
+        eqx.nn.ConvTranspose,
         eqx.nn.Embedding,
         eqx.nn.GRUCell,
         eqx.nn.LSTMCell,

@@ -95,6 +95,45 @@ def test_cpu_kernel_matches_the_reference(
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
 
 
+TRANSPOSED = [  # (x shape, out, kernel, lhs_dilation, pads, groups)
+    ((2, 6, 7), 4, (3,), (2,), ((2, 3),), 1),
+    ((2, 4, 5, 6), 6, (3, 2), (2, 3), ((1, 2), (1, 1)), 2),
+]
+
+
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+@pytest.mark.parametrize("x_shape, out, kernel, lhs, pads, groups", TRANSPOSED)
+def test_lhs_dilation_matches_the_reference(
+    rng, x_shape, out, kernel, lhs, pads, groups, activations
+):
+    """lhs_dilation (a transposed convolution's stride): the convolution of
+    the input spread out with zeros, values and gradients w.r.t. x."""
+    x = normal(rng, x_shape)
+    w, qw = quantized(rng, out, x_shape[1] // groups * int(np.prod(kernel)))
+    conv = {
+        "padding": pads,
+        "lhs_dilation": lhs,
+        "feature_group_count": groups,
+        "activations": activations,
+    }
+    spread = ref.lhs_dilate(x, lhs)
+    ones = (1,) * len(kernel)
+    want = ref.conv_q(spread, *ref.quantize(w), kernel, ones, pads, ones, groups, activations)
+    f = jax.jit(lambda x: qa.conv_q(x, qw, kernel, **conv))
+    np.testing.assert_allclose(f(x), want, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(f(x[0]), want[0], rtol=RTOL, atol=ATOL)
+    g = normal(rng, want.shape)
+    dense = ref.dequantize(*ref.quantize(w)).reshape(out, -1, *kernel)
+    gx, gw = ref.conv_vjp(spread, dense, g, ones, pads, ones, groups)
+    got_x, got_w = jax.grad(
+        lambda x, q: jnp.sum(qa.conv_q(x, q, kernel, **conv) * g), (0, 1)
+    )(x, qw)
+    np.testing.assert_allclose(
+        got_x, gx[(Ellipsis, *(slice(None, None, l) for l in lhs))], rtol=RTOL, atol=ATOL
+    )
+    np.testing.assert_allclose(got_w, gw.reshape(out, -1), rtol=RTOL, atol=ATOL)
+
+
 def test_weight_only_is_the_dense_convolution_of_the_dequantized_weights(rng):
     """The DESIGN.md definition, with lax as the second reference."""
     x = normal(rng, (2, 3, 10, 10))

@@ -156,3 +156,116 @@ def test_recurrent_cells_against_numpy(rng, trainable):
     np.testing.assert_allclose(hs, np.stack(want), rtol=1e-4, atol=1e-4)
     frozen = qnn.freeze(qgru)
     assert not frozen.weight_ih.trainable
+
+
+def conv_transpose(x, w, stride, pads, dilation, output_padding):
+    """A transposed convolution in float64 by scattering (PyTorch's
+    definition): input position i and kernel offset k land on output
+    ``s * i + d * k - p0``, with ``w (out, in, *k)`` in equinox's layout (the
+    kernel flipped against PyTorch's ``(in, out, *k)``)."""
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    kernel = w.shape[2:]
+    out_shape = [
+        (n - 1) * s - p0 - p1 + d * (k - 1) + a + 1
+        for n, s, (p0, p1), d, k, a in zip(
+            x.shape[1:], stride, pads, dilation, kernel, output_padding
+        )
+    ]
+    y = np.zeros((w.shape[0], *out_shape))
+    for i in np.ndindex(*x.shape[1:]):
+        for k in np.ndindex(*kernel):
+            t = [
+                s * ii + d * (kk_max - 1 - kk) - p0
+                for ii, kk, kk_max, s, d, (p0, _) in zip(i, k, kernel, stride, dilation, pads)
+            ]
+            if all(0 <= tt < n for tt, n in zip(t, out_shape)):
+                y[(slice(None), *t)] += w[(slice(None), slice(None), *k)] @ x[(slice(None), *i)]
+    return y
+
+
+TRANSPOSED = [  # eqx.nn.ConvTranspose arguments
+    {"num_spatial_dims": 1, "kernel_size": 4, "stride": 3, "padding": 1},
+    {"num_spatial_dims": 2, "kernel_size": 3, "stride": 2, "padding": 1, "output_padding": 1},
+    {"num_spatial_dims": 2, "kernel_size": (3, 2), "stride": (1, 2), "dilation": (2, 1)},
+    {"num_spatial_dims": 3, "kernel_size": 2, "stride": 2},
+]
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+@pytest.mark.parametrize("conv", TRANSPOSED, ids=lambda c: f"{c['num_spatial_dims']}d")
+def test_conv_transpose_against_numpy(rng, conv, precision):
+    """qnn.quantize of an eqx.nn.ConvTranspose: the scatter definition on the
+    dequantized weights, values and gradients w.r.t. x; equinox's own float
+    layer on those weights as a second reference."""
+    nsp = conv["num_spatial_dims"]
+    layer = eqx.nn.ConvTranspose(in_channels=4, out_channels=8, key=jax.random.key(1), **conv)
+    quantized = qnn.quantize(layer, precision=precision, group_size=4)
+    assert isinstance(quantized, qnn.ConvTranspose)
+    x = rng.standard_normal((4, *(5,) * nsp)).astype(np.float32)
+    w = np.asarray(layer.weight)
+    flat = w.reshape(w.shape[0], -1)
+    deq = (ref.roundtrip4(flat, 4) if precision == "int4" else ref.roundtrip(flat)).reshape(w.shape)
+    per_axis = lambda v: (v,) * nsp if isinstance(v, int) else tuple(v)  # noqa: E731
+    pads = [(p, p) for p in per_axis(conv.get("padding", 0))]
+    args = [per_axis(conv.get(k, d)) for k, d in (("stride", 1), ("dilation", 1))]
+    extra = per_axis(conv.get("output_padding", 0))
+    want = conv_transpose(x, deq, args[0], pads, args[1], extra)
+    want += np.asarray(layer.bias).reshape(-1, *(1,) * nsp)
+    got = eqx.filter_jit(lambda m, x: m(x))(quantized, x)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    float_layer = eqx.tree_at(lambda l: l.weight, layer, jnp.asarray(deq, jnp.float32))
+    np.testing.assert_allclose(got, float_layer(x), rtol=1e-4, atol=1e-4)
+    # the gradient w.r.t. x is the float layer's (straight-through)
+    g = rng.standard_normal(want.shape).astype(np.float32)
+    gx = jax.grad(lambda x: jnp.sum(quantized(x) * g))(x)
+    np.testing.assert_allclose(gx, jax.grad(lambda x: jnp.sum(float_layer(x) * g))(x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("padding", ["SAME", "SAME_LOWER", "VALID"])
+def test_conv_transpose_named_paddings_and_qat(rng, padding):
+    layer = eqx.nn.ConvTranspose(
+        2, 3, 6, 3, stride=2, padding=padding, groups=3, key=jax.random.key(2)
+    )
+    x = rng.standard_normal((3, 7, 6)).astype(np.float32)
+    qat = qnn.quantize(layer, trainable=True)
+    exported = qnn.freeze(qat)
+    assert exported.qvalue.dtype == np.int8 and exported.weight is None
+    deq = ref.roundtrip(np.asarray(layer.weight).reshape(6, -1)).reshape(layer.weight.shape)
+    float_layer = eqx.tree_at(lambda l: l.weight, layer, jnp.asarray(deq))
+    np.testing.assert_allclose(exported(x), float_layer(x), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(qat(x), exported(x), rtol=1e-5, atol=1e-5)
+    # trainable: straight-through gradient w.r.t. the float weights
+    grads = eqx.filter_grad(lambda m: jnp.sum(m(x) ** 2))(qat)
+    assert grads.weight.shape == layer.weight.shape and np.all(np.isfinite(grads.weight))
+
+
+def test_conv_transpose_errors():
+    with pytest.raises(ValueError, match="output_padding"):
+        qnn.ConvTranspose(jnp.ones((2, 2, 3)), stride=2, output_padding=2)
+    with pytest.raises(ValueError, match="padding up to"):
+        qnn.ConvTranspose(jnp.ones((2, 2, 3)), padding=3)
+
+
+def test_multihead_attention_through_its_quantized_projections(rng):
+    """eqx.nn.MultiheadAttention quantizes through its four Linear
+    projections: attention in NumPy on the dequantized weights."""
+    heads, size, length = 2, 16, 5
+    mha = eqx.nn.MultiheadAttention(heads, size, key=jax.random.key(3))
+    quantized = qnn.quantize(mha)
+    projections = ("query_proj", "key_proj", "value_proj", "output_proj")
+    assert all(isinstance(getattr(quantized, p), qnn.Linear) for p in projections)
+    x = rng.standard_normal((length, size)).astype(np.float64)
+    w = {p: ref.roundtrip(np.asarray(getattr(mha, p).weight)).astype(np.float64) for p in projections}
+
+    def split(a):  # (length, size) -> (heads, length, size / heads)
+        return a.reshape(length, heads, -1).transpose(1, 0, 2)
+
+    q, k, v = (split(x @ w[p].T) for p in projections[:3])
+    logits = q @ k.transpose(0, 2, 1) / np.sqrt(size // heads)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    attended = (weights @ v).transpose(1, 0, 2).reshape(length, size)
+    want = attended @ w["output_proj"].T
+    xs = jnp.asarray(x, jnp.float32)
+    got = eqx.filter_jit(lambda m, x: m(x, x, x))(quantized, xs)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

@@ -219,3 +219,85 @@ def test_mixed_precision_files_load_layer_by_layer(tmp_path, rng):
     save_file(tensors, str(tmp_path / "bad.safetensors"))
     with pytest.raises(ModelFileError, match=r"blocks.0.qvalue is int4.*K = 36"):
         load_quantized(tmp_path / "bad.safetensors", Net(jax.random.key(0)))
+
+
+class Decoder(eqx.Module):
+    """Every other kind of layer qnn.quantize replaces: an embedding, a
+    recurrent cell of each kind and a transposed convolution."""
+
+    embed: eqx.nn.Embedding
+    gru: eqx.nn.GRUCell
+    lstm: eqx.nn.LSTMCell
+    up: eqx.nn.ConvTranspose1d
+
+    def __init__(self, key):
+        k = jax.random.split(key, 4)
+        self.embed = eqx.nn.Embedding(10, 32, key=k[0])
+        self.gru = eqx.nn.GRUCell(32, 32, key=k[1])
+        self.lstm = eqx.nn.LSTMCell(32, 32, key=k[2])
+        self.up = eqx.nn.ConvTranspose1d(1, 2, 4, stride=2, padding=1, key=k[3])
+
+    def __call__(self, tokens):
+        h = jax.numpy.zeros(32)
+        state = (jax.numpy.zeros(32), jax.numpy.zeros(32))
+        for t in tokens:
+            h = self.gru(self.embed(t), h)
+            state = self.lstm(h, state)
+        return self.up(state[0][None])
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_embeddings_cells_and_transposed_convolutions_round_trip(tmp_path, precision):
+    trained = Decoder(jax.random.key(1))
+    quantized = qnn.quantize(trained, precision=precision, group_size=16)
+    assert isinstance(quantized.embed, qnn.Embedding)
+    assert isinstance(quantized.gru.weight_ih, qnn.Linear)
+    assert isinstance(quantized.up, qnn.ConvTranspose)
+    file = tmp_path / "decoder.safetensors"
+    save_tree(file, quantized)
+    model = load_quantized(file, Decoder(jax.random.key(7)))
+    tokens = [3, 1, 4, 1, 5]
+    np.testing.assert_array_equal(model(tokens), quantized(tokens))
+    assert model.embed.precision == quantized.embed.precision
+    assert model.lstm.weight_hh.precision == quantized.lstm.weight_hh.precision
+    # the quantized decoder stays near the float one
+    want = np.asarray(trained(tokens))
+    err = np.linalg.norm(np.asarray(model(tokens)) - want) / np.linalg.norm(want)
+    assert err < (0.15 if precision == "int4" else 0.02)
+
+
+def test_convert_a_pytorch_transposed_convolution(tmp_path, rng):
+    """nn.ConvTranspose2d's weight (in, out, *k) converted with --transposed:
+    the loaded eqx.nn.ConvTranspose2d computes PyTorch's scatter definition."""
+    w = rng.standard_normal((3, 4, 3, 2)).astype(np.float32)  # (in, out, kh, kw)
+    b = rng.standard_normal(4).astype(np.float32)
+    src, dst = tmp_path / "sd.safetensors", tmp_path / "m.safetensors"
+    save_file({"up.weight": w, "up.bias": b}, str(src))
+    convert_tree(src, dst, transposed=["up"])
+
+    class Up(eqx.Module):
+        up: eqx.nn.ConvTranspose2d
+
+        def __init__(self, key):
+            self.up = eqx.nn.ConvTranspose2d(3, 4, (3, 2), stride=2, padding=1, key=key)
+
+        def __call__(self, x):
+            return self.up(x)
+
+    model = load_quantized(dst, Up(jax.random.key(0)))
+    x = rng.standard_normal((3, 4, 5)).astype(np.float32)
+    # PyTorch: input (i, j) times w[:, :, a, b] lands on (2i + a - 1, 2j + b - 1)
+    wq = ref.roundtrip(np.flip(w.swapaxes(0, 1), (2, 3)).reshape(4, -1))
+    wt = np.flip(wq.reshape(4, 3, 3, 2), (2, 3)).swapaxes(0, 1)  # back to (in, out, k)
+    out_h, out_w = (4 - 1) * 2 - 2 + 3, (5 - 1) * 2 - 2 + 2
+    want = np.zeros((4, out_h, out_w)) + b[:, None, None]
+    for i in range(4):
+        for j in range(5):
+            for a in range(3):
+                for c in range(2):
+                    r, s = 2 * i + a - 1, 2 * j + c - 1
+                    if 0 <= r < out_h and 0 <= s < out_w:
+                        want[:, r, s] += wt[:, :, a, c].T @ x[:, i, j]
+    np.testing.assert_allclose(model(x), want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ModelFileError, match="transposed layer 'down'"):
+        convert_tree(src, dst, transposed=["down"])
