@@ -19,7 +19,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from .nn import Conv, Embedding, Linear
+from .nn import Conv, Embedding, Linear, SpectralConv
 from .nn import quantize as quantize_model
 
 FORMAT = "qarray-tree"
@@ -132,6 +132,7 @@ _LAYERS = (
     eqx.nn.Embedding,
     eqx.nn.GRUCell,
     eqx.nn.LSTMCell,
+    SpectralConv,
 )
 
 
@@ -183,10 +184,10 @@ def _unknown_error(layer):
     weight error."""
     return jax.tree.map(
         lambda n: dataclasses.replace(n, stored_error=None)
-        if isinstance(n, Linear | Conv | Embedding)
+        if isinstance(n, Linear | Conv | Embedding | SpectralConv)
         else n,
         layer,
-        is_leaf=lambda n: isinstance(n, Linear | Conv | Embedding),
+        is_leaf=lambda n: isinstance(n, Linear | Conv | Embedding | SpectralConv),
     )
 
 

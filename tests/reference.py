@@ -239,3 +239,55 @@ def unpack4(packed):
     return (
         np.stack([low, high], axis=-1).reshape(*packed.shape[:-1], -1).astype(np.int8)
     )
+
+
+def spectral_conv(x, w, modes):
+    """An FNO Fourier layer in float64/complex128: x (..., C, *spatial) real,
+    w complex (C, out, *modes); the m lowest frequencies of each axis
+    (0..m-1 on the last, rFFT, axis; 0..ceil(m/2)-1 and the floor(m/2)
+    negative ones on the others) mixed, the rest zero."""
+    x = np.asarray(x, np.float64)
+    w = np.asarray(w, np.complex128)
+    nsp = len(modes)
+    spatial = x.shape[x.ndim - nsp :]
+    axes = tuple(range(x.ndim - nsp, x.ndim))
+    spectrum = np.fft.rfftn(x, axes=axes)
+    index = []
+    for i, (n, m) in enumerate(zip(spatial, modes)):
+        if i == nsp - 1:
+            index.append(np.arange(m))
+        else:
+            index.append(np.r_[0 : (m + 1) // 2, n - m // 2 : n])
+    grid = np.ix_(*index)
+    kept = spectrum[(..., slice(None), *grid)]
+    lead = x.shape[: x.ndim - nsp - 1]
+    out = np.zeros((*lead, w.shape[1], *spectrum.shape[x.ndim - nsp :]), np.complex128)
+    letters = "xyz"[:nsp]
+    mixed = np.einsum(f"...i{letters},io{letters}->...o{letters}", kept, w)
+    out[(..., slice(None), *grid)] = mixed
+    return np.fft.irfftn(out, s=spatial, axes=axes)
+
+
+def linear_jacobian(fn, at):
+    """d fn / d at for fn linear in ``at`` (a real array): shape
+    out.shape + at.shape, column by column."""
+    at = np.asarray(at, np.float64)
+    columns = []
+    for i in range(at.size):
+        e = np.zeros(at.size)
+        e[i] = 1
+        columns.append(np.asarray(fn(e.reshape(at.shape))).ravel())
+    out_shape = np.shape(fn(at))
+    return np.stack(columns, -1).reshape(*out_shape, *at.shape)
+
+
+def spectral_roundtrip(parts, precision="int8", group_size=None):
+    """SpectralConv weights (in, out, *modes, 2) (real, imaginary) after
+    their rows (out * prod(modes), 2 in) are quantized and dequantized, as
+    complex (in, out, *modes): what the quantized layer multiplies by."""
+    parts = np.asarray(parts, np.float32)
+    moved = np.moveaxis(parts, 0, -2)  # (out, *modes, in, 2)
+    rows = moved.reshape(-1, 2 * parts.shape[0])
+    back = roundtrip4(rows, group_size) if precision == "int4" else roundtrip(rows)
+    back = np.moveaxis(back.reshape(moved.shape), -2, 0)
+    return back[..., 0] + 1j * back[..., 1]

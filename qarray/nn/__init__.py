@@ -23,6 +23,8 @@ from ._network import ACTIVATIONS as ACTIVATIONS
 from ._network import Network as Network
 from ._quantize import freeze as freeze
 from ._quantize import quantize as quantize
+from ._spectral import SpectralConv as SpectralConv
+from ._spectral import kept_frequencies as kept_frequencies
 from ._shapes import LAYOUTS as LAYOUTS
 from ._shapes import PRECISIONS as PRECISIONS
 from ._shapes import LayerShapes as LayerShapes

@@ -13,6 +13,7 @@ from .._ops import DEFAULT_GROUP_SIZE
 from ._conv import Conv, ConvTranspose
 from ._embedding import Embedding
 from ._linear import Linear
+from ._spectral import SpectralConv
 
 
 def _replace(model, kind, convert: Callable):
@@ -45,7 +46,10 @@ def quantize(
     ``precision`` and ``trainable``; their lookups have no activations to
     quantize. ``eqx.nn.GRUCell`` and ``eqx.nn.LSTMCell`` keep their class,
     their input and hidden matrices replaced by bias-free quantized layers
-    (the cells' biases stay float32).
+    (the cells' biases stay float32). A float32 ``qarray.nn.SpectralConv``
+    stores its complex weights quantized (rows of ``2 * in`` real and
+    imaginary parts per output channel and mode; int4 where ``group_size``
+    divides ``2 * in``, else int8).
 
     ``trainable=False``: weights quantized now and stored int8 (serving);
     ``True``: kept float32 and quantized on every call with a straight-through
@@ -70,6 +74,15 @@ def quantize(
             return layer
         if precision == "float32":
             return layer
+        if isinstance(layer, SpectralConv):
+            if layer.precision != "float32":  # quantized already
+                return layer
+            group = DEFAULT_GROUP_SIZE if group_size is None else group_size
+            fits = (2 * layer.in_channels) % group == 0
+            chosen = precision if precision != "int4" or fits else "int8"
+            return layer.as_precision(
+                chosen, trainable=trainable, group_size=group if chosen == "int4" else None
+            )
         if isinstance(layer, eqx.nn.GRUCell | eqx.nn.LSTMCell):
             # the cell applies its matrices as ``weight @ x``: quantized
             # bias-free layers stand in for them (``Linear.__matmul__``)
@@ -117,6 +130,7 @@ def quantize(
         eqx.nn.Embedding,
         eqx.nn.GRUCell,
         eqx.nn.LSTMCell,
+        SpectralConv,
     )
     return _replace(model, kinds, convert)
 
@@ -140,4 +154,5 @@ def freeze(model):
     int4) weights and scales it quantizes to
     (the export after quantization-aware training: the same outputs, a
     quarter of the bytes). Eager: call it outside ``jit``."""
-    return _replace(model, (Linear, Conv, Embedding), lambda layer: layer.frozen())
+    kinds = (Linear, Conv, Embedding, SpectralConv)
+    return _replace(model, kinds, lambda layer: layer.frozen())

@@ -252,8 +252,57 @@ def _int4_case(name, x_shape):
     )
 
 
+# --- qarray.nn.SpectralConv: F(x, w) = sin(SpectralConv(weight=w)(x)), its
+# weights (in, out, *modes, 2) quantized on every call (straight-through);
+# the layer is linear in x and in the dequantized weights, so the references
+# are the Jacobians of the NumPy FFT layer
+
+
+def _spectral_case(name, x_shape, c_out, modes):
+    from qarray import nn as qnn
+
+    c_in = x_shape[-len(modes) - 1]
+
+    def F(x, w):
+        layer = qnn.SpectralConv(c_in, c_out, modes, weight=w, precision="int8")
+        return jnp.sin(layer(x))
+
+    def y(x, w):
+        return ref.spectral_conv(x, ref.spectral_roundtrip(w), modes)
+
+    def jacobians(x, w):
+        quantized = ref.spectral_roundtrip(w)
+        jx = ref.linear_jacobian(lambda v: ref.spectral_conv(v, quantized, modes), x)
+        as_complex = lambda p: p[..., 0] + 1j * p[..., 1]  # noqa: E731
+        jw = ref.linear_jacobian(lambda p: ref.spectral_conv(x, as_complex(p), modes), w)
+        return jx, jw
+
+    def ref_vjp(args, g):
+        x, w = args
+        jx, jw = jacobians(x, w)
+        weighted = g * np.cos(y(x, w))
+        return tuple(np.tensordot(weighted, j, weighted.ndim) for j in (jx, jw))
+
+    def ref_hessian(args):
+        x, w = args
+        jx = jacobians(x, w)[0].reshape(-1, x.size)
+        hess = jx.T @ (-np.sin(y(x, w)).ravel()[:, None] * jx)
+        return hess.reshape(x.shape * 2)
+
+    return Case(
+        name,
+        F,
+        lambda x, w: np.sin(y(x, w)),
+        ref_vjp,
+        ref_hessian,
+        (x_shape, (c_in, c_out, *modes, 2)),
+    )
+
+
 CASES = [
     QUANTIZE,
+    _spectral_case("spectral_conv-1d", (2, 8), 2, (3,)),
+    _spectral_case("spectral_conv-2d-batched", (2, 2, 4, 4), 2, (3, 2)),
     *CONV_CASES,
     _int4_case("linear_q-int4", (3, 8)),
     _int4_case("linear_q-int4-vector-x", (8,)),

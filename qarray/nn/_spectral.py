@@ -1,0 +1,246 @@
+"""``qarray.nn.SpectralConv``: the Fourier layer of a Fourier neural operator,
+with its complex spectral weights stored int8 (or int4)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._ops import DEFAULT_GROUP_SIZE, dequantize, pack, quantize, unpack
+from ._linear import PRECISIONS, relative_error, stored_width
+
+
+def kept_frequencies(n: int, m: int, last: bool) -> np.ndarray:
+    """The indices of the ``m`` lowest frequencies of an FFT axis of ``n``
+    points: ``0 .. m - 1`` on the last (rFFT) axis, else the non-negative
+    ``0 .. ceil(m / 2) - 1`` then the negative ``-floor(m / 2) .. -1``
+    (FFT order)."""
+    if last:
+        return np.arange(m)
+    return np.r_[0 : (m + 1) // 2, n - m // 2 : n]
+
+
+class SpectralConv(eqx.Module):
+    """``x (..., in_channels, *spatial) -> (..., out_channels, *spatial)``:
+    an rFFT over the ``len(modes)`` spatial axes (1 to 3), the lowest
+    ``modes`` frequencies of each axis (``kept_frequencies``) mixed across
+    channels by complex weights ``(in, out, *modes)``, every other frequency
+    zero, an inverse rFFT back to the input's spatial shape. No bias (an FNO
+    block adds a pointwise 1 x 1 ``Conv``); no key used at call time.
+
+    ``SpectralConv(in, out, modes, key=k)`` is float32 and trainable: its
+    ``weight`` float32 ``(in, out, *modes, 2)`` holds the real and imaginary
+    parts (real leaves: optimisers step them as they do any other, where a
+    complex leaf's JAX gradient is the conjugate of the descent direction;
+    and safetensors stores them), FNO's initialisation, uniform in
+    [0, 1 / (in * out)) for both parts. ``qnn.quantize`` stores it quantized: the
+    weights as rows, one per output channel and mode (``out * prod(modes)``
+    rows of the ``2 * in`` real and imaginary parts of that mode's input
+    weights, interleaved), int8 with a scale per row, or int4 packed with a
+    scale per group of ``group_size`` entries of a row (``group_size``
+    dividing ``2 * in``): a mode's weights share their dynamic range, which
+    falls steeply from the low modes to the high ones. With
+    ``trainable=True`` the float weights are quantized on every call.
+
+    Gradients with respect to ``x`` are exact for the layer as stored;
+    with respect to trainable weights, straight-through; with respect to
+    stored scales, exact.
+    """
+
+    weight: jax.Array | None  # float32 (in, out, *modes, 2): real, imaginary
+    qvalue: jax.Array | None  # int8 (rows, 2 in); int4: uint8 (rows, in)
+    scale: jax.Array | None  # (rows,); int4: (rows, 2 in / group_size)
+    in_channels: int = eqx.field(static=True)
+    out_channels: int = eqx.field(static=True)
+    modes: tuple[int, ...] = eqx.field(static=True)
+    precision: str = eqx.field(static=True)
+    group_size: int | None = eqx.field(static=True)
+    stored_error: float | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        modes: int | Sequence[int],
+        *,
+        key=None,
+        weight=None,
+        qvalue=None,
+        scale=None,
+        precision: str = "float32",
+        group_size: int | None = None,
+        stored_error: float | None = None,
+    ):
+        modes = (modes,) if isinstance(modes, int) else tuple(int(m) for m in modes)
+        if not 1 <= len(modes) <= 3 or min(modes) < 1:
+            raise ValueError(
+                f"SpectralConv takes 1 to 3 positive modes (one per spatial axis), "
+                f"got {modes!r}."
+            )
+        if precision not in PRECISIONS:
+            raise ValueError(
+                f"SpectralConv requires precision in {PRECISIONS}, got {precision!r}."
+            )
+        if precision == "int4":
+            group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
+            if group_size < 2 or group_size % 2 or (2 * in_channels) % group_size:
+                raise ValueError(
+                    f"SpectralConv (int4) requires group_size, even, to divide "
+                    f"2 * in_channels = {2 * in_channels}, got {group_size!r}."
+                )
+        else:
+            group_size = None
+        self.in_channels, self.out_channels, self.modes = (
+            int(in_channels),
+            int(out_channels),
+            modes,
+        )
+        self.precision, self.group_size, self.stored_error = (
+            precision,
+            group_size,
+            stored_error,
+        )
+        if qvalue is not None or scale is not None:
+            if weight is not None or precision == "float32":
+                raise TypeError(
+                    "SpectralConv takes either weight (float32 or trainable) or "
+                    "qvalue and scale (stored int8 / int4), not both."
+                )
+            width = stored_width("SpectralConv", qvalue, scale, precision, group_size)
+            rows = self.out_channels * math.prod(modes)
+            if width != 2 * self.in_channels or qvalue.shape[0] != rows:
+                raise TypeError(
+                    f"SpectralConv requires stored rows (out * prod(modes), 2 * in) "
+                    f"= ({rows}, {2 * self.in_channels}), got qvalue "
+                    f"{qvalue.dtype}{tuple(qvalue.shape)}."
+                )
+            self.weight, self.qvalue, self.scale = None, qvalue, scale
+            return
+        if weight is None:
+            if key is None:
+                raise TypeError("SpectralConv needs a key to initialise its weights.")
+            shape = (self.in_channels, self.out_channels, *modes, 2)
+            bound = 1.0 / (self.in_channels * self.out_channels)
+            weight = jax.random.uniform(key, shape, maxval=bound)
+        want = (self.in_channels, self.out_channels, *modes, 2)
+        dtype = getattr(weight, "dtype", None)
+        if tuple(getattr(weight, "shape", ())) != want or dtype != jnp.float32:
+            raise TypeError(
+                f"SpectralConv requires weight float32 (in, out, *modes, 2) = {want} "
+                f"(real and imaginary parts), got {dtype}"
+                f"{tuple(getattr(weight, 'shape', ()))}."
+            )
+        self.weight, self.qvalue, self.scale = weight, None, None
+
+    @property
+    def trainable(self) -> bool:
+        """Float weights (quantized on every call unless float32)."""
+        return self.weight is not None
+
+    @property
+    def _bits(self) -> int:
+        return 4 if self.precision == "int4" else 8
+
+    def _rows(self, weight):
+        """(in, out, *modes, 2) -> rows (out * prod(modes), 2 in)."""
+        return jnp.moveaxis(weight, 0, -2).reshape(-1, 2 * self.in_channels)
+
+    def _parts(self, rows):
+        """The inverse of ``_rows``."""
+        parts = rows.reshape(self.out_channels, *self.modes, self.in_channels, 2)
+        return jnp.moveaxis(parts, -2, 0)
+
+    def quantized(self):
+        """The weights' rows as a QArray ``q8[out * prod(modes), 2 in]``
+        (``q4`` for int4); a float32 layer has none."""
+        if self.precision == "float32":
+            raise TypeError("a float32 SpectralConv has no quantized weights.")
+        if self.trainable:
+            return quantize(self._rows(jnp.asarray(self.weight)), self._bits, self.group_size)
+        qvalue, scale = jnp.asarray(self.qvalue), jnp.asarray(self.scale)
+        return pack(qvalue, scale, self._bits, self.group_size)
+
+    def spectral_weight(self):
+        """The complex weights ``(in, out, *modes)`` the layer multiplies by
+        (dequantized for a quantized layer: straight-through when
+        trainable)."""
+        if self.precision == "float32":
+            parts = jnp.asarray(self.weight)
+        else:
+            parts = self._parts(dequantize(self.quantized()))
+        return jax.lax.complex(parts[..., 0], parts[..., 1])
+
+    def __call__(self, x, *, key=None):
+        """``x (..., in_channels, *spatial)``; ``key`` is accepted and unused."""
+        del key
+        x = jnp.asarray(x)
+        nsp = len(self.modes)
+        if x.ndim < nsp + 1 or x.shape[-nsp - 1] != self.in_channels:
+            raise TypeError(
+                f"SpectralConv({self.in_channels} -> {self.out_channels}, modes "
+                f"{self.modes}) requires x of shape (..., {self.in_channels}, "
+                f"*{nsp} spatial axes), got {x.dtype}{x.shape}."
+            )
+        spatial = x.shape[-nsp:]
+        limits = (*spatial[:-1], spatial[-1] // 2 + 1)
+        if any(m > n for m, n in zip(self.modes, limits, strict=True)):
+            raise TypeError(
+                f"SpectralConv modes {self.modes} exceed the frequencies of "
+                f"spatial shape {spatial} (at most {limits})."
+            )
+        axes = tuple(range(x.ndim - nsp, x.ndim))
+        spectrum = jnp.fft.rfftn(x, axes=axes)
+        index = [
+            kept_frequencies(n, m, i == nsp - 1)
+            for i, (n, m) in enumerate(zip(spatial, self.modes, strict=True))
+        ]
+        grid = np.ix_(*index)
+        kept = spectrum[(..., slice(None), *grid)]  # (..., in, *modes)
+        letters = "xyz"[:nsp]
+        mixed = jnp.einsum(
+            f"...i{letters},io{letters}->...o{letters}", kept, self.spectral_weight()
+        )
+        out = jnp.zeros((*x.shape[: -nsp - 1], self.out_channels, *limits), mixed.dtype)
+        out = out.at[(..., slice(None), *grid)].set(mixed)
+        return jnp.fft.irfftn(out, s=spatial, axes=axes).astype(x.dtype)
+
+    def as_precision(self, precision: str, *, trainable: bool, group_size=None):
+        """This float32 layer at ``precision``: quantized every call
+        (``trainable``) or stored now."""
+        layer = dataclasses.replace(
+            self, precision=precision, group_size=group_size, stored_error=None
+        )
+        return layer if trainable else layer.frozen()
+
+    def frozen(self) -> SpectralConv:
+        """The stored layer a trainable quantized one quantizes to (itself
+        if stored or float32). Eager."""
+        if not self.trainable or self.precision == "float32":
+            return self
+        qvalue, scale, error = _stored_rows(self)
+        return dataclasses.replace(
+            self, weight=None, qvalue=qvalue, scale=scale, stored_error=float(error)
+        )
+
+    def weight_error(self):
+        """``||w - W|| / ||w||`` over the real and imaginary parts (recorded
+        for a stored layer; 0 for float32)."""
+        if self.precision == "float32":
+            return jnp.float32(0.0)
+        if not self.trainable:
+            return jnp.float32(self.stored_error or 0.0)
+        rows = self._rows(jnp.asarray(self.weight))
+        return relative_error(rows, self.quantized())
+
+
+@eqx.filter_jit
+def _stored_rows(layer: SpectralConv):
+    qw = layer.quantized()
+    qvalue, scale = unpack(qw)
+    return qvalue, scale, relative_error(layer._rows(jnp.asarray(layer.weight)), qw)

@@ -1,0 +1,124 @@
+"""qarray.nn.SpectralConv (an FNO's Fourier layer) against a NumPy FFT
+reference: float32, stored int8 / int4, trainable, gradients, model files."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qarray.nn as qnn
+from qarray.checkpoint import load_quantized, save_tree
+from tests import reference as ref
+
+GEOMETRIES = [  # (in, out, modes, x shape)
+    (3, 4, (5,), (3, 16)),
+    (2, 3, (4, 3), (2, 8, 6)),
+    (2, 2, (3, 2, 2), (2, 4, 6, 4)),
+    (3, 2, (6, 4), (5, 3, 6, 6)),  # a batch axis; every frequency of an axis kept
+]
+IDS = ["1d", "2d", "3d", "2d-batched-all-modes"]
+
+
+def as_complex(parts):
+    return parts[..., 0] + 1j * parts[..., 1]
+
+
+@pytest.mark.parametrize("precision", ["float32", "int8", "int4"])
+@pytest.mark.parametrize("c_in, c_out, modes, x_shape", GEOMETRIES, ids=IDS)
+def test_values_match_numpy(rng, c_in, c_out, modes, x_shape, precision):
+    layer = qnn.SpectralConv(c_in, c_out, modes, key=jax.random.key(0))
+    model = qnn.quantize(layer, precision=precision, group_size=2)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = as_complex(np.asarray(layer.weight))
+    if precision != "float32":
+        w = ref.spectral_roundtrip(np.asarray(layer.weight), precision, 2)
+    want = ref.spectral_conv(x, w, modes)
+    got = eqx.filter_jit(lambda m, x: m(x))(model, x)
+    assert got.shape == want.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_gradients_match_numpy(rng, precision):
+    """Exact w.r.t. x and the stored scales; straight-through w.r.t. the
+    trainable weights (the float layer's gradient at the quantized weights)."""
+    c_in, c_out, modes = 2, 3, (3, 2)
+    layer = qnn.SpectralConv(c_in, c_out, modes, key=jax.random.key(1))
+    x = rng.standard_normal((c_in, 6, 4)).astype(np.float32)
+    g = rng.standard_normal((c_out, 6, 4))
+    w = ref.spectral_roundtrip(np.asarray(layer.weight), precision, 2)
+    stored = qnn.quantize(layer, precision=precision, group_size=2)
+    jx = ref.linear_jacobian(lambda v: ref.spectral_conv(v, w, modes), x)
+    gx = jax.grad(lambda x: jnp.sum(stored(x) * g))(x)
+    np.testing.assert_allclose(gx, np.tensordot(g, jx, g.ndim), rtol=1e-4, atol=1e-5)
+    # stored scales: the output is linear in them
+    scale = np.asarray(stored.scale)
+
+    def with_scale(s):
+        return ref.spectral_conv(
+            x, np.asarray(eqx.tree_at(lambda l: l.scale, stored, jnp.asarray(s, jnp.float32)).spectral_weight()), modes
+        )
+
+    js = ref.linear_jacobian(with_scale, scale)
+    gs = jax.grad(lambda s: jnp.sum(eqx.tree_at(lambda l: l.scale, stored, s)(x) * g))(
+        jnp.asarray(scale)
+    )
+    np.testing.assert_allclose(gs, np.tensordot(g, js, g.ndim), rtol=1e-4, atol=1e-5)
+    # trainable: straight-through, the float layer's gradient at W
+    trainable = qnn.quantize(layer, precision=precision, group_size=2, trainable=True)
+    grads = eqx.filter_grad(lambda m: jnp.sum(m(x) * g))(trainable)
+
+    def of_parts(parts):
+        return ref.spectral_conv(x, parts[..., 0] + 1j * parts[..., 1], modes)
+
+    parts = np.stack([w.real, w.imag], -1)
+    jw = ref.linear_jacobian(of_parts, parts)
+    np.testing.assert_allclose(
+        grads.weight, np.tensordot(g, jw, g.ndim), rtol=1e-4, atol=1e-5
+    )
+
+
+def test_freeze_model_files_and_equinox_tools(rng, tmp_path):
+    class FNOBlock(eqx.Module):
+        spectral: qnn.SpectralConv
+        pointwise: eqx.nn.Conv2d
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.spectral = qnn.SpectralConv(4, 4, (3, 3), key=k1)
+            self.pointwise = eqx.nn.Conv2d(4, 4, 1, key=k2)
+
+        def __call__(self, x):
+            return jax.nn.gelu(self.spectral(x) + self.pointwise(x))
+
+    block = FNOBlock(jax.random.key(2))
+    x = rng.standard_normal((4, 8, 8)).astype(np.float32)
+    qat = qnn.quantize(block, trainable=True)
+    exported = qnn.freeze(qat)
+    assert exported.spectral.qvalue.dtype == np.int8 and exported.spectral.weight is None
+    np.testing.assert_allclose(exported(x), qat(x), rtol=1e-5, atol=1e-6)
+    assert 0 < exported.spectral.stored_error < 0.02
+    file = tmp_path / "fno.safetensors"
+    save_tree(file, exported)
+    loaded = load_quantized(file, FNOBlock(jax.random.key(9)))
+    np.testing.assert_array_equal(loaded(x), exported(x))
+    # float32 and quantized models share the tree tools
+    params, static = eqx.partition(exported, eqx.is_inexact_array)
+    np.testing.assert_array_equal(eqx.combine(params, static)(x), exported(x))
+    batched = eqx.filter_vmap(exported)(np.stack([x, x]))
+    np.testing.assert_allclose(batched[1], exported(x), rtol=1e-6, atol=1e-6)
+
+
+def test_errors_name_the_shapes():
+    with pytest.raises(ValueError, match="1 to 3 positive modes"):
+        qnn.SpectralConv(2, 2, (1, 2, 3, 4), key=jax.random.key(0))
+    layer = qnn.SpectralConv(2, 3, (5, 4), key=jax.random.key(0))
+    with pytest.raises(TypeError, match=r"requires x of shape \(\.\.\., 2"):
+        layer(jnp.ones((3, 8, 8)))
+    with pytest.raises(TypeError, match="exceed the frequencies"):
+        layer(jnp.ones((2, 4, 8)))
+    with pytest.raises(ValueError, match="group_size"):
+        qnn.SpectralConv(3, 2, 2, key=jax.random.key(0), precision="int4", group_size=4)
+    with pytest.raises(TypeError, match=r"weight float32 \(in, out, \*modes, 2\)"):
+        qnn.SpectralConv(2, 3, 2, weight=jnp.ones((2, 3, 2)))
