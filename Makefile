@@ -24,12 +24,13 @@ $(STAMP): pyproject.toml tesseract_requirements.txt scripts/install.sh \
 # reports add no formulation of their own), and the documentation site built
 # with --strict (a broken link, a missing page or a docstring mkdocstrings
 # cannot render fails)
-XLA_RERUN_SKIPS := test_nn_conv.py test_tree_checkpoint.py test_accuracy.py test_doc_types.py
+XLA_RERUN_SKIPS := test_nn_conv.py test_tree_checkpoint.py test_accuracy.py test_doc_types.py \
+	test_nn_spectral.py test_nn_layers.py test_jit.py
 test: setup browser
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -q --site-dir $(SCRATCH)-site
 	$(PY) -m pytest
 	QARRAY_KERNELS=xla $(PY) -m pytest -q tests/qarray tests/test_recipes.py \
-		-k "not kernel and not conv_q" $(addprefix --ignore=tests/qarray/,$(XLA_RERUN_SKIPS))
+		-k "not kernel and not conv_q and not spectral_conv" $(addprefix --ignore=tests/qarray/,$(XLA_RERUN_SKIPS))
 
 # headless Chromium for the /docs page test (installed when root on Debian)
 browser:
@@ -46,14 +47,17 @@ docs: setup
 # BASE_IMAGE: any Debian-like image with Python >= 3.12 (default: the Dockerfile's);
 # the image gets CPU-only jax. Containers are removed by id; the image stays.
 IMAGE ?= qarray:test
-# the CNN surrogate example's image, built on top of IMAGE
+# the CNN surrogate and neural operator examples' images, built on top of IMAGE
 CNN_IMAGE ?= qarray-cnn-surrogate:test
+OPERATOR_IMAGE ?= qarray-neural-operator:test
 BASE_IMAGE ?=
 test-image: setup
 	docker build --network host --build-arg JAX=cpu \
 		$(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t $(IMAGE) .
 	docker build --build-arg QARRAY_IMAGE=$(IMAGE) -t $(CNN_IMAGE) examples/cnn_surrogate
+	docker build --build-arg QARRAY_IMAGE=$(IMAGE) -t $(OPERATOR_IMAGE) examples/neural_operator
 	QARRAY_TEST_IMAGE=$(IMAGE) QARRAY_TEST_CNN_IMAGE=$(CNN_IMAGE) \
+		QARRAY_TEST_OPERATOR_IMAGE=$(OPERATOR_IMAGE) \
 		$(if $(BASE_IMAGE),BASE_IMAGE=$(BASE_IMAGE)) $(PY) -m pytest tests/image
 
 lint: setup

@@ -158,7 +158,8 @@ def error_rows(shape=(1, 4096, 4096)):
         y = np.asarray(jax.jit(qa.linear_q, static_argnums=2)(x, q4, activations))
         rows.append(
             {
-                "row": f"int4 (G={GROUP}) output relative error, activations={activations}",
+                "row": f"int4 (G={GROUP}) output relative error, "
+                f"activations={activations}",
                 "shape": (64, k, n),
                 "baseline": "float32 product",
                 "ratio": float(np.linalg.norm(y - exact) / np.linalg.norm(exact)),

@@ -145,7 +145,9 @@ class ConvQ(HiPrim):
         dilation = _positive_ints(
             "rhs_dilation", 1 if rhs_dilation is None else rhs_dilation, nsp
         )
-        lhs = _positive_ints("lhs_dilation", 1 if lhs_dilation is None else lhs_dilation, nsp)
+        lhs = _positive_ints(
+            "lhs_dilation", 1 if lhs_dilation is None else lhs_dilation, nsp
+        )
         (groups,) = _positive_ints("feature_group_count", feature_group_count, 1)
         if activations not in ACTIVATION_PRECISIONS:
             raise ValueError(

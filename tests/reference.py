@@ -157,9 +157,12 @@ def lhs_dilate(x, lhs_dilation):
     x = np.asarray(x)
     nsp = len(lhs_dilation)
     spatial = x.shape[x.ndim - nsp :]
-    shape = (*x.shape[: x.ndim - nsp], *((n - 1) * l + 1 for n, l in zip(spatial, lhs_dilation)))
+    shape = (
+        *x.shape[: x.ndim - nsp],
+        *((n - 1) * d + 1 for n, d in zip(spatial, lhs_dilation, strict=True)),
+    )
     out = np.zeros(shape, x.dtype)
-    out[(Ellipsis, *(slice(None, None, l) for l in lhs_dilation))] = x
+    out[(Ellipsis, *(slice(None, None, d) for d in lhs_dilation))] = x
     return out
 
 
@@ -253,7 +256,7 @@ def spectral_conv(x, w, modes):
     axes = tuple(range(x.ndim - nsp, x.ndim))
     spectrum = np.fft.rfftn(x, axes=axes)
     index = []
-    for i, (n, m) in enumerate(zip(spatial, modes)):
+    for i, (n, m) in enumerate(zip(spatial, modes, strict=True)):
         if i == nsp - 1:
             index.append(np.arange(m))
         else:

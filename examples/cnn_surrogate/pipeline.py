@@ -119,15 +119,15 @@ def invert(surrogate_fn, u_star, steps: int, weight: float = 0.05, lr: float = 0
 
 
 @contextlib.contextmanager
-def served(model_file: Path, scratch: Path):
-    """qarray-serve for tesseract_api.py with QARRAY_MODEL=model_file; each
-    request's run folder goes to ``scratch``."""
+def served(model_file: Path, scratch: Path, api: Path = HERE / "tesseract_api.py"):
+    """qarray-serve for ``api`` (this folder's tesseract_api.py) with
+    QARRAY_MODEL=model_file; each request's run folder goes to ``scratch``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {
         **os.environ,
-        "TESSERACT_API_PATH": str(HERE / "tesseract_api.py"),
+        "TESSERACT_API_PATH": str(api),
         "QARRAY_MODEL": str(model_file),
         "TESSERACT_OUTPUT_FORMAT": "json+base64",
         "TESSERACT_OUTPUT_PATH": str(scratch),
@@ -154,24 +154,25 @@ def served(model_file: Path, scratch: Path):
 
 
 def figure(path, log_k_star, u_star, recovered, curves):
+    """The true and recovered fields side by side, and the loss curves."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 5, figsize=(19, 3.6))
     panels = [("true log k", log_k_star), ("measured u*", u_star)]
     panels += [(f"recovered log k, {name}", f) for name, f in recovered.items()]
-    for ax, (title, field) in zip(axes[:4], panels, strict=False):
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(3.8 * (len(panels) + 1), 3.6))
+    for ax, (title, field) in zip(axes, panels, strict=False):
         im = ax.imshow(field, cmap="viridis")
-        ax.set_title(title)
+        ax.set_title(title, fontsize=9)
         ax.axis("off")
         fig.colorbar(im, ax=ax, fraction=0.046)
     for name, losses in curves.items():
-        axes[4].semilogy(losses, label=name)
-    axes[4].set_title("inverse problem: loss")
-    axes[4].set_xlabel("Adam step")
-    axes[4].legend()
+        axes[-1].semilogy(losses, label=name)
+    axes[-1].set_title("inverse problem: loss")
+    axes[-1].set_xlabel("Adam step")
+    axes[-1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

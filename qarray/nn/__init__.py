@@ -23,11 +23,11 @@ from ._network import ACTIVATIONS as ACTIVATIONS
 from ._network import Network as Network
 from ._quantize import freeze as freeze
 from ._quantize import quantize as quantize
-from ._spectral import SpectralConv as SpectralConv
-from ._spectral import kept_frequencies as kept_frequencies
 from ._shapes import LAYOUTS as LAYOUTS
 from ._shapes import PRECISIONS as PRECISIONS
 from ._shapes import LayerShapes as LayerShapes
 from ._shapes import NetworkShape as NetworkShape
 from ._shapes import layer_shapes as layer_shapes
 from ._shapes import network_shape as network_shape
+from ._spectral import SpectralConv as SpectralConv
+from ._spectral import kept_frequencies as kept_frequencies

@@ -3,7 +3,8 @@ plan under an error budget (``qarray-serve evaluate`` / ``plan``).
 
 A model here is a float32 ``Network`` (its layers ``Linear`` with float
 weights) or any equinox model of ``eqx.nn.Linear`` / ``eqx.nn.Conv`` /
-``eqx.nn.ConvTranspose`` layers (others stay float32), called on one example (``jax.vmap`` over the data's leading axis). Errors are
+``eqx.nn.ConvTranspose`` layers (others stay float32), called on one example
+(``jax.vmap`` over the data's leading axis). Errors are
 measured against the float32 model on the data: the outputs (relative L2 and
 SQNR) and the gradient with respect to the input of ``sum(y * r)`` for a
 fixed random ``r`` (what an optimiser through the model sees: relative L2

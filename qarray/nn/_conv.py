@@ -284,7 +284,11 @@ class ConvTranspose(Conv):
     def __init__(self, weight=None, bias=None, *, output_padding=0, **conv):
         super().__init__(weight, bias, **conv)
         nsp = len(self.kernel_size)
-        extra = (output_padding,) * nsp if isinstance(output_padding, int) else output_padding
+        extra = (
+            (output_padding,) * nsp
+            if isinstance(output_padding, int)
+            else output_padding
+        )
         self.output_padding = tuple(int(a) for a in extra)
         if len(self.output_padding) != nsp or not all(
             0 <= a < s for a, s in zip(self.output_padding, self.stride, strict=True)
@@ -344,7 +348,9 @@ class ConvTranspose(Conv):
             self.stride,
             self.output_padding,
             self.dilation,
-            (None,) * len(self.kernel_size) if isinstance(self.padding, str) else self.padding,
+            (None,) * len(self.kernel_size)
+            if isinstance(self.padding, str)
+            else self.padding,
             strict=True,
         ):
             reach = d * (k - 1)

@@ -37,12 +37,12 @@ def quantize(
 ):
     """A copy of ``model`` with every ``eqx.nn.Linear``, ``eqx.nn.Conv``
     (``Conv1d``, ``Conv2d``, ``Conv3d``), ``eqx.nn.ConvTranspose`` (1-3d)
-    and ``eqx.nn.Embedding`` that
-    ``where(layer)`` accepts (default: all) replaced by a ``qarray.nn.Linear``
-    (weights ``(out, in)``: layout "nk", one scale per output channel),
-    ``qarray.nn.Conv``, ``qarray.nn.ConvTranspose`` or ``qarray.nn.Embedding``
-    (one scale per row of the table); every other node (normalisation, convolutions with non-zero
-    padding modes, ...) is kept as it is, float32. Embeddings take
+    and ``eqx.nn.Embedding`` that ``where(layer)`` accepts (default: all)
+    replaced by a ``qarray.nn.Linear`` (weights ``(out, in)``: layout "nk",
+    one scale per output channel), ``qarray.nn.Conv``,
+    ``qarray.nn.ConvTranspose`` or ``qarray.nn.Embedding`` (one scale per row
+    of the table); every other node (normalisation, convolutions with
+    non-zero padding modes, ...) is kept as it is, float32. Embeddings take
     ``precision`` and ``trainable``; their lookups have no activations to
     quantize. ``eqx.nn.GRUCell`` and ``eqx.nn.LSTMCell`` keep their class,
     their input and hidden matrices replaced by bias-free quantized layers
@@ -81,7 +81,9 @@ def quantize(
             fits = (2 * layer.in_channels) % group == 0
             chosen = precision if precision != "int4" or fits else "int8"
             return layer.as_precision(
-                chosen, trainable=trainable, group_size=group if chosen == "int4" else None
+                chosen,
+                trainable=trainable,
+                group_size=group if chosen == "int4" else None,
             )
         if isinstance(layer, eqx.nn.GRUCell | eqx.nn.LSTMCell):
             # the cell applies its matrices as ``weight @ x``: quantized

@@ -162,7 +162,9 @@ class SpectralConv(eqx.Module):
         if self.precision == "float32":
             raise TypeError("a float32 SpectralConv has no quantized weights.")
         if self.trainable:
-            return quantize(self._rows(jnp.asarray(self.weight)), self._bits, self.group_size)
+            return quantize(
+                self._rows(jnp.asarray(self.weight)), self._bits, self.group_size
+            )
         qvalue, scale = jnp.asarray(self.qvalue), jnp.asarray(self.scale)
         return pack(qvalue, scale, self._bits, self.group_size)
 

@@ -42,7 +42,7 @@ import numpy as np
 from pydantic import BaseModel
 from tesseract_core.runtime import jax_recipes
 
-from .._tree_checkpoint import ModelFileError, load_quantized
+from ..checkpoint import ModelFileError, load_quantized
 from ._jit import jit_request, merge_request, split_request
 from ._paths import lookup_path
 from ._requests import checked_vectors, unprocessable

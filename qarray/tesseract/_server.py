@@ -150,11 +150,11 @@ def main(argv=None) -> int | None:
 
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "convert":
-        from ..checkpoint import main as convert_main
+        from ..checkpoint._cli import convert_main
 
         return convert_main(argv[1:])
     if argv and argv[0] in ("evaluate", "plan"):
-        from .._accuracy_cli import main as accuracy_main
+        from ..checkpoint._cli import accuracy_main
 
         return accuracy_main(argv[1:], argv[0])
     if not argv or argv[0] != "serve":

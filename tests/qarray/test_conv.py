@@ -118,7 +118,9 @@ def test_lhs_dilation_matches_the_reference(
     }
     spread = ref.lhs_dilate(x, lhs)
     ones = (1,) * len(kernel)
-    want = ref.conv_q(spread, *ref.quantize(w), kernel, ones, pads, ones, groups, activations)
+    want = ref.conv_q(
+        spread, *ref.quantize(w), kernel, ones, pads, ones, groups, activations
+    )
     f = jax.jit(lambda x: qa.conv_q(x, qw, kernel, **conv))
     np.testing.assert_allclose(f(x), want, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(f(x[0]), want[0], rtol=RTOL, atol=ATOL)
@@ -129,7 +131,10 @@ def test_lhs_dilation_matches_the_reference(
         lambda x, q: jnp.sum(qa.conv_q(x, q, kernel, **conv) * g), (0, 1)
     )(x, qw)
     np.testing.assert_allclose(
-        got_x, gx[(Ellipsis, *(slice(None, None, l) for l in lhs))], rtol=RTOL, atol=ATOL
+        got_x,
+        gx[(Ellipsis, *(slice(None, None, step) for step in lhs))],
+        rtol=RTOL,
+        atol=ATOL,
     )
     np.testing.assert_allclose(got_w, gw.reshape(out, -1), rtol=RTOL, atol=ATOL)
 

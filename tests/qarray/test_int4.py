@@ -121,7 +121,9 @@ def test_w4a8_error_bound(rng, m):
     x, w = normal(rng, (m, k)), normal(rng, (n, k))
     q = qa.quantize(jnp.asarray(w), bits=4, group_size=128)
     product = jax.jit(qa.linear_q, static_argnums=2)
-    gap = np.abs(np.asarray(product(x, q, "int8")) - np.asarray(product(x, q, "float32")))
+    gap = np.abs(
+        np.asarray(product(x, q, "int8")) - np.asarray(product(x, q, "float32"))
+    )
     half_step = np.abs(x).max(-1, keepdims=True) / 254
     bound = half_step * np.abs(ref.roundtrip4(w, 128)).sum(-1)[None, :]
     assert np.all(gap <= bound * (1 + 1e-4) + 1e-5)
@@ -282,10 +284,16 @@ def test_w4a8_linear_layer(rng):
 
     x, w, b = normal(rng, (6, 128)), normal(rng, (24, 128)), normal(rng, (24,))
     layer = qnn.Linear.from_float(
-        jnp.asarray(w), jnp.asarray(b), precision="int4", group_size=32, activations="int8"
+        jnp.asarray(w),
+        jnp.asarray(b),
+        precision="int4",
+        group_size=32,
+        activations="int8",
     )
     want = int4_reference(x, w, 32, "int8") + b
-    got = eqx.filter_jit(lambda l, x: l(x))(layer, x)
+    got = eqx.filter_jit(lambda m, x: m(x))(layer, x)
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL * np.abs(want).max())
     g = jax.grad(lambda x: jnp.sum(layer(x)))(x)
-    np.testing.assert_allclose(g, np.ones((6, 24)) @ ref.roundtrip4(w, 32), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        g, np.ones((6, 24)) @ ref.roundtrip4(w, 32), rtol=1e-5, atol=1e-5
+    )

@@ -24,20 +24,26 @@ def test_int8_and_int4_arguments_in_a_pytree(rng):
 
     out = both(x, weights)
     qvalue, scale = ref.quantize(np.asarray(w))
-    np.testing.assert_allclose(out["int8"], ref.linear_q(x, qvalue, scale), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        out["int8"], ref.linear_q(x, qvalue, scale), rtol=1e-5, atol=1e-5
+    )
     w4 = ref.roundtrip4(np.asarray(w), 32)
     np.testing.assert_allclose(out["int4"], np.asarray(x) @ w4.T, rtol=1e-5, atol=1e-4)
 
 
 def test_quantized_results_come_back_as_qarrays(rng):
     w = normal(rng, (8, 64))
-    q8, q4 = qa.jit(lambda w: (qa.quantize(w), qa.quantize(w, bits=4, group_size=16)))(w)
+    q8, q4 = qa.jit(lambda w: (qa.quantize(w), qa.quantize(w, bits=4, group_size=16)))(
+        w
+    )
     assert isinstance(q8, qa.QArray) and isinstance(q4, qa.QArray)
     qvalue, scale = ref.quantize(np.asarray(w))
     np.testing.assert_array_equal(q8.qvalue, qvalue)
     np.testing.assert_allclose(q8.scale, scale, rtol=1e-6)
     assert jax.typeof(q4) == jax.typeof(qa.quantize(w, bits=4, group_size=16))
-    np.testing.assert_allclose(qa.dequantize(q4), ref.roundtrip4(np.asarray(w), 16), atol=1e-6)
+    np.testing.assert_allclose(
+        qa.dequantize(q4), ref.roundtrip4(np.asarray(w), 16), atol=1e-6
+    )
 
 
 def test_static_arguments_and_outer_transformations(rng):

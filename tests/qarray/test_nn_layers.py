@@ -168,7 +168,7 @@ def conv_transpose(x, w, stride, pads, dilation, output_padding):
     out_shape = [
         (n - 1) * s - p0 - p1 + d * (k - 1) + a + 1
         for n, s, (p0, p1), d, k, a in zip(
-            x.shape[1:], stride, pads, dilation, kernel, output_padding
+            x.shape[1:], stride, pads, dilation, kernel, output_padding, strict=True
         )
     ]
     y = np.zeros((w.shape[0], *out_shape))
@@ -176,17 +176,32 @@ def conv_transpose(x, w, stride, pads, dilation, output_padding):
         for k in np.ndindex(*kernel):
             t = [
                 s * ii + d * (kk_max - 1 - kk) - p0
-                for ii, kk, kk_max, s, d, (p0, _) in zip(i, k, kernel, stride, dilation, pads)
+                for ii, kk, kk_max, s, d, (p0, _) in zip(
+                    i, k, kernel, stride, dilation, pads, strict=True
+                )
             ]
-            if all(0 <= tt < n for tt, n in zip(t, out_shape)):
-                y[(slice(None), *t)] += w[(slice(None), slice(None), *k)] @ x[(slice(None), *i)]
+            if all(0 <= tt < n for tt, n in zip(t, out_shape, strict=True)):
+                y[(slice(None), *t)] += (
+                    w[(slice(None), slice(None), *k)] @ x[(slice(None), *i)]
+                )
     return y
 
 
 TRANSPOSED = [  # eqx.nn.ConvTranspose arguments
     {"num_spatial_dims": 1, "kernel_size": 4, "stride": 3, "padding": 1},
-    {"num_spatial_dims": 2, "kernel_size": 3, "stride": 2, "padding": 1, "output_padding": 1},
-    {"num_spatial_dims": 2, "kernel_size": (3, 2), "stride": (1, 2), "dilation": (2, 1)},
+    {
+        "num_spatial_dims": 2,
+        "kernel_size": 3,
+        "stride": 2,
+        "padding": 1,
+        "output_padding": 1,
+    },
+    {
+        "num_spatial_dims": 2,
+        "kernel_size": (3, 2),
+        "stride": (1, 2),
+        "dilation": (2, 1),
+    },
     {"num_spatial_dims": 3, "kernel_size": 2, "stride": 2},
 ]
 
@@ -198,13 +213,17 @@ def test_conv_transpose_against_numpy(rng, conv, precision):
     dequantized weights, values and gradients w.r.t. x; equinox's own float
     layer on those weights as a second reference."""
     nsp = conv["num_spatial_dims"]
-    layer = eqx.nn.ConvTranspose(in_channels=4, out_channels=8, key=jax.random.key(1), **conv)
+    layer = eqx.nn.ConvTranspose(
+        in_channels=4, out_channels=8, key=jax.random.key(1), **conv
+    )
     quantized = qnn.quantize(layer, precision=precision, group_size=4)
     assert isinstance(quantized, qnn.ConvTranspose)
     x = rng.standard_normal((4, *(5,) * nsp)).astype(np.float32)
     w = np.asarray(layer.weight)
     flat = w.reshape(w.shape[0], -1)
-    deq = (ref.roundtrip4(flat, 4) if precision == "int4" else ref.roundtrip(flat)).reshape(w.shape)
+    deq = (
+        ref.roundtrip4(flat, 4) if precision == "int4" else ref.roundtrip(flat)
+    ).reshape(w.shape)
     per_axis = lambda v: (v,) * nsp if isinstance(v, int) else tuple(v)  # noqa: E731
     pads = [(p, p) for p in per_axis(conv.get("padding", 0))]
     args = [per_axis(conv.get(k, d)) for k, d in (("stride", 1), ("dilation", 1))]
@@ -213,12 +232,14 @@ def test_conv_transpose_against_numpy(rng, conv, precision):
     want += np.asarray(layer.bias).reshape(-1, *(1,) * nsp)
     got = eqx.filter_jit(lambda m, x: m(x))(quantized, x)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-    float_layer = eqx.tree_at(lambda l: l.weight, layer, jnp.asarray(deq, jnp.float32))
+    float_layer = eqx.tree_at(lambda m: m.weight, layer, jnp.asarray(deq, jnp.float32))
     np.testing.assert_allclose(got, float_layer(x), rtol=1e-4, atol=1e-4)
     # the gradient w.r.t. x is the float layer's (straight-through)
     g = rng.standard_normal(want.shape).astype(np.float32)
     gx = jax.grad(lambda x: jnp.sum(quantized(x) * g))(x)
-    np.testing.assert_allclose(gx, jax.grad(lambda x: jnp.sum(float_layer(x) * g))(x), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        gx, jax.grad(lambda x: jnp.sum(float_layer(x) * g))(x), rtol=1e-4, atol=1e-4
+    )
 
 
 @pytest.mark.parametrize("padding", ["SAME", "SAME_LOWER", "VALID"])
@@ -230,13 +251,17 @@ def test_conv_transpose_named_paddings_and_qat(rng, padding):
     qat = qnn.quantize(layer, trainable=True)
     exported = qnn.freeze(qat)
     assert exported.qvalue.dtype == np.int8 and exported.weight is None
-    deq = ref.roundtrip(np.asarray(layer.weight).reshape(6, -1)).reshape(layer.weight.shape)
-    float_layer = eqx.tree_at(lambda l: l.weight, layer, jnp.asarray(deq))
+    deq = ref.roundtrip(np.asarray(layer.weight).reshape(6, -1)).reshape(
+        layer.weight.shape
+    )
+    float_layer = eqx.tree_at(lambda m: m.weight, layer, jnp.asarray(deq))
     np.testing.assert_allclose(exported(x), float_layer(x), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(qat(x), exported(x), rtol=1e-5, atol=1e-5)
     # trainable: straight-through gradient w.r.t. the float weights
     grads = eqx.filter_grad(lambda m: jnp.sum(m(x) ** 2))(qat)
-    assert grads.weight.shape == layer.weight.shape and np.all(np.isfinite(grads.weight))
+    assert grads.weight.shape == layer.weight.shape and np.all(
+        np.isfinite(grads.weight)
+    )
 
 
 def test_conv_transpose_errors():
@@ -255,7 +280,10 @@ def test_multihead_attention_through_its_quantized_projections(rng):
     projections = ("query_proj", "key_proj", "value_proj", "output_proj")
     assert all(isinstance(getattr(quantized, p), qnn.Linear) for p in projections)
     x = rng.standard_normal((length, size)).astype(np.float64)
-    w = {p: ref.roundtrip(np.asarray(getattr(mha, p).weight)).astype(np.float64) for p in projections}
+    w = {
+        p: ref.roundtrip(np.asarray(getattr(mha, p).weight)).astype(np.float64)
+        for p in projections
+    }
 
     def split(a):  # (length, size) -> (heads, length, size / heads)
         return a.reshape(length, heads, -1).transpose(1, 0, 2)

@@ -57,11 +57,17 @@ def test_gradients_match_numpy(rng, precision):
 
     def with_scale(s):
         return ref.spectral_conv(
-            x, np.asarray(eqx.tree_at(lambda l: l.scale, stored, jnp.asarray(s, jnp.float32)).spectral_weight()), modes
+            x,
+            np.asarray(
+                eqx.tree_at(
+                    lambda m: m.scale, stored, jnp.asarray(s, jnp.float32)
+                ).spectral_weight()
+            ),
+            modes,
         )
 
     js = ref.linear_jacobian(with_scale, scale)
-    gs = jax.grad(lambda s: jnp.sum(eqx.tree_at(lambda l: l.scale, stored, s)(x) * g))(
+    gs = jax.grad(lambda s: jnp.sum(eqx.tree_at(lambda m: m.scale, stored, s)(x) * g))(
         jnp.asarray(scale)
     )
     np.testing.assert_allclose(gs, np.tensordot(g, js, g.ndim), rtol=1e-4, atol=1e-5)
@@ -96,7 +102,9 @@ def test_freeze_model_files_and_equinox_tools(rng, tmp_path):
     x = rng.standard_normal((4, 8, 8)).astype(np.float32)
     qat = qnn.quantize(block, trainable=True)
     exported = qnn.freeze(qat)
-    assert exported.spectral.qvalue.dtype == np.int8 and exported.spectral.weight is None
+    assert (
+        exported.spectral.qvalue.dtype == np.int8 and exported.spectral.weight is None
+    )
     np.testing.assert_allclose(exported(x), qat(x), rtol=1e-5, atol=1e-6)
     assert 0 < exported.spectral.stored_error < 0.02
     file = tmp_path / "fno.safetensors"

@@ -274,7 +274,9 @@ def _spectral_case(name, x_shape, c_out, modes):
         quantized = ref.spectral_roundtrip(w)
         jx = ref.linear_jacobian(lambda v: ref.spectral_conv(v, quantized, modes), x)
         as_complex = lambda p: p[..., 0] + 1j * p[..., 1]  # noqa: E731
-        jw = ref.linear_jacobian(lambda p: ref.spectral_conv(x, as_complex(p), modes), w)
+        jw = ref.linear_jacobian(
+            lambda p: ref.spectral_conv(x, as_complex(p), modes), w
+        )
         return jx, jw
 
     def ref_vjp(args, g):

@@ -32,22 +32,22 @@ pytree paths: ``save_tree``, ``load_tree``, ``load_quantized`` and
 Needs the ``safetensors`` package (installed with ``qarray[tesseract]``).
 """
 
+from ._cli import convert_main as main  # noqa: F401 (qarray-serve convert)
 from ._convert import convert_state_dict as convert_state_dict
-from ._convert import main as main
 from ._convert import parse_layers as parse_layers
+from ._errors import ModelFileError as ModelFileError
 from ._network_file import ModelLayer as ModelLayer
 from ._network_file import load_model as load_model
 from ._network_file import load_network as load_network
-from ._network_file import quantize_groups as quantize_groups
-from ._network_file import quantize_rows as quantize_rows
-from ._network_file import relative_error as relative_error
-from ._network_file import relative_error4 as relative_error4
 from ._network_file import save_model as save_model
 from ._network_file import save_network as save_network
-from ._tree_checkpoint import ModelFileError as ModelFileError
-from ._tree_checkpoint import convert_tree as convert_tree
-from ._tree_checkpoint import fold_batchnorm as fold_batchnorm
-from ._tree_checkpoint import leaf_paths as leaf_paths
-from ._tree_checkpoint import load_quantized as load_quantized
-from ._tree_checkpoint import load_tree as load_tree
-from ._tree_checkpoint import save_tree as save_tree
+from ._rows import quantize_groups as quantize_groups
+from ._rows import quantize_rows as quantize_rows
+from ._rows import relative_error as relative_error
+from ._rows import relative_error4 as relative_error4
+from ._tree import convert_tree as convert_tree
+from ._tree import fold_batchnorm as fold_batchnorm
+from ._tree import leaf_paths as leaf_paths
+from ._tree import load_quantized as load_quantized
+from ._tree import load_tree as load_tree
+from ._tree import save_tree as save_tree

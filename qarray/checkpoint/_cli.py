@@ -1,5 +1,7 @@
-"""``qarray-serve evaluate MODEL DATA`` and ``qarray-serve plan MODEL DATA
---budget E --out DST``: the accuracy of a float32 model quantized, per layer,
+"""qarray-serve's model-file subcommands: ``qarray-serve convert SRC DST``
+(``convert_main``: a PyTorch state dict to a model file), ``qarray-serve
+evaluate MODEL DATA`` and ``qarray-serve plan MODEL DATA --budget E --out
+DST`` (``accuracy_main``): the accuracy of a float32 model quantized, per layer,
 and a mixed-precision model file within an error budget
 (``qarray.nn.evaluate`` / ``qarray.nn.plan``). DATA is an ``.npz`` whose
 array ``x`` holds inputs.
@@ -25,17 +27,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from ._tree_checkpoint import load_tree, save_tree
-from .checkpoint import (
-    ModelFileError,
-    convert_state_dict,
-    load_model,
-    parse_layers,
-    save_network,
-)
-from .nn import PRECISIONS, Linear, Network, apply_plan
-from .nn import evaluate as evaluate_network
-from .nn import plan as plan_network
+from ..nn import ACTIVATIONS, PRECISIONS, Linear, Network, apply_plan
+from ..nn import evaluate as evaluate_network
+from ..nn import plan as plan_network
+from ._convert import convert_state_dict, parse_layers
+from ._errors import ModelFileError
+from ._network_file import load_model, save_network
+from ._tree import convert_tree, load_tree, save_tree
 
 
 def float_network(path) -> Network:
@@ -147,7 +145,7 @@ def _table(report: dict) -> str:
     return "\n".join(rows)
 
 
-def main(argv: list[str], command: str) -> int:
+def accuracy_main(argv: list[str], command: str) -> int:
     parser = argparse.ArgumentParser(
         prog=f"qarray-serve {command}",
         description=(__doc__ or "").split("\n\n")[0].replace("\n", " "),
@@ -217,4 +215,99 @@ def main(argv: list[str], command: str) -> int:
     print(f"({report['seconds']} s)", file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def _pairs(text: str | None, sep: str) -> list[tuple[str, str]]:
+    pairs = []
+    for item in (text or "").split(","):
+        if item.strip():
+            left, _, right = item.strip().partition(sep)
+            pairs.append((left, right))
+    return pairs
+
+
+def convert_main(argv: list[str] | None = None) -> int:
+    """``qarray-serve convert SRC DST --layers fc1:relu,fc2:none`` (a network)
+    or ``... --tree [--fold conv1+bn1] [--rename old=new]`` (any model)."""
+    parser = argparse.ArgumentParser(
+        prog="qarray-serve convert",
+        description="Convert a PyTorch-style state dict (safetensors) to a qarray "
+        "model file: with --layers, the Tesseract contract's network (nn.Linear "
+        "weights (out, in) -> int8 layout 'nk', one scale per output channel, for "
+        "QARRAY_MODEL); with --tree, any model's file keyed by its pytree paths "
+        "(Linear and Conv weights int8, one scale per output channel).",
+    )
+    parser.add_argument("src", help="state dict, .safetensors")
+    parser.add_argument("dst", help="model file to write, .safetensors")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument(
+        "--layers",
+        help="comma-separated NAME:ACTIVATION[:PRECISION] in order, e.g. "
+        f"fc1:relu,fc2:none:float32 (activations: {', '.join(tuple(ACTIVATIONS))}; "
+        f"precisions: {', '.join(PRECISIONS)})",
+    )
+    parser.add_argument(
+        "--precision",
+        default="int8",
+        choices=PRECISIONS,
+        help="with --layers: every layer's precision unless its entry names one; "
+        "with --tree: int8 or float32 (a float file for evaluate and plan)",
+    )
+    parser.add_argument(
+        "--group-size", type=int, default=128, help="int4: values per scale along K"
+    )
+    mode.add_argument(
+        "--tree", action="store_true", help="keep the state dict's names (paths)"
+    )
+    parser.add_argument(
+        "--fold",
+        help="with --tree: LAYER+BATCHNORM pairs, e.g. conv1+bn1,conv2+bn2: each "
+        "BatchNorm (inference statistics) folded into the layer before it",
+    )
+    parser.add_argument(
+        "--rename",
+        help="with --tree: OLD=NEW name prefixes, e.g. features=features.layers",
+    )
+    parser.add_argument(
+        "--transposed",
+        help="with --tree: the nn.ConvTranspose* layers (groups 1), e.g. up1,up2: "
+        "their weights (in, out, *k) laid out as eqx.nn.ConvTranspose's",
+    )
+    parser.add_argument("--bn-eps", type=float, default=1e-5, help="BatchNorm eps")
+    args = parser.parse_args(argv)
+    if args.tree:
+        try:
+            errors = convert_tree(
+                args.src,
+                args.dst,
+                fold=_pairs(args.fold, "+"),
+                rename=_pairs(args.rename, "="),
+                transposed=[n for n in (args.transposed or "").split(",") if n],
+                eps=args.bn_eps,
+                precision=args.precision,
+            )
+        except ModelFileError as error:
+            parser.exit(2, f"qarray-serve convert: {error}\n")
+        for name, error in errors.items():
+            print(f"{name}: int8, weight error {error:.3e}")
+        print(f"wrote {args.dst}")
+        return 0
+    if args.fold or args.rename or args.transposed:
+        parser.error("--fold, --rename and --transposed need --tree")
+    if args.group_size < 2 or args.group_size % 2:
+        parser.error("--group-size must be a positive even int")
+    layers = parse_layers(args.layers)
+    try:
+        errors = convert_state_dict(
+            args.src, args.dst, layers, args.precision, args.group_size
+        )
+    except ModelFileError as error:
+        parser.exit(2, f"qarray-serve convert: {error}\n")
+    for i, (item, error) in enumerate(zip(layers, errors, strict=True)):
+        name, activation = item[:2]
+        precision = item[2] if len(item) > 2 else args.precision
+        what = activation if precision == "int8" else f"{activation}, {precision}"
+        print(f"layers.{i} <- {name} ({what}): weight error {error:.3e}")
+    print(f"wrote {args.dst}")
     return 0

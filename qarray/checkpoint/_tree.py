@@ -19,14 +19,12 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from .nn import Conv, Embedding, Linear, SpectralConv
-from .nn import quantize as quantize_model
+from ..nn import Conv, Embedding, Linear, SpectralConv
+from ..nn import quantize as quantize_model
+from ._errors import ModelFileError
+from ._rows import quantize_rows, relative_error
 
 FORMAT = "qarray-tree"
-
-
-class ModelFileError(ValueError):
-    """A model file that cannot be served; the message names the tensor."""
 
 
 def _key_name(key) -> str:
@@ -183,9 +181,11 @@ def _unknown_error(layer):
     """``layer`` (a quantized layer, or a cell of them) with no recorded
     weight error."""
     return jax.tree.map(
-        lambda n: dataclasses.replace(n, stored_error=None)
-        if isinstance(n, Linear | Conv | Embedding | SpectralConv)
-        else n,
+        lambda n: (
+            dataclasses.replace(n, stored_error=None)
+            if isinstance(n, Linear | Conv | Embedding | SpectralConv)
+            else n
+        ),
         layer,
         is_leaf=lambda n: isinstance(n, Linear | Conv | Embedding | SpectralConv),
     )
@@ -232,8 +232,6 @@ def convert_tree(
     computes the forward convolution of the spread-out input). Returns each
     quantized layer's relative weight error.
     """
-    from ._network_file import quantize_rows, relative_error
-
     if precision not in ("int8", "float32"):
         raise ModelFileError(
             f"convert --tree writes int8 or float32 weights, got {precision!r} "
@@ -264,7 +262,9 @@ def convert_tree(
                 f"got {got}"
             )
         spatial = tuple(range(2, w.ndim))
-        tensors[f"{name}.weight"] = np.ascontiguousarray(np.flip(w.swapaxes(0, 1), spatial))
+        tensors[f"{name}.weight"] = np.ascontiguousarray(
+            np.flip(w.swapaxes(0, 1), spatial)
+        )
     out, errors = {}, {}
     for key, value in tensors.items():
         if key.endswith("num_batches_tracked"):
