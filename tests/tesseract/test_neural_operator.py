@@ -66,7 +66,7 @@ def numpy_fno(tensors, log_k):
         h = h if i == BLOCKS - 1 else gelu(h)
     h = h[:, :GRID, :GRID]
     u = pointwise("project", gelu(pointwise("hidden", h)))
-    return u[0] * float(tensors["u_scale"])
+    return u[0] * tensors["u_scale"].astype(np.float64)
 
 
 @pytest.fixture(scope="module", params=["int8", "int4"])
