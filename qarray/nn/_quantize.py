@@ -10,6 +10,7 @@ import equinox as eqx
 import jax
 
 from .._ops import DEFAULT_GROUP_SIZE
+from ._calibrate import METHODS, calibrated
 from ._conv import Conv, ConvTranspose
 from ._embedding import Embedding
 from ._linear import Linear
@@ -34,6 +35,8 @@ def quantize(
     activations: str = "float32",
     precision: str = "int8",
     group_size: int | None = None,
+    method: str = "rtn",
+    data=None,
 ):
     """A copy of ``model`` with every ``eqx.nn.Linear``, ``eqx.nn.Conv``
     (``Conv1d``, ``Conv2d``, ``Conv3d``), ``eqx.nn.ConvTranspose`` (1-3d)
@@ -67,7 +70,24 @@ def quantize(
     layers float is ``where=lambda l: l not in (mlp.layers[0], mlp.layers[-1])``
     (compared by identity). Layers with a ``"scalar"`` input or output stay
     float: one input or output feature leaves nothing to gain.
+
+    ``method``: "rtn" (round-to-nearest, the default) or "gptq": each
+    ``eqx.nn.Linear`` and ``eqx.nn.Conv`` quantized by GPTQ on ``data``, the
+    model's calibration inputs ``(n, *example)`` (the model takes one
+    example; ``jax.vmap`` runs it on them), layer by layer through the
+    already-quantized layers before it (``qarray.nn._calibrate``); stored
+    weights only (``trainable=False``); other layers round-to-nearest.
     """
+    if method not in METHODS:
+        raise ValueError(f"quantize: method must be one of {METHODS}, got {method!r}.")
+    if method != "rtn" and data is None:
+        raise ValueError(
+            f"quantize: method={method!r} needs data=X, calibration inputs."
+        )
+    if method != "rtn" and trainable:
+        raise ValueError(
+            f"quantize: method={method!r} chooses stored weights: trainable=False."
+        )
 
     def convert(layer):
         if where is not None and not where(layer):
@@ -134,6 +154,8 @@ def quantize(
         eqx.nn.LSTMCell,
         SpectralConv,
     )
+    if method == "gptq":
+        model = calibrated(model, data, convert)
     return _replace(model, kinds, convert)
 
 
