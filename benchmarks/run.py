@@ -199,7 +199,8 @@ def main():
     # e2e runs last: it tunes this process's malloc like the servers' (see
     # bench_e2e.run), which the other suites should not measure under
     parser.add_argument(
-        "--only", default="kernels,int4,matmul,conv,cache,http,scaling,e2e,served"
+        "--only",
+        default="kernels,int4,matmul,conv,cache,http,scaling,e2e,served,calibration",
     )
     parser.add_argument("--out", default=str(HERE / "results.json"))
     parser.add_argument("--plot", default=str(HERE / "results.png"))
@@ -217,6 +218,7 @@ def main():
         return
     from benchmarks import (
         bench_cache,
+        bench_calibration,
         bench_conv,
         bench_e2e,
         bench_http,
@@ -238,6 +240,7 @@ def main():
         "scaling": lambda: bench_scaling.run(seconds=3.0 if args.quick else 8.0),
         "e2e": lambda: bench_e2e.run(reps=5 if args.quick else 31),
         "served": lambda: bench_served.run(reps=5 if args.quick else 21),
+        "calibration": bench_calibration.run,
     }
     rows = []
     started = time.time()

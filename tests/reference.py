@@ -294,3 +294,45 @@ def spectral_roundtrip(parts, precision="int8", group_size=None):
     back = roundtrip4(rows, group_size) if precision == "int4" else roundtrip(rows)
     back = np.moveaxis(back.reshape(moved.shape), -2, 0)
     return back[..., 0] + 1j * back[..., 1]
+
+
+def gptq(w, h, bits=8, group_size=None, damp=0.01, act_order=False):
+    """GPTQ as the paper states it, one column at a time with every later
+    column updated at once, in float64: (values (out, K), scales). int8: one
+    scale per row from the original weights; int4: a group's scale from its
+    columns as updated when the first is reached (with act_order: the
+    original weights' group scales)."""
+    w = np.array(w, np.float64)
+    h = np.array(h, np.float64)
+    out, k = w.shape
+    qmax = 127 if bits == 8 else 7
+    dead = np.diag(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    h += damp * np.mean(np.diag(h)) * np.eye(k)
+    order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(k)
+    hinv = np.linalg.inv(h[np.ix_(order, order)])
+    u = np.linalg.cholesky(hinv).T  # upper, hinv = u^T u
+    original = w.copy()
+    w = w[:, order]
+    values = np.zeros((out, k))
+    if bits == 8:
+        row_scale = np.abs(original).max(1) / qmax
+    groups = np.zeros((out, k // group_size)) if bits == 4 else None
+    if bits == 4 and act_order:
+        groups = np.abs(original.reshape(out, -1, group_size)).max(-1) / qmax
+    for i in range(k):
+        column = order[i]
+        if bits == 8:
+            scale = row_scale
+        else:
+            g = column // group_size
+            if not act_order and column % group_size == 0:
+                groups[:, g] = np.abs(w[:, i : i + group_size]).max(1) / qmax
+            scale = groups[:, g]
+        q = np.clip(np.round(w[:, i] / np.where(scale > 0, scale, 1)), -qmax, qmax)
+        values[:, i] = q
+        error = (w[:, i] - q * scale) / u[i, i]
+        w[:, i + 1 :] -= np.outer(error, u[i, i + 1 :])
+    values = values[:, np.argsort(order)]
+    return values, (row_scale if bits == 8 else groups)
