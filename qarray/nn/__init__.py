@@ -19,6 +19,10 @@ from ._conv import Conv as Conv
 from ._conv import ConvTranspose as ConvTranspose
 from ._embedding import Embedding as Embedding
 from ._linear import Linear as Linear
+from ._lora import LoRA as LoRA
+from ._lora import lora as lora
+from ._lora import lora_spec as lora_spec
+from ._lora import merge as merge
 from ._network import ACTIVATIONS as ACTIVATIONS
 from ._network import Network as Network
 from ._quantize import freeze as freeze
