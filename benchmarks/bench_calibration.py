@@ -59,7 +59,10 @@ def cnn_rows():
         gptq, seconds = _timed_quantize(model, calibration[:, None], **options)
         errors = {
             name: (relative_l2(y, test_u), relative_l2(y, reference))
-            for name, y in (("rtn", predict(rtn, test_k)), ("gptq", predict(gptq, test_k)))
+            for name, y in (
+                ("rtn", predict(rtn, test_k)),
+                ("gptq", predict(gptq, test_k)),
+            )
         }
         what = f"CNN surrogate, all {precision}" + (f" (G={group})" if group else "")
         rows += [
@@ -97,7 +100,9 @@ def cnn_rows():
 
 def _digits_mlp(x, y, steps=1500, seed=0):
     """64 -> 64 -> 10, relu, Adam on the cross-entropy, float32."""
-    model = eqx.nn.MLP(64, 10, 64, depth=1, activation=jax.nn.relu, key=jax.random.key(seed))
+    model = eqx.nn.MLP(
+        64, 10, 64, depth=1, activation=jax.nn.relu, key=jax.random.key(seed)
+    )
     optimizer = optax.adam(3e-3)
     state = optimizer.init(eqx.filter(model, eqx.is_array))
 
@@ -155,15 +160,23 @@ def mlp_rows(width=4096, depth=4, samples=128):
         [
             layer
             for k in keys[:depth]
-            for layer in (eqx.nn.Linear(width, width, key=k), eqx.nn.Lambda(jax.nn.gelu))
+            for layer in (
+                eqx.nn.Linear(width, width, key=k),
+                eqx.nn.Lambda(jax.nn.gelu),
+            )
         ]
     )
     # inputs of a few hundred directions (as activations are), plus noise
     basis = jax.random.normal(keys[-1], (256, width)) / 16
-    draw = lambda k, n: jax.random.normal(k, (n, 256)) @ basis + 0.01 * jax.random.normal(  # noqa: E731
-        jax.random.fold_in(k, 1), (n, width)
+
+    def draw(k, n):
+        noise = jax.random.normal(jax.random.fold_in(k, 1), (n, width))
+        return jax.random.normal(k, (n, 256)) @ basis + 0.01 * noise
+
+    calibration, held_out = (
+        draw(jax.random.key(1), samples),
+        draw(jax.random.key(2), 64),
     )
-    calibration, held_out = draw(jax.random.key(1), samples), draw(jax.random.key(2), 64)
     reference = jax.vmap(mlp)(held_out)
 
     def error(m):
@@ -183,7 +196,8 @@ def mlp_rows(width=4096, depth=4, samples=128):
             "lower_is_better": True,
         },
         {
-            "row": f"{depth} x ({width}, {width}) MLP int8: held-out output error, GPTQ",
+            "row": f"{depth} x ({width}, {width}) MLP int8: held-out output "
+            "error, GPTQ",
             "shape": shape,
             "baseline": f"RTN {error(qnn.quantize(mlp)):.5f}",
             "ratio": error(gptq),
@@ -200,4 +214,6 @@ def run():
 
 if __name__ == "__main__":
     for row in run():
-        print(f"{row['row']:<72} {row['ratio']:9.4f} {row['unit']}  ({row['baseline']})")
+        print(
+            f"{row['row']:<72} {row['ratio']:9.4f} {row['unit']}  ({row['baseline']})"
+        )

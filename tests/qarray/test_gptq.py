@@ -103,12 +103,17 @@ def test_a_cnn_quantized_by_gptq_beats_round_to_nearest_on_held_out_data(
     calibrated = qnn.quantize(model, method="gptq", data=calibration, **options)
     assert all(isinstance(c, qnn.Conv) for c in calibrated.convs)
     assert calibrated.convs[0].precision == precision
-    err_rtn, err_gptq = relative(rtn, model, held_out), relative(calibrated, model, held_out)
+    err_rtn, err_gptq = (
+        relative(rtn, model, held_out),
+        relative(calibrated, model, held_out),
+    )
     assert err_gptq < 0.8 * err_rtn, (err_gptq, err_rtn)
     # stored like any quantized layer: a model file round trip
     save_tree(tmp_path / "m.safetensors", calibrated)
     loaded = load_quantized(tmp_path / "m.safetensors", SmallCNN(jax.random.key(5)))
-    np.testing.assert_array_equal(jax.vmap(loaded)(held_out), jax.vmap(calibrated)(held_out))
+    np.testing.assert_array_equal(
+        jax.vmap(loaded)(held_out), jax.vmap(calibrated)(held_out)
+    )
 
 
 def test_where_and_errors(rng):

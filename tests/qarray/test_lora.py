@@ -66,7 +66,9 @@ def test_linear_adapter_values_and_gradients(rng, precision, layout, jit):
 
 
 def test_conv_adapter_against_numpy(rng):
-    base = qnn.quantize(eqx.nn.Conv2d(3, 6, 3, stride=2, padding=1, key=jax.random.key(1)))
+    base = qnn.quantize(
+        eqx.nn.Conv2d(3, 6, 3, stride=2, padding=1, key=jax.random.key(1))
+    )
     adapted = qnn.lora(base, 2, key=jax.random.key(2))
     assert adapted.a.shape == (2, 3, 3, 3)
     adapted = eqx.tree_at(lambda m: m.b, adapted, jnp.asarray(normal(rng, (6, 2))))
@@ -74,10 +76,12 @@ def test_conv_adapter_against_numpy(rng):
     geometry = ((2, 2), ((1, 1), (1, 1)), (1, 1))
     low = ref.conv(x, np.asarray(adapted.a), *geometry)
     update = np.einsum("nr,r...->n...", np.asarray(adapted.b, np.float64), low)
-    np.testing.assert_allclose(adapted(x), np.asarray(base(x)) + update, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        adapted(x), np.asarray(base(x)) + update, rtol=1e-4, atol=1e-4
+    )
+    grouped = qnn.quantize(eqx.nn.Conv1d(4, 4, 3, groups=2, key=jax.random.key(0)))
     with pytest.raises(TypeError, match="groups 1"):
-        qnn.lora(qnn.quantize(eqx.nn.Conv1d(4, 4, 3, groups=2, key=jax.random.key(0))), 2,
-                 key=jax.random.key(0))  # fmt: skip
+        qnn.lora(grouped, 2, key=jax.random.key(0))
 
 
 def test_partition_trains_only_the_adapters_and_merge_folds_them(rng):
@@ -108,10 +112,12 @@ def test_partition_trains_only_the_adapters_and_merge_folds_them(rng):
     assert losses[-1] < 0.8 * losses[0]
     trained = eqx.combine(params, frozen)
     # the frozen int4 payloads are untouched
-    np.testing.assert_array_equal(trained.layers[0].base.qvalue, model.layers[0].base.qvalue)
+    np.testing.assert_array_equal(
+        trained.layers[0].base.qvalue, model.layers[0].base.qvalue
+    )
     merged = qnn.merge(trained)
     assert isinstance(merged.layers[0], qnn.Linear) and merged.layers[0].trainable
-    # float weights W + (alpha / r) b a, re-quantized every call: close to the adapted model
+    # float weights W + (alpha / r) b a, re-quantized every call: near the adapted model
     ya, ym = jax.vmap(trained)(x), jax.vmap(merged)(x)
     assert float(jnp.linalg.norm(ya - ym) / jnp.linalg.norm(ya)) < 0.15
     assert qnn.freeze(merged).layers[0].qvalue.dtype == np.uint8
@@ -120,7 +126,9 @@ def test_partition_trains_only_the_adapters_and_merge_folds_them(rng):
 def test_where_and_errors():
     mlp = qnn.quantize(eqx.nn.MLP(8, 2, 8, depth=1, key=jax.random.key(0)))
     first = mlp.layers[0]
-    adapted = qnn.lora(mlp, 2, where=lambda layer: layer is first, key=jax.random.key(0))
+    adapted = qnn.lora(
+        mlp, 2, where=lambda layer: layer is first, key=jax.random.key(0)
+    )
     assert isinstance(adapted.layers[0], qnn.LoRA)
     assert isinstance(adapted.layers[1], qnn.Linear)
     with pytest.raises(ValueError, match="positive int rank"):
