@@ -58,11 +58,14 @@ import qarray.nn as qnn  # noqa: E402
 from qarray.checkpoint import load_tree, save_tree  # noqa: E402
 
 
-def train(log_k, u, steps: int, seed: int = 0, batch: int = 16):
-    """The float32 surrogate, Adam with cosine decay on the relative MSE."""
+def train(
+    log_k, u, steps: int, seed: int = 0, batch: int = 16, model_class=Surrogate, lr=2e-3
+):
+    """``model_class(key, u_scale=...)`` (the surrogate) trained in float32,
+    Adam with cosine decay from ``lr`` on the relative MSE."""
     scale = float(np.sqrt((u**2).mean()))
-    model = Surrogate(jax.random.key(seed), u_scale=scale)
-    optimizer = optax.adam(optax.cosine_decay_schedule(2e-3, steps, alpha=0.02))
+    model = model_class(jax.random.key(seed), u_scale=scale)
+    optimizer = optax.adam(optax.cosine_decay_schedule(lr, steps, alpha=0.02))
     state = optimizer.init(eqx.filter(model, eqx.is_array))
 
     @eqx.filter_jit

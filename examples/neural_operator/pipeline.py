@@ -33,11 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -63,32 +60,6 @@ from heat_surrogate import dataset, predict, relative_l2, solve  # noqa: E402
 
 assert GRID == HEAT_GRID
 GROUP_SIZE = 20  # int4: entries per scale of a spectral row (2 * WIDTH = 40)
-
-
-def train(log_k, u, steps: int, seed: int = 0, batch: int = 16):
-    """The float32 FNO, Adam with cosine decay on the relative MSE."""
-    scale = float(np.sqrt((u**2).mean()))
-    model = FNO(jax.random.key(seed), u_scale=scale)
-    optimizer = optax.adam(optax.cosine_decay_schedule(3e-3, steps, alpha=0.02))
-    state = optimizer.init(eqx.filter(model, eqx.is_array))
-
-    @eqx.filter_jit
-    def step(model, state, x, y):
-        def loss(m):
-            pred = jax.vmap(m)(x[:, None])[:, 0]
-            return jnp.mean((pred - y) ** 2) / scale**2
-
-        value, grads = eqx.filter_value_and_grad(loss)(model)
-        updates, state = optimizer.update(grads, state)
-        return eqx.apply_updates(model, updates), state, value
-
-    rng = np.random.default_rng(seed)
-    for i in range(steps):
-        pick = rng.integers(0, len(log_k), batch)
-        model, state, value = step(model, state, log_k[pick], u[pick])
-        if i % max(1, steps // 10) == 0:
-            print(f"  step {i:5d}  loss {float(value):.3e}", flush=True)
-    return model
 
 
 def table(results: dict) -> str:
@@ -139,7 +110,7 @@ def main(argv=None) -> dict:
         seconds = time.perf_counter() - t0
         print(f"data: {train_count} + {test_count} solves in {seconds:.1f} s")
         t0 = time.perf_counter()
-        model = train(train_k, train_u, steps)
+        model = cnn.train(train_k, train_u, steps, model_class=FNO, lr=3e-3)
         print(f"training: {steps} steps in {time.perf_counter() - t0:.1f} s")
         model_file = args.save or args.out / "fno.safetensors"
         save_tree(model_file, model)

@@ -1,19 +1,6 @@
 """The network's model file: a ``qarray.nn.Network`` in safetensors, laid
-out like the Tesseract's ``layers`` field.
-
-- tensors ``layers.{i}.w`` (float32, dense: quantized when loaded) or
-  ``layers.{i}.w_q.qvalue`` (int8) with ``layers.{i}.w_q.scale`` (float32, one
-  per row), and an optional ``layers.{i}.bias`` (float32, ``(N,)``);
-- string metadata ``layers.{i}.layout`` (``"kn"``: weights ``(K, N)``, the
-  default; ``"nk"``: ``(N, K)``, PyTorch's ``nn.Linear.weight``),
-  ``layers.{i}.activation`` (default ``"none"``), ``layers.{i}.precision``
-  (``"int8"``, the default; ``"int4"``: ``w_q.qvalue`` uint8 ``(N, K / 2)``
-  packed and ``w_q.scale`` ``(N, K / G)``, or a dense ``w`` quantized so at
-  load; ``"float32"``: ``w`` kept as it is) and ``layers.{i}.group_size``
-  (int4; default 128).
-
-Layers are numbered from 0 without gaps and their widths chain. ``load_model``
-checks all of it and names the tensor at fault.
+out like the Tesseract's ``layers`` field (the layout: ``qarray.checkpoint``'s
+module doc). ``load_model`` checks all of it and names the tensor at fault.
 """
 
 from __future__ import annotations

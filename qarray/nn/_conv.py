@@ -177,10 +177,12 @@ class Conv(eqx.Module):
         precision="int8",
         group_size=None,
     ):
-        """The quantized counterpart of an ``eqx.nn.Conv`` (zero padding)."""
+        """The quantized counterpart of an ``eqx.nn.Conv`` (zero padding;
+        ``ConvTranspose``: of an ``eqx.nn.ConvTranspose``)."""
         if conv.padding_mode != "ZEROS":
             raise ValueError(
-                f"Conv supports zero padding, got padding_mode={conv.padding_mode!r}."
+                f"{cls.__name__} supports zero padding, got "
+                f"padding_mode={conv.padding_mode!r}."
             )
         return cls.from_float(
             conv.weight,
@@ -193,7 +195,13 @@ class Conv(eqx.Module):
             activations=activations,
             precision=precision,
             group_size=group_size,
+            **cls._eqx_extras(conv),
         )
+
+    @staticmethod
+    def _eqx_extras(conv) -> dict:
+        """What else ``from_eqx`` reads off the equinox layer."""
+        return {}
 
     @property
     def trainable(self) -> bool:
@@ -305,36 +313,9 @@ class ConvTranspose(Conv):
                 f"{self.kernel_size} and dilation {self.dilation}."
             )
 
-    @classmethod
-    def from_eqx(
-        cls,
-        conv: eqx.nn.ConvTranspose,
-        *,
-        trainable=False,
-        activations="float32",
-        precision="int8",
-        group_size=None,
-    ):
-        """The quantized counterpart of an ``eqx.nn.ConvTranspose`` (zero
-        padding)."""
-        if conv.padding_mode != "ZEROS":
-            raise ValueError(
-                "ConvTranspose supports zero padding, got "
-                f"padding_mode={conv.padding_mode!r}."
-            )
-        return cls.from_float(
-            conv.weight,
-            conv.bias,
-            trainable=trainable,
-            stride=conv.stride,
-            padding=conv.padding,
-            output_padding=conv.output_padding,
-            dilation=conv.dilation,
-            groups=conv.groups,
-            activations=activations,
-            precision=precision,
-            group_size=group_size,
-        )
+    @staticmethod
+    def _eqx_extras(conv) -> dict:
+        return {"output_padding": conv.output_padding}
 
     def transposed_padding(self) -> tuple[tuple[int, int], ...]:
         """The padding of the spread-out input, per spatial axis: with the

@@ -256,28 +256,28 @@ def test_bad_requests_are_small_422s(url, case):
     assert requests.get(f"{url}/health", timeout=10).ok
 
 
-def test_pipeline_short(tmp_path):
-    """Data, training, int8 test error, the inverse problem through the
-    served surrogate (its own server) and in float32: all finite, the int8
-    surrogate within a point of float32's error, the served inverse problem
-    as good as the float32 one."""
+def run_pipeline_quick(example, out) -> dict:
+    """``example``/pipeline.py --quick, its results (all finite)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     result = subprocess.run(
-        [
-            sys.executable,
-            str(EXAMPLE / "pipeline.py"),
-            "--quick",
-            "--out",
-            str(tmp_path),
-        ],
+        [sys.executable, str(example / "pipeline.py"), "--quick", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
         env=env | {"JAX_PLATFORMS": "cpu"},
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = json.loads((out / "results.json").read_text())
     assert all(np.isfinite(v) for v in results.values())
+    return results
+
+
+def test_pipeline_short(tmp_path):
+    """Data, training, int8 test error, the inverse problem through the
+    served surrogate (its own server) and in float32: all finite, the int8
+    surrogate within a point of float32's error, the served inverse problem
+    as good as the float32 one."""
+    results = run_pipeline_quick(EXAMPLE, tmp_path)
     f32, q = results["test relative L2, float32"], results["test relative L2, int8"]
     assert abs(q - f32) < 0.01, results
     assert results["model bytes, int8"] < 0.3 * results["model bytes, float32"]

@@ -2,9 +2,6 @@
 by qarray.tesseract.ModelTesseract, against a NumPy FNO (numpy.fft) with the
 committed weights; and the example's pipeline, short."""
 
-import json
-import os
-import subprocess
 import sys
 
 import jax
@@ -16,7 +13,7 @@ from safetensors.numpy import load_file
 from qarray.checkpoint import load_quantized
 from tests import reference as ref
 from tests.tesseract.server import ROOT, b64, decode, serve
-from tests.tesseract.test_cnn_surrogate import gelu
+from tests.tesseract.test_cnn_surrogate import gelu, run_pipeline_quick
 
 EXAMPLE = ROOT / "examples" / "neural_operator"
 sys.path.insert(0, str(EXAMPLE))
@@ -130,23 +127,7 @@ def test_pipeline_short(tmp_path):
     """Data, training, int8 and int4 test errors, the inverse problem through
     both served operators and in float32: finite, int8 within a point of
     float32, the bytes in order, the served recoveries near the float32 one."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(EXAMPLE / "pipeline.py"),
-            "--quick",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env | {"JAX_PLATFORMS": "cpu"},
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert all(np.isfinite(v) for v in results.values())
+    results = run_pipeline_quick(EXAMPLE, tmp_path)
     f32 = results["test relative L2, float32"]
     assert abs(results["test relative L2, int8"] - f32) < 0.01, results
     sizes = [results[f"model bytes, {p}"] for p in ("float32", "int8", "int4")]
