@@ -30,6 +30,7 @@ import numpy as np
 from ..nn import ACTIVATIONS, PRECISIONS, Linear, Network, apply_plan
 from ..nn import evaluate as evaluate_network
 from ..nn import plan as plan_network
+from ..nn._calibrate import METHODS
 from ._convert import convert_state_dict, parse_layers
 from ._errors import ModelFileError
 from ._network_file import load_model, save_network
@@ -89,7 +90,12 @@ def load_float_model(args):
         # a stored (quantized) file's tensors do not match the float model's
         # leaves: load_tree names them
         model = load_tree(args.model, skeleton_of(args.like))
-        return model, lambda dst, report: save_tree(dst, apply_plan(model, report))
+
+        def write(dst, report, data=None):
+            metadata = {"method": report.get("method", "rtn")}
+            save_tree(dst, apply_plan(model, report, data), metadata=metadata)
+
+        return model, write
     if args.layers:
         layers = [item[:2] for item in parse_layers(args.layers)]  # float32
         with tempfile.TemporaryDirectory() as scratch:
@@ -98,7 +104,9 @@ def load_float_model(args):
             network = float_network(converted)
     else:
         network = float_network(args.model)
-    return network, lambda dst, report: save_network(dst, apply_plan(network, report))
+    return network, lambda dst, report, data=None: save_network(
+        dst, apply_plan(network, report)
+    )
 
 
 def check_data(model, x, path) -> None:
@@ -167,6 +175,17 @@ def accuracy_main(argv: list[str], command: str) -> int:
         "module:NAME, NAME(jax.random.key(0)) building the model",
     )
     parser.add_argument("--group-size", type=int, default=128, help="int4 groups")
+    parser.add_argument(
+        "--method",
+        choices=METHODS,
+        default="rtn",
+        help="rtn (round-to-nearest) or gptq (calibrated, equinox models: --like)",
+    )
+    parser.add_argument(
+        "--calibration",
+        help="with --method gptq: .npz with an array 'x' of calibration inputs "
+        "(default: DATA)",
+    )
     parser.add_argument("--json", help="also write the report as JSON here")
     if command == "evaluate":
         parser.add_argument(
@@ -190,16 +209,18 @@ def accuracy_main(argv: list[str], command: str) -> int:
         model, write = load_float_model(args)
         x = read_data(args.data)
         check_data(model, x, args.data)
+        calibration = None
+        if args.calibration:
+            calibration = read_data(args.calibration)
+            check_data(model, calibration, args.calibration)
+        options = {"group_size": args.group_size, "method": args.method}
+        options["data"] = calibration
         if command == "evaluate":
-            report = evaluate_network(
-                model, x, precision=args.precision, group_size=args.group_size
-            )
+            report = evaluate_network(model, x, precision=args.precision, **options)
             print(_table(report))
         else:
-            report = plan_network(
-                model, x, args.budget, metric=args.metric, group_size=args.group_size
-            )
-            write(args.out, report)
+            report = plan_network(model, x, args.budget, metric=args.metric, **options)
+            write(args.out, report, x if calibration is None else calibration)
             errors = report["model"]
             print(
                 f"plan: {', '.join(report['precisions'])}; {report['bytes']} bytes of "

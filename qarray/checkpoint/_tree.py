@@ -40,12 +40,14 @@ def leaf_paths(model) -> dict[str, np.ndarray]:
     return {".".join(_key_name(k) for k in path): leaf for path, leaf in flat}
 
 
-def save_tree(path: str | Path, model) -> None:
-    """Write ``model``'s array leaves (float or quantized) keyed by path."""
+def save_tree(path: str | Path, model, metadata: dict[str, str] | None = None) -> None:
+    """Write ``model``'s array leaves (float or quantized) keyed by path;
+    ``metadata``: strings recorded beside them (``qarray-serve plan`` writes
+    how the weights were quantized, ``method``)."""
     from safetensors.numpy import save_file
 
     tensors = {k: np.ascontiguousarray(v) for k, v in leaf_paths(model).items()}
-    save_file(tensors, str(path), metadata={"format": FORMAT})
+    save_file(tensors, str(path), metadata={**(metadata or {}), "format": FORMAT})
 
 
 def _read(path: str | Path) -> dict[str, np.ndarray]:

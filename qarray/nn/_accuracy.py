@@ -23,10 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._ops import DEFAULT_GROUP_SIZE, dequantize
+from ._calibrate import METHODS, calibrated
 from ._conv import Conv, ConvTranspose
 from ._linear import Linear
 from ._network import Network
 from ._quantize import fits_int4, freeze
+from ._quantize import quantize as quantize_model
 
 METRICS = ("output", "gradient")
 # cheapest first: what plan tries before the next
@@ -79,6 +81,64 @@ def with_precisions(model, choice: dict[int, str], group_size: int):
         return _as(node, choice.get(next(found), "float32"), group_size)
 
     return jax.tree.map(swap, model, is_leaf=_quantizable)
+
+
+def _check_method(method: str, model, data, x):
+    """The calibration inputs for ``method`` (``data``, else ``x``)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
+    if method == "rtn":
+        return None
+    if isinstance(model, Network):
+        raise ValueError(
+            f"method={method!r} calibrates equinox models of eqx.nn layers; a "
+            "Network's layers are qarray.nn.Linear already: use method='rtn'."
+        )
+    return jnp.asarray(x if data is None else data, jnp.float32)
+
+
+def calibrated_choice(model, data, choice: dict[int, str], group_size: int):
+    """``model`` stored with its i-th quantizable layer at ``choice[i]``
+    (float32 where not given): Linear and Conv layers by GPTQ on ``data``
+    (``qnn.quantize(method="gptq")``), transposed convolutions
+    round-to-nearest."""
+    layers = layers_of(model)
+
+    def stored(layer, precision):
+        if precision == "float32":
+            return layer
+        group = group_size if precision == "int4" else None
+        return quantize_model(layer, precision=precision, group_size=group)
+
+    found = iter(range(len(layers)))
+
+    def transposed_first(node):
+        if not _quantizable(node):
+            return node
+        precision = choice.get(next(found), "float32")
+        return (
+            stored(node, precision) if isinstance(node, eqx.nn.ConvTranspose) else node
+        )
+
+    model = jax.tree.map(transposed_first, model, is_leaf=_quantizable)
+    # calibrated converts the Linear / Conv layers once each, in tree order
+    targets = iter(
+        i for i, n in enumerate(layers) if not isinstance(n, eqx.nn.ConvTranspose)
+    )
+    return calibrated(
+        model, data, lambda n: stored(n, choice.get(next(targets), "float32"))
+    )
+
+
+def _slots(model) -> list:
+    """A quantized copy's layers where the float model's quantizable ones
+    were (a ``qarray.nn`` layer, or the float layer left as it is), in tree
+    order."""
+
+    def is_slot(n) -> bool:
+        return isinstance(n, Linear | Conv) or _quantizable(n)
+
+    return [n for n in jax.tree.leaves(model, is_leaf=is_slot) if is_slot(n)]
 
 
 def _forward(model) -> Callable:
@@ -152,7 +212,7 @@ def layer_bytes(layer, precision: str, group_size: int) -> int:
     return out * per_out + 4 * out
 
 
-def _measurer(model, x, group_size: int, seed: int):
+def _measurer(model, x, group_size: int, seed: int, calibration=None):
     """(the model's quantizable layers, ``simulated(choice)``,
     ``measured(choice)``): the errors against float32 on ``x`` of the model
     with those precisions (float32 where not given).
@@ -162,7 +222,12 @@ def _measurer(model, x, group_size: int, seed: int):
     runs the float model with each layer's weights replaced by their
     dequantized values, the same weight-only products in float32, as one
     compiled function whatever the choice: what makes a search over many
-    choices take seconds. ``plan`` verifies its answer with ``measured``."""
+    choices take seconds. ``plan`` verifies its answer with ``measured``.
+
+    With ``calibration`` (GPTQ's inputs) the quantized layers are GPTQ's: the
+    simulation takes each layer's GPTQ weights from a model calibrated at
+    that precision throughout (one calibration per precision), and
+    ``measured`` calibrates the chosen mix itself."""
     x = jnp.asarray(x, jnp.float32)
     shape = jax.eval_shape(_forward(model), x).shape
     r = jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
@@ -175,8 +240,25 @@ def _measurer(model, x, group_size: int, seed: int):
 
     def weight(i: int, precision: str):
         if (i, precision) not in dequantized:
-            w = dequantize_jit(layers[i], precision, group_size)
-            dequantized[i, precision] = w
+            if calibration is not None and precision != "float32":
+                everywhere = {j: precision for j in range(len(layers))}
+                everywhere |= {
+                    j: "int8"
+                    for j, layer in enumerate(layers)
+                    if precision not in precisions_for(layer, group_size)
+                }
+                whole = calibrated_choice(model, calibration, everywhere, group_size)
+                slots = _slots(whole)
+                for j, (layer, q) in enumerate(zip(layers, slots, strict=True)):
+                    if everywhere[j] != precision:
+                        continue
+                    stored = isinstance(q, Linear | Conv) and not q.trainable
+                    back = dequantize(q.quantized()) if stored else q.weight
+                    dequantized[j, precision] = jnp.reshape(back, layer.weight.shape)
+            else:
+                dequantized[i, precision] = dequantize_jit(
+                    layers[i], precision, group_size
+                )
         return dequantized[i, precision]
 
     def simulated(choice):
@@ -185,21 +267,27 @@ def _measurer(model, x, group_size: int, seed: int):
         return _errors(y, g, y_ref, g_ref)
 
     def measured(choice):
-        quantized = with_precisions(model, choice, group_size)
+        if calibration is None:
+            quantized = with_precisions(model, choice, group_size)
+        else:
+            quantized = calibrated_choice(model, calibration, choice, group_size)
         y, g = run(quantized, x, r)
         return _errors(y, g, y_ref, g_ref)
 
     return layers, simulated, measured
 
 
-def evaluate(model, x, *, precision="int8", group_size=DEFAULT_GROUP_SIZE, seed=0):
+def evaluate(model, x, *, precision="int8", group_size=DEFAULT_GROUP_SIZE, seed=0,
+             method="rtn", data=None):  # fmt: skip
     """Errors of ``model`` (float32) quantized to ``precision`` on the data
     ``x``: per layer (its weights' SQNR in dB; the model's output and input
     gradient with only that layer quantized: its sensitivity, run as the
     float model with that layer's weights dequantized) and for the whole
     model (every layer at ``precision`` where it can be, the quantized model
-    itself)."""
-    layers, simulated, measured = _measurer(model, x, group_size, seed)
+    itself). ``method="gptq"``: the layers as GPTQ quantizes them,
+    calibrated on ``data`` (default: ``x``)."""
+    calibration = _check_method(method, model, data, x)
+    layers, simulated, measured = _measurer(model, x, group_size, seed, calibration)
 
     per_layer, whole = [], {}
     for i, layer in enumerate(layers):
@@ -220,6 +308,7 @@ def evaluate(model, x, *, precision="int8", group_size=DEFAULT_GROUP_SIZE, seed=
     return {
         "precision": precision,
         "group_size": group_size,
+        "method": method,
         "examples": int(np.shape(x)[0]),
         "layers": per_layer,
         "model": measured(whole),
@@ -231,7 +320,7 @@ def _error_of(errors: dict, metric: str) -> float:
 
 
 def plan(model, x, budget: float, *, metric="output", group_size=DEFAULT_GROUP_SIZE,
-         seed=0):  # fmt: skip
+         seed=0, method="rtn", data=None):  # fmt: skip
     """The cheapest precision per layer (bytes of the stored weights) whose
     whole model keeps ``metric``'s relative L2 error within ``budget`` on
     ``x``: every layer starts at its cheapest precision; while the measured
@@ -241,12 +330,15 @@ def plan(model, x, budget: float, *, metric="output", group_size=DEFAULT_GROUP_S
     model with dequantized weights (one compiled function); the answer is
     then measured on the quantized model itself, and climbs further should
     that be over the budget. Returns the choice, its verified errors,
-    bytes and the steps taken."""
+    bytes and the steps taken. ``method="gptq"``: the layers as GPTQ
+    quantizes them, calibrated on ``data`` (default: ``x``), in the search
+    and in the verification; ``apply_plan`` needs the same ``data``."""
     if metric not in METRICS:
         raise ValueError(f"plan: metric must be one of {METRICS}, got {metric!r}")
     if not budget >= 0:
         raise ValueError(f"plan: budget must be >= 0, got {budget!r}")
-    layers, simulated, measured = _measurer(model, x, group_size, seed)
+    calibration = _check_method(method, model, data, x)
+    layers, simulated, measured = _measurer(model, x, group_size, seed, calibration)
 
     options = [precisions_for(layer, group_size) for layer in layers]
     choice = {i: opts[0] for i, opts in enumerate(options)}
@@ -283,6 +375,7 @@ def plan(model, x, budget: float, *, metric="output", group_size=DEFAULT_GROUP_S
         "budget": budget,
         "metric": metric,
         "group_size": group_size,
+        "method": method,
         "precisions": [choice[i] for i in range(len(layers))],
         "bytes": size,
         "float32_bytes": full,
@@ -291,12 +384,13 @@ def plan(model, x, budget: float, *, metric="output", group_size=DEFAULT_GROUP_S
     }
 
 
-def apply_plan(model, report: dict):
+def apply_plan(model, report: dict, data=None):
     """``model`` (float32, as given to ``plan``) with each quantizable layer
     stored at the precision ``report`` (``plan``'s result) chose for it: int8
     or int4 layers quantized now (``freeze``), float32 ones as they are.
     Eager. Save it with ``qarray.checkpoint.save_network`` (a ``Network``)
-    or ``save_tree`` (any equinox model)."""
+    or ``save_tree`` (any equinox model). A GPTQ plan (``report["method"]``)
+    calibrates again on ``data``, the plan's calibration inputs."""
     precisions = report["precisions"]
     if len(precisions) != len(layers_of(model)):
         raise ValueError(
@@ -304,4 +398,11 @@ def apply_plan(model, report: dict):
             f"{len(layers_of(model))} quantizable ones"
         )
     choice = dict(enumerate(precisions))
+    method = report.get("method", "rtn")
+    if method != "rtn":
+        if data is None:
+            raise ValueError(
+                f"apply_plan: a {method} plan needs data, its calibration inputs"
+            )
+        return calibrated_choice(model, jnp.asarray(data), choice, report["group_size"])
     return freeze(with_precisions(model, choice, report["group_size"]))

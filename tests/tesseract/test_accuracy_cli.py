@@ -8,8 +8,10 @@ import sys
 
 import jax
 import numpy as np
+from safetensors import safe_open
 from safetensors.numpy import save_file
 
+import qarray.nn as qnn
 from qarray.checkpoint import (
     convert_state_dict,
     load_model,
@@ -143,16 +145,22 @@ class Small(eqx.Module):
 """
 
 
-def test_plan_of_any_equinox_model_file(tmp_path, rng):
-    """--like FILE.py:NAME: a float tree file in, a mixed-precision tree file
-    out that load_quantized serves as planned."""
-    (tmp_path / "small.py").write_text(TREE_MODEL)
+def _small_module(tmp_path):
+    """TREE_MODEL (written to tmp_path/small.py) imported."""
     spec = importlib.util.spec_from_file_location(
         "small_for_test", tmp_path / "small.py"
     )
     module = importlib.util.module_from_spec(spec)
     sys.modules["small_for_test"] = module
     spec.loader.exec_module(module)
+    return module
+
+
+def test_plan_of_any_equinox_model_file(tmp_path, rng):
+    """--like FILE.py:NAME: a float tree file in, a mixed-precision tree file
+    out that load_quantized serves as planned."""
+    (tmp_path / "small.py").write_text(TREE_MODEL)
+    module = _small_module(tmp_path)
     model = module.Small(jax.random.key(5))
     save_tree(tmp_path / "f.safetensors", model)
     x = rng.standard_normal((20, 2, 8)).astype(np.float32)
@@ -199,6 +207,35 @@ def test_plan_of_any_equinox_model_file(tmp_path, rng):
         "evaluate", tmp_path / "f.safetensors", tmp_path / "wide.npz", "--like", like
     )
     assert out.returncode == 2 and "x (2, 3, 8) does not fit the model" in out.stderr
+
+
+def test_a_gptq_plan_of_an_equinox_model_file(tmp_path, rng):
+    """--method gptq --calibration: the plan's layers quantized by GPTQ, the
+    method recorded in the written file, and a network refused."""
+    (tmp_path / "small.py").write_text(TREE_MODEL)
+    model = _small_module(tmp_path).Small(jax.random.key(5))
+    save_tree(tmp_path / "f.safetensors", model)
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((20, 2, 8)).astype(np.float32))
+    np.savez(tmp_path / "c.npz", x=rng.standard_normal((40, 2, 8)).astype(np.float32))
+    like = f"{tmp_path / 'small.py'}:Small"
+    args = [tmp_path / "f.safetensors", tmp_path / "d.npz", "--like", like]
+    out = run(
+        "plan", *args, "--budget", "10", "--group-size", "6", "--method", "gptq",
+        "--calibration", tmp_path / "c.npz", "--out", tmp_path / "p.safetensors",
+        "--json", tmp_path / "p.json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "p.json").read_text())
+    assert report["method"] == "gptq" and report["precisions"] == ["int4", "int8"]
+    with safe_open(str(tmp_path / "p.safetensors"), framework="numpy") as f:
+        assert f.metadata()["method"] == "gptq"
+    served = load_quantized(tmp_path / "p.safetensors", _small_module(tmp_path).Small(
+        jax.random.key(0)))  # fmt: skip
+    # the file holds what apply_plan builds in-process from the same data
+    calibration = np.load(tmp_path / "c.npz")["x"]
+    want = qnn.apply_plan(model, report, data=calibration)
+    np.testing.assert_array_equal(served.conv.qvalue, want.conv.qvalue)
+    np.testing.assert_allclose(served.conv.scale, want.conv.scale, rtol=1e-6)
 
 
 def test_evaluate_a_pytorch_state_dict(tmp_path, rng):
