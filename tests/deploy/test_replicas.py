@@ -121,7 +121,7 @@ def test_vjp_on_another_connection_misses_and_recomputes(two_workers, rng):
     url, counter = two_workers
     outcomes = []
     with connection(url) as first:
-        while len(outcomes) < 10 or ("miss" not in outcomes and len(outcomes) < 40):
+        while len(outcomes) < 10 or ("miss" not in outcomes and len(outcomes) < 200):
             pair = Pair(rng)
             pair.apply(first)
             before = passes(counter)
