@@ -3,7 +3,8 @@ plan under an error budget (``qarray-serve evaluate`` / ``plan``).
 
 A model here is a float32 ``Network`` (its layers ``Linear`` with float
 weights) or any equinox model of ``eqx.nn.Linear`` / ``eqx.nn.Conv`` /
-``eqx.nn.ConvTranspose`` layers (others stay float32), called on one example
+``eqx.nn.ConvTranspose`` / float32 ``qarray.nn.SpectralConv`` layers (others
+stay float32), called on one example
 (``jax.vmap`` over the data's leading axis). Errors are
 measured against the float32 model on the data: the outputs (relative L2 and
 SQNR) and the gradient with respect to the input of ``sum(y * r)`` for a
@@ -29,6 +30,7 @@ from ._linear import Linear
 from ._network import Network
 from ._quantize import fits_int4, freeze
 from ._quantize import quantize as quantize_model
+from ._spectral import SpectralConv
 
 METRICS = ("output", "gradient")
 # cheapest first: what plan tries before the next
@@ -38,7 +40,14 @@ LADDER = ("int4", "int8", "float32")
 def _quantizable(node) -> bool:
     if isinstance(node, Linear):
         return node.trainable
+    if isinstance(node, SpectralConv):
+        return node.precision == "float32"
     return isinstance(node, eqx.nn.Linear | eqx.nn.Conv | eqx.nn.ConvTranspose)
+
+
+def _gptq_target(node) -> bool:
+    """What GPTQ calibrates (the others are rounded to nearest)."""
+    return isinstance(node, eqx.nn.Linear | eqx.nn.Conv)
 
 
 def layers_of(model) -> list:
@@ -49,6 +58,9 @@ def layers_of(model) -> list:
 def precisions_for(layer, group_size: int) -> tuple[str, ...]:
     """What a layer can be stored as: int4 needs weights ``(out, ...)``
     whose input width the group size divides."""
+    if isinstance(layer, SpectralConv):
+        fits = (2 * layer.in_channels) % group_size == 0
+        return LADDER if fits else LADDER[1:]
     nk = not isinstance(layer, Linear) or layer.layout == "nk"
     return LADDER if nk and fits_int4(layer, group_size) else LADDER[1:]
 
@@ -60,6 +72,8 @@ def _as(layer, precision: str, group_size: int):
         return dataclasses.replace(layer, precision=precision, group_size=group)
     if precision == "float32":
         return layer
+    if isinstance(layer, SpectralConv):
+        return layer.as_precision(precision, trainable=True, group_size=group)
     if isinstance(layer, eqx.nn.Conv | eqx.nn.ConvTranspose):
         kind = Conv if isinstance(layer, eqx.nn.Conv) else ConvTranspose
         return kind.from_eqx(
@@ -100,8 +114,8 @@ def _check_method(method: str, model, data, x):
 def calibrated_choice(model, data, choice: dict[int, str], group_size: int):
     """``model`` stored with its i-th quantizable layer at ``choice[i]``
     (float32 where not given): Linear and Conv layers by GPTQ on ``data``
-    (``qnn.quantize(method="gptq")``), transposed convolutions
-    round-to-nearest."""
+    (``qnn.quantize(method="gptq")``), the others (transposed and spectral
+    convolutions) round-to-nearest."""
     layers = layers_of(model)
 
     def stored(layer, precision):
@@ -112,19 +126,15 @@ def calibrated_choice(model, data, choice: dict[int, str], group_size: int):
 
     found = iter(range(len(layers)))
 
-    def transposed_first(node):
+    def others_first(node):
         if not _quantizable(node):
             return node
         precision = choice.get(next(found), "float32")
-        return (
-            stored(node, precision) if isinstance(node, eqx.nn.ConvTranspose) else node
-        )
+        return node if _gptq_target(node) else stored(node, precision)
 
-    model = jax.tree.map(transposed_first, model, is_leaf=_quantizable)
+    model = jax.tree.map(others_first, model, is_leaf=_quantizable)
     # calibrated converts the Linear / Conv layers once each, in tree order
-    targets = iter(
-        i for i, n in enumerate(layers) if not isinstance(n, eqx.nn.ConvTranspose)
-    )
+    targets = iter(i for i, n in enumerate(layers) if _gptq_target(n))
     return calibrated(
         model, data, lambda n: stored(n, choice.get(next(targets), "float32"))
     )
@@ -136,7 +146,7 @@ def _slots(model) -> list:
     order."""
 
     def is_slot(n) -> bool:
-        return isinstance(n, Linear | Conv) or _quantizable(n)
+        return isinstance(n, Linear | Conv | SpectralConv) or _quantizable(n)
 
     return [n for n in jax.tree.leaves(model, is_leaf=is_slot) if is_slot(n)]
 
@@ -175,8 +185,16 @@ def _dequantized_weight(layer, precision: str, group_size: int) -> jax.Array:
     product multiplies by."""
     if precision == "float32":
         return jnp.asarray(layer.weight)
-    quantized = _as(layer, precision, group_size).quantized()
-    return dequantize(quantized).reshape(layer.weight.shape)
+    return _in_weight_shape(_as(layer, precision, group_size), layer)
+
+
+def _in_weight_shape(quantized, layer) -> jax.Array:
+    """A quantized layer's weights dequantized, in float ``layer``'s shape
+    (a spectral layer's rows back to its (in, out, *modes, 2) parts)."""
+    back = dequantize(quantized.quantized())
+    if isinstance(quantized, SpectralConv):
+        return quantized._parts(back)
+    return back.reshape(layer.weight.shape)
 
 
 def _weight_sqnr(layer, precision: str, group_size: int) -> float:
@@ -203,8 +221,12 @@ def _with_weights(model, weights: list):
 
 def layer_bytes(layer, precision: str, group_size: int) -> int:
     """The stored weights' bytes (payload and scales) at ``precision``."""
-    out = layer.weight.shape[0]
-    per_out = math.prod(layer.weight.shape[1:])
+    if isinstance(layer, SpectralConv):  # a row per output channel and mode
+        out = layer.out_channels * math.prod(layer.modes)
+        per_out = 2 * layer.in_channels
+    else:
+        out = layer.weight.shape[0]
+        per_out = math.prod(layer.weight.shape[1:])
     if precision == "float32":
         return 4 * out * per_out
     if precision == "int4":
@@ -252,8 +274,8 @@ def _measurer(model, x, group_size: int, seed: int, calibration=None):
                 for j, (layer, q) in enumerate(zip(layers, slots, strict=True)):
                     if everywhere[j] != precision:
                         continue
-                    stored = isinstance(q, Linear | Conv) and not q.trainable
-                    back = dequantize(q.quantized()) if stored else q.weight
+                    stored = not _quantizable(q) and not getattr(q, "trainable", False)
+                    back = _in_weight_shape(q, layer) if stored else q.weight
                     dequantized[j, precision] = jnp.reshape(back, layer.weight.shape)
             else:
                 dequantized[i, precision] = dequantize_jit(

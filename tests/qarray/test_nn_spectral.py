@@ -130,3 +130,40 @@ def test_errors_name_the_shapes():
         qnn.SpectralConv(3, 2, 2, key=jax.random.key(0), precision="int4", group_size=4)
     with pytest.raises(TypeError, match=r"weight float32 \(in, out, \*modes, 2\)"):
         qnn.SpectralConv(2, 3, 2, weight=jnp.ones((2, 3, 2)))
+
+
+def test_evaluate_and_plan_cover_spectral_layers(rng):
+    """qnn.evaluate lists a SpectralConv with its stored bytes (a row per
+    output channel and mode); plan chooses its precision; apply_plan stores
+    it so."""
+
+    class Block(eqx.Module):
+        spectral: qnn.SpectralConv
+        head: eqx.nn.Conv1d
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.spectral = qnn.SpectralConv(4, 4, (6,), key=k1)
+            self.head = eqx.nn.Conv1d(4, 1, 1, key=k2)
+
+        def __call__(self, x):
+            return self.head(jax.nn.gelu(self.spectral(x)))
+
+    model = Block(jax.random.key(3))
+    x = jnp.asarray(rng.standard_normal((32, 4, 16)), jnp.float32)
+    report = qnn.evaluate(model, x, precision="int4", group_size=8)
+    spectral = report["layers"][0]
+    assert spectral["kind"] == "SpectralConv" and spectral["precision"] == "int4"
+    rows = 4 * 6  # out * modes, 2 * in = 8 entries each
+    assert spectral["bytes"] == rows * 8 // 2 + 4 * rows * (8 // 8)
+    assert spectral["float32_bytes"] == 4 * 4 * 4 * 6 * 2
+    assert 0 < spectral["alone_output_rel_l2"] < 0.2
+    loose = qnn.plan(model, x, 10.0, group_size=8)
+    assert loose["precisions"][0] == "int4"
+    stored = qnn.apply_plan(model, loose)
+    assert stored.spectral.precision == "int4" and stored.spectral.weight is None
+    want = ref.spectral_conv(np.asarray(x[0]), ref.spectral_roundtrip(
+        np.asarray(model.spectral.weight), "int4", 8), (6,))  # fmt: skip
+    np.testing.assert_allclose(stored.spectral(x[0]), want, rtol=1e-4, atol=1e-5)
+    tight = qnn.plan(model, x, 0.0, group_size=8)
+    assert tight["precisions"] == ["float32", "float32"]
