@@ -35,3 +35,18 @@ def test_every_dependency_is_pinned_exactly():
         d for extra in project["optional-dependencies"].values() for d in extra
     ]
     assert all("==" in d for d in deps), deps
+
+
+def test_every_subpackage_is_installed():
+    """pyproject lists its packages by hand: a new subpackage left out works
+    in the editable checkout and is missing from the wheel and the image."""
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+            "packages"
+        ]
+    )
+    found = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for init in (ROOT / "qarray").rglob("__init__.py")
+    }
+    assert found == listed, f"pyproject packages {sorted(listed)} vs {sorted(found)}"
