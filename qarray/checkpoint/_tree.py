@@ -21,6 +21,7 @@ import numpy as np
 
 from ..nn import Conv, Embedding, Linear, SpectralConv
 from ..nn import quantize as quantize_model
+from ..nn._quantize import _replace
 from ._errors import ModelFileError
 from ._rows import quantize_rows, relative_error
 
@@ -182,15 +183,8 @@ def load_quantized(path: str | Path, like, **quantize_options):
 def _unknown_error(layer):
     """``layer`` (a quantized layer, or a cell of them) with no recorded
     weight error."""
-    return jax.tree.map(
-        lambda n: (
-            dataclasses.replace(n, stored_error=None)
-            if isinstance(n, Linear | Conv | Embedding | SpectralConv)
-            else n
-        ),
-        layer,
-        is_leaf=lambda n: isinstance(n, Linear | Conv | Embedding | SpectralConv),
-    )
+    kinds = (Linear, Conv, Embedding, SpectralConv)
+    return _replace(layer, kinds, lambda n: dataclasses.replace(n, stored_error=None))
 
 
 def fold_batchnorm(weight, bias, bn: Mapping[str, np.ndarray], eps: float = 1e-5):

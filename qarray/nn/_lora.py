@@ -113,20 +113,21 @@ def lora(model, rank: int, *, alpha: float | None = None, where=None, key):
     return jax.tree.map(wrap, model, is_leaf=is_layer)
 
 
+def _is_lora(node) -> bool:
+    return isinstance(node, LoRA)
+
+
 def lora_spec(model):
     """A filter spec for ``eqx.partition``: True on every adapter's ``a``
     and ``b``, False elsewhere (the frozen bases included)."""
 
-    def is_lora(node) -> bool:
-        return isinstance(node, LoRA)
-
     def spec(node):
-        if is_lora(node):
+        if _is_lora(node):
             frozen = jax.tree.map(lambda _: False, node.base)
             return LoRA(frozen, True, True, node.alpha)
         return jax.tree.map(lambda _: False, node)
 
-    return jax.tree.map(spec, model, is_leaf=is_lora)
+    return jax.tree.map(spec, model, is_leaf=_is_lora)
 
 
 def merge(model):
@@ -134,9 +135,6 @@ def merge(model):
     (float32 weights, quantized every call) layer of the base's precision,
     ``W + (alpha / rank) b a``; ``qnn.freeze`` stores it quantized again.
     Eager."""
-
-    def is_lora(node) -> bool:
-        return isinstance(node, LoRA)
 
     def fold(node: LoRA):
         base = node.base
@@ -166,4 +164,6 @@ def merge(model):
             group_size=base.group_size,
         )
 
-    return jax.tree.map(lambda n: fold(n) if is_lora(n) else n, model, is_leaf=is_lora)
+    return jax.tree.map(
+        lambda n: fold(n) if _is_lora(n) else n, model, is_leaf=_is_lora
+    )
