@@ -3,13 +3,15 @@ plan under an error budget (``qarray-serve evaluate`` / ``plan``).
 
 A model here is a float32 ``Network`` (its layers ``Linear`` with float
 weights) or any equinox model of ``eqx.nn.Linear`` / ``eqx.nn.Conv`` /
-``eqx.nn.ConvTranspose`` / float32 ``qarray.nn.SpectralConv`` layers (others
-stay float32), called on one example
-(``jax.vmap`` over the data's leading axis). Errors are
-measured against the float32 model on the data: the outputs (relative L2 and
-SQNR) and the gradient with respect to the input of ``sum(y * r)`` for a
-fixed random ``r`` (what an optimiser through the model sees: relative L2
-and cosine).
+``eqx.nn.ConvTranspose`` / ``eqx.nn.Embedding`` / ``eqx.nn.GRUCell`` /
+``eqx.nn.LSTMCell`` / float32 ``qarray.nn.SpectralConv`` layers (others stay
+float32; a cell is one layer: its input and hidden matrices take one
+precision), called on one example (``jax.vmap`` over the data's leading
+axis). Errors are measured against the float32 model on the data: the
+outputs (relative L2 and SQNR) and the gradient with respect to the input of
+``sum(y * r)`` for a fixed random ``r`` (what an optimiser through the model
+sees: relative L2 and cosine; ``None`` for integer inputs, such as an
+embedding's indices, which have no gradient).
 """
 
 from __future__ import annotations
@@ -26,15 +28,18 @@ import numpy as np
 from .._ops import DEFAULT_GROUP_SIZE, dequantize
 from ._calibrate import METHODS, calibrated
 from ._conv import Conv, ConvTranspose
+from ._embedding import Embedding
 from ._linear import Linear
 from ._network import Network
-from ._quantize import fits_int4, freeze
+from ._quantize import fits_int4, fits_int4_width, freeze
 from ._quantize import quantize as quantize_model
 from ._spectral import SpectralConv
 
 METRICS = ("output", "gradient")
 # cheapest first: what plan tries before the next
 LADDER = ("int4", "int8", "float32")
+_CELLS = (eqx.nn.GRUCell, eqx.nn.LSTMCell)
+_FLOAT_KINDS = (eqx.nn.Linear, eqx.nn.Conv, eqx.nn.ConvTranspose, eqx.nn.Embedding)
 
 
 def _quantizable(node) -> bool:
@@ -42,7 +47,18 @@ def _quantizable(node) -> bool:
         return node.trainable
     if isinstance(node, SpectralConv):
         return node.precision == "float32"
-    return isinstance(node, eqx.nn.Linear | eqx.nn.Conv | eqx.nn.ConvTranspose)
+    if isinstance(node, _CELLS):
+        return not isinstance(node.weight_ih, Linear)
+    return isinstance(node, _FLOAT_KINDS)
+
+
+def _weight_names(layer) -> tuple[str, ...]:
+    """The fields holding a layer's float weights (a cell's two matrices)."""
+    return ("weight_ih", "weight_hh") if isinstance(layer, _CELLS) else ("weight",)
+
+
+def _float_weights(layer) -> tuple[jax.Array, ...]:
+    return tuple(jnp.asarray(getattr(layer, name)) for name in _weight_names(layer))
 
 
 def _gptq_target(node) -> bool:
@@ -61,6 +77,9 @@ def precisions_for(layer, group_size: int) -> tuple[str, ...]:
     if isinstance(layer, SpectralConv):
         fits = (2 * layer.in_channels) % group_size == 0
         return LADDER if fits else LADDER[1:]
+    if isinstance(layer, _CELLS):  # int4 where both matrices pack
+        fits = all(fits_int4_width(w, group_size) for w in _float_weights(layer))
+        return LADDER if fits else LADDER[1:]
     nk = not isinstance(layer, Linear) or layer.layout == "nk"
     return LADDER if nk and fits_int4(layer, group_size) else LADDER[1:]
 
@@ -74,6 +93,14 @@ def _as(layer, precision: str, group_size: int):
         return layer
     if isinstance(layer, SpectralConv):
         return layer.as_precision(precision, trainable=True, group_size=group)
+    if isinstance(layer, eqx.nn.Embedding):
+        return Embedding(
+            jnp.asarray(layer.weight), precision=precision, group_size=group
+        )
+    if isinstance(layer, _CELLS):
+        return quantize_model(
+            layer, trainable=True, precision=precision, group_size=group
+        )
     if isinstance(layer, eqx.nn.Conv | eqx.nn.ConvTranspose):
         kind = Conv if isinstance(layer, eqx.nn.Conv) else ConvTranspose
         return kind.from_eqx(
@@ -97,6 +124,12 @@ def with_precisions(model, choice: dict[int, str], group_size: int):
     return jax.tree.map(swap, model, is_leaf=_quantizable)
 
 
+def _inputs(x) -> jax.Array:
+    """The data as an array: float32, or integers (indices) as they are."""
+    x = jnp.asarray(x)
+    return x if jnp.issubdtype(x.dtype, jnp.integer) else x.astype(jnp.float32)
+
+
 def _check_method(method: str, model, data, x):
     """The calibration inputs for ``method`` (``data``, else ``x``)."""
     if method not in METHODS:
@@ -108,7 +141,7 @@ def _check_method(method: str, model, data, x):
             f"method={method!r} calibrates equinox models of eqx.nn layers; a "
             "Network's layers are qarray.nn.Linear already: use method='rtn'."
         )
-    return jnp.asarray(x if data is None else data, jnp.float32)
+    return _inputs(x if data is None else data)
 
 
 def calibrated_choice(model, data, choice: dict[int, str], group_size: int):
@@ -142,11 +175,12 @@ def calibrated_choice(model, data, choice: dict[int, str], group_size: int):
 
 def _slots(model) -> list:
     """A quantized copy's layers where the float model's quantizable ones
-    were (a ``qarray.nn`` layer, or the float layer left as it is), in tree
-    order."""
+    were (a ``qarray.nn`` layer, a cell of them, or the float layer left as
+    it is), in tree order."""
 
     def is_slot(n) -> bool:
-        return isinstance(n, Linear | Conv | SpectralConv) or _quantizable(n)
+        kinds = (Linear, Conv, SpectralConv, Embedding, *_CELLS)
+        return isinstance(n, kinds) or _quantizable(n)
 
     return [n for n in jax.tree.leaves(model, is_leaf=is_slot) if is_slot(n)]
 
@@ -158,20 +192,30 @@ def _forward(model) -> Callable:
 
 
 def _outputs_and_gradient(model, x, r):
-    """y and the gradient of sum(y * r) with respect to x, one forward pass."""
+    """y and the gradient of sum(y * r) with respect to x, one forward pass
+    (no gradient, ``None``, for integer inputs)."""
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        return _forward(model)(x), None
     y, pullback = jax.vjp(_forward(model), x)
     (g,) = pullback(r)
     return y, g
 
 
-def _errors(y, g, y_ref, g_ref) -> dict[str, float]:
-    y, g, y_ref, g_ref = (np.asarray(a, np.float64) for a in (y, g, y_ref, g_ref))
+def _errors(y, g, y_ref, g_ref) -> dict[str, float | None]:
+    y, y_ref = np.asarray(y, np.float64), np.asarray(y_ref, np.float64)
     noise = np.sum((y - y_ref) ** 2)
     signal = np.sum(y_ref**2)
-    g_norm = np.linalg.norm(g_ref)
-    return {
+    errors = {
         "output_rel_l2": float(math.sqrt(noise / signal)) if signal else 0.0,
         "output_sqnr_db": float(10 * math.log10(signal / noise)) if noise else math.inf,
+        "gradient_rel_l2": None,
+        "gradient_cosine": None,
+    }
+    if g_ref is None:
+        return errors
+    g, g_ref = np.asarray(g, np.float64), np.asarray(g_ref, np.float64)
+    g_norm = np.linalg.norm(g_ref)
+    return errors | {
         "gradient_rel_l2": float(np.linalg.norm(g - g_ref) / g_norm) if g_norm else 0.0,
         "gradient_cosine": float(
             np.sum(g * g_ref) / (np.linalg.norm(g) * g_norm) if g_norm else 1.0
@@ -179,59 +223,84 @@ def _errors(y, g, y_ref, g_ref) -> dict[str, float]:
     }
 
 
-def _dequantized_weight(layer, precision: str, group_size: int) -> jax.Array:
+def _dequantized_weights(layer, precision: str, group_size: int):
     """The layer's float weights after quantization to ``precision`` and
-    back, in their own shape: what the quantized (weight-only) layer's
-    product multiplies by."""
+    back, in their own shapes: what the quantized (weight-only) layer's
+    products multiply by."""
     if precision == "float32":
-        return jnp.asarray(layer.weight)
-    return _in_weight_shape(_as(layer, precision, group_size), layer)
+        return _float_weights(layer)
+    return _dequantized_parts(_as(layer, precision, group_size), layer)
 
 
-def _in_weight_shape(quantized, layer) -> jax.Array:
-    """A quantized layer's weights dequantized, in float ``layer``'s shape
-    (a spectral layer's rows back to its (in, out, *modes, 2) parts)."""
+def _dequantized_parts(quantized, layer) -> tuple[jax.Array, ...]:
+    """A quantized layer's weights dequantized, in float ``layer``'s shapes
+    (a spectral layer's rows back to its (in, out, *modes, 2) parts, a
+    cell's two matrices); a layer left float (``quantize`` keeps some) its
+    own weights."""
+    if isinstance(quantized, _CELLS):
+        return tuple(
+            _dequantized_parts(getattr(quantized, name), getattr(layer, name))[0]
+            for name in _weight_names(layer)
+        )
+    if not isinstance(quantized, Linear | Conv | SpectralConv | Embedding):
+        return _float_weights(quantized)
     back = dequantize(quantized.quantized())
     if isinstance(quantized, SpectralConv):
-        return quantized._parts(back)
-    return back.reshape(layer.weight.shape)
+        return (quantized._parts(back),)
+    shape = layer.shape if isinstance(layer, jax.Array) else layer.weight.shape
+    return (back.reshape(shape),)
 
 
 def _weight_sqnr(layer, precision: str, group_size: int) -> float:
-    """10 log10(||w||^2 / ||w - W||^2) of the layer's weights at ``precision``."""
+    """10 log10(||w||^2 / ||w - W||^2) of the layer's weights at ``precision``
+    (a cell's two matrices together)."""
     if precision == "float32":
         return math.inf
-    w = np.asarray(layer.weight, np.float64)
-    back = np.asarray(_dequantized_weight(layer, precision, group_size), np.float64)
-    noise = np.sum((w - back) ** 2)
-    return float(10 * math.log10(np.sum(w**2) / noise)) if noise else math.inf
+    pairs = zip(
+        _float_weights(layer),
+        _dequantized_weights(layer, precision, group_size),
+        strict=True,
+    )
+    signal = noise = 0.0
+    for w, back in pairs:
+        w, back = np.asarray(w, np.float64), np.asarray(back, np.float64)
+        signal, noise = signal + np.sum(w**2), noise + np.sum((w - back) ** 2)
+    return float(10 * math.log10(signal / noise)) if noise else math.inf
 
 
 def _with_weights(model, weights: list):
-    """``model`` with its i-th quantizable layer's float weights ``weights[i]``."""
+    """``model`` with its i-th quantizable layer's float weights
+    ``weights[i]`` (a tuple: ``_weight_names``' fields)."""
     given = iter(weights)
 
     def swap(node):
         if not _quantizable(node):
             return node
-        return eqx.tree_at(lambda n: n.weight, node, next(given))
+        names = _weight_names(node)
+        return eqx.tree_at(
+            lambda n: tuple(getattr(n, name) for name in names), node, next(given)
+        )
 
     return jax.tree.map(swap, model, is_leaf=_quantizable)
 
 
+def _rows(layer) -> list[tuple[int, int]]:
+    """(rows, entries per row) of each stored weight matrix of the layer."""
+    if isinstance(layer, SpectralConv):  # a row per output channel and mode
+        return [(layer.out_channels * math.prod(layer.modes), 2 * layer.in_channels)]
+    return [(w.shape[0], math.prod(w.shape[1:])) for w in _float_weights(layer)]
+
+
 def layer_bytes(layer, precision: str, group_size: int) -> int:
     """The stored weights' bytes (payload and scales) at ``precision``."""
-    if isinstance(layer, SpectralConv):  # a row per output channel and mode
-        out = layer.out_channels * math.prod(layer.modes)
-        per_out = 2 * layer.in_channels
-    else:
-        out = layer.weight.shape[0]
-        per_out = math.prod(layer.weight.shape[1:])
     if precision == "float32":
-        return 4 * out * per_out
+        return sum(4 * out * per_out for out, per_out in _rows(layer))
     if precision == "int4":
-        return out * per_out // 2 + 4 * out * per_out // group_size
-    return out * per_out + 4 * out
+        return sum(
+            out * per_out // 2 + 4 * out * per_out // group_size
+            for out, per_out in _rows(layer)
+        )
+    return sum(out * per_out + 4 * out for out, per_out in _rows(layer))
 
 
 def _measurer(model, x, group_size: int, seed: int, calibration=None):
@@ -250,15 +319,15 @@ def _measurer(model, x, group_size: int, seed: int, calibration=None):
     simulation takes each layer's GPTQ weights from a model calibrated at
     that precision throughout (one calibration per precision), and
     ``measured`` calibrates the chosen mix itself."""
-    x = jnp.asarray(x, jnp.float32)
+    x = _inputs(x)
     shape = jax.eval_shape(_forward(model), x).shape
     r = jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
     # compiled: eagerly every quantize and convolution compiles on its own
     run = eqx.filter_jit(_outputs_and_gradient)
-    dequantize_jit = eqx.filter_jit(_dequantized_weight)
+    dequantize_jit = eqx.filter_jit(_dequantized_weights)
     y_ref, g_ref = run(model, x, r)
     layers = layers_of(model)
-    dequantized: dict[tuple[int, str], jax.Array] = {}
+    dequantized: dict[tuple[int, str], tuple[jax.Array, ...]] = {}
 
     def weight(i: int, precision: str):
         if (i, precision) not in dequantized:
@@ -272,11 +341,8 @@ def _measurer(model, x, group_size: int, seed: int, calibration=None):
                 whole = calibrated_choice(model, calibration, everywhere, group_size)
                 slots = _slots(whole)
                 for j, (layer, q) in enumerate(zip(layers, slots, strict=True)):
-                    if everywhere[j] != precision:
-                        continue
-                    stored = not _quantizable(q) and not getattr(q, "trainable", False)
-                    back = _in_weight_shape(q, layer) if stored else q.weight
-                    dequantized[j, precision] = jnp.reshape(back, layer.weight.shape)
+                    if everywhere[j] == precision:
+                        dequantized[j, precision] = _dequantized_parts(q, layer)
             else:
                 dequantized[i, precision] = dequantize_jit(
                     layers[i], precision, group_size
@@ -299,6 +365,12 @@ def _measurer(model, x, group_size: int, seed: int, calibration=None):
     return layers, simulated, measured
 
 
+def _shape(layer) -> list:
+    """The layer's weight shape (a cell's: its two matrices')."""
+    shapes = [list(w.shape) for w in _float_weights(layer)]
+    return shapes if isinstance(layer, _CELLS) else shapes[0]
+
+
 def evaluate(model, x, *, precision="int8", group_size=DEFAULT_GROUP_SIZE, seed=0,
              method="rtn", data=None):  # fmt: skip
     """Errors of ``model`` (float32) quantized to ``precision`` on the data
@@ -319,7 +391,7 @@ def evaluate(model, x, *, precision="int8", group_size=DEFAULT_GROUP_SIZE, seed=
             {
                 "layer": i,
                 "kind": type(layer).__name__,
-                "shape": list(layer.weight.shape),
+                "shape": _shape(layer),
                 "precision": chosen,
                 "weight_sqnr_db": _weight_sqnr(layer, chosen, group_size),
                 "bytes": layer_bytes(layer, chosen, group_size),
@@ -359,6 +431,11 @@ def plan(model, x, budget: float, *, metric="output", group_size=DEFAULT_GROUP_S
         raise ValueError(f"plan: metric must be one of {METRICS}, got {metric!r}")
     if not budget >= 0:
         raise ValueError(f"plan: budget must be >= 0, got {budget!r}")
+    if metric == "gradient" and jnp.issubdtype(_inputs(x).dtype, jnp.integer):
+        raise ValueError(
+            "plan: metric='gradient' needs float inputs; integer ones (indices) "
+            "have no gradient: use metric='output'"
+        )
     calibration = _check_method(method, model, data, x)
     layers, simulated, measured = _measurer(model, x, group_size, seed, calibration)
 

@@ -79,6 +79,16 @@ class Embedding(eqx.Module):
     def _quantized(self, rows):
         return quantize(rows, self._bits, self.group_size)
 
+    def quantized(self):
+        """The table as a QArray ``q8[num_embeddings, embedding_size]``
+        (``q4`` for int4); a float32 table has none."""
+        if self.precision == "float32":
+            raise TypeError("a float32 Embedding has no quantized table.")
+        if self.trainable:
+            return self._quantized(jnp.asarray(self.weight))
+        qvalue, scale = jnp.asarray(self.qvalue), jnp.asarray(self.scale)
+        return pack(qvalue, scale, self._bits, self.group_size)
+
     def __call__(self, x, *, key=None):
         """``x``: an integer index -> its row ``(embedding_size,)``; ``key`` is
         accepted and unused (equinox's convention)."""

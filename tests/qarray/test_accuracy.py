@@ -4,6 +4,7 @@ import itertools
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -236,3 +237,126 @@ def test_plan_of_a_cnn_with_int4_convolutions(rng):
     )
     with pytest.raises(ValueError, match="the plan has 2 layers"):
         qnn.apply_plan(model, {**result, "precisions": ["int8", "int8"]})
+
+
+class Tagger(eqx.Module):
+    """Token indices (T,) -> embedding (16) -> GRU (16 -> 16) -> LSTM
+    (16 -> 8) over the sequence -> a Linear (8 -> 3) of the last state."""
+
+    embed: eqx.nn.Embedding
+    gru: eqx.nn.GRUCell
+    lstm: eqx.nn.LSTMCell
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k = jax.random.split(key, 4)
+        self.embed = eqx.nn.Embedding(20, 16, key=k[0])
+        self.gru = eqx.nn.GRUCell(16, 16, key=k[1])
+        self.lstm = eqx.nn.LSTMCell(16, 8, key=k[2])
+        self.head = eqx.nn.Linear(8, 3, key=k[3])
+
+    def __call__(self, tokens):
+        xs = jax.vmap(self.embed)(tokens)
+        _, hs = jax.lax.scan(lambda h, x: (self.gru(x, h),) * 2, jnp.zeros(16), xs)
+        zero = (jnp.zeros(8), jnp.zeros(8))
+        (h, _), _ = jax.lax.scan(lambda hc, x: (self.lstm(x, hc), None), zero, hs)
+        return self.head(h)
+
+
+def _sigmoid(z):
+    return 1 / (1 + np.exp(-z))
+
+
+def numpy_tagger(model, tokens, w):
+    """Tagger in float64 with weights ``w`` (embed, gru ih, gru hh, lstm ih,
+    lstm hh, head), one sequence at a time."""
+    gb, gbn = np.asarray(model.gru.bias), np.asarray(model.gru.bias_n)
+    lb, hb = np.asarray(model.lstm.bias), np.asarray(model.head.bias)
+    out = []
+    for seq in tokens:
+        h, hl, c = np.zeros(16), np.zeros(8), np.zeros(8)
+        for t in seq:
+            x = w[0][t]
+            (ir, iz, in_), (hr, hz, hn) = (
+                np.split(w[1] @ x + gb, 3),
+                np.split(w[2] @ h, 3),
+            )
+            r, z = _sigmoid(ir + hr), _sigmoid(iz + hz)
+            new = np.tanh(in_ + r * (hn + gbn))
+            h = new + z * (h - new)
+            i, f, g, o = np.split(w[3] @ h + w[4] @ hl + lb, 4)
+            c = _sigmoid(f) * c + _sigmoid(i) * np.tanh(g)
+            hl = _sigmoid(o) * np.tanh(c)
+        out.append(w[5] @ hl + hb)
+    return np.stack(out)
+
+
+def test_evaluate_and_plan_of_embeddings_and_recurrent_cells(rng):
+    model = Tagger(jax.random.key(5))
+    tokens = rng.integers(0, 20, (12, 6)).astype(np.int32)
+    floats = [
+        np.asarray(a, np.float64)
+        for a in (
+            model.embed.weight,
+            model.gru.weight_ih,
+            model.gru.weight_hh,
+            model.lstm.weight_ih,
+            model.lstm.weight_hh,
+            model.head.weight,
+        )
+    ]
+    y_ref = numpy_tagger(model, tokens, floats)
+
+    def error(weights):
+        y = numpy_tagger(model, tokens, weights)
+        return np.linalg.norm(y - y_ref) / np.linalg.norm(y_ref)
+
+    report = qnn.evaluate(model, tokens, precision="int4", group_size=8)
+    kinds = [layer["kind"] for layer in report["layers"]]
+    assert kinds == ["Embedding", "GRUCell", "LSTMCell", "Linear"]
+    assert report["layers"][1]["shape"] == [[48, 16], [48, 16]]
+    assert [layer["precision"] for layer in report["layers"]] == ["int4"] * 4
+    # int4 rows per group of 8: the table's rows and each cell's two matrices
+    quantized = [ref.roundtrip4(np.asarray(w, np.float32), 8) for w in floats]
+    assert report["model"]["output_rel_l2"] == pytest.approx(error(quantized), rel=2e-3)
+    assert report["model"]["gradient_rel_l2"] is None  # indices: no gradient
+    alone = [*floats[:1], *quantized[1:3], *floats[3:]]  # the GRU cell alone
+    assert report["layers"][1]["alone_output_rel_l2"] == pytest.approx(
+        error(alone), rel=2e-3
+    )
+    sizes = [n * k // 2 + 4 * n * k // 8 for n, k in (w.shape for w in floats)]
+    assert [layer["bytes"] for layer in report["layers"]] == [
+        sizes[0],
+        sizes[1] + sizes[2],
+        sizes[3] + sizes[4],
+        sizes[5],
+    ]
+
+    budget = report["model"]["output_rel_l2"] / 2
+    result = qnn.plan(model, tokens, budget, group_size=8)
+    assert result["model"]["output_rel_l2"] <= budget
+    chosen = iter(result["precisions"])
+    dense = []
+    for group in ([floats[0]], floats[1:3], floats[3:5], [floats[5]]):
+        p = next(chosen)
+        for w in group:
+            w32 = np.asarray(w, np.float32)
+            back = {"int4": ref.roundtrip4(w32, 8), "int8": ref.roundtrip(w32)}
+            dense.append(np.asarray(back.get(p, w), np.float64))
+    assert result["model"]["output_rel_l2"] == pytest.approx(error(dense), rel=2e-3)
+    planned = qnn.apply_plan(model, result)
+    got = np.asarray(jax.vmap(planned)(tokens), np.float64)
+    assert np.linalg.norm(got - y_ref) / np.linalg.norm(y_ref) == pytest.approx(
+        error(dense), rel=2e-3
+    )
+
+    def precision(stored):
+        return getattr(stored, "precision", "float32")  # float: an array
+
+    parts = (planned.embed, planned.gru.weight_ih, planned.lstm.weight_hh, planned.head)
+    assert [precision(p) for p in parts] == result["precisions"]
+    assert not any(
+        isinstance(p, eqx.nn.Linear) for p in parts if precision(p) != "float32"
+    )
+    with pytest.raises(ValueError, match="integer ones"):
+        qnn.plan(model, tokens, budget, metric="gradient")
