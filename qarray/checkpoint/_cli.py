@@ -30,6 +30,7 @@ import numpy as np
 from ..nn import ACTIVATIONS, PRECISIONS, Linear, Network, apply_plan
 from ..nn import evaluate as evaluate_network
 from ..nn import plan as plan_network
+from ..nn._accuracy import on_device
 from ..nn._calibrate import METHODS
 from ._convert import convert_state_dict, parse_layers
 from ._errors import ModelFileError
@@ -112,8 +113,9 @@ def load_float_model(args):
 def check_data(model, x, path) -> None:
     """``x`` fits the model (its leading axis the examples)."""
     try:
+        model = on_device(model)
         forward = model if isinstance(model, Network) else jax.vmap(model)
-        jax.eval_shape(forward, jax.ShapeDtypeStruct(x.shape, np.float32))
+        jax.eval_shape(forward, jax.ShapeDtypeStruct(x.shape, x.dtype))
     except (TypeError, ValueError) as error:
         first = str(error).splitlines()[0][:300]
         raise ModelFileError(
@@ -126,9 +128,17 @@ def read_data(path) -> np.ndarray:
         with np.load(path) as data:
             if "x" not in data:
                 raise ModelFileError(f"{path}: no array 'x' (found {list(data)})")
-            return np.asarray(data["x"], np.float32)
+            x = np.asarray(data["x"])
+            # integer inputs (an embedding's indices) stay as they are
+            return x if np.issubdtype(x.dtype, np.integer) else x.astype(np.float32)
     except (OSError, ValueError) as error:
         raise ModelFileError(f"{path}: not a readable .npz file ({error})") from None
+
+
+def _number(value, spec: str) -> str:
+    """``value`` formatted, or "-" for a metric not measured (the gradient of
+    integer inputs)."""
+    return "-" if value is None else format(value, spec)
 
 
 def _table(report: dict) -> str:
@@ -141,14 +151,15 @@ def _table(report: dict) -> str:
             f"{layer['layer']:5d}  {tuple(layer['shape'])!s:<14}  "
             f"{layer['precision']:<9}  {layer['weight_sqnr_db']:8.1f} dB  "
             f"{layer['alone_output_rel_l2']:20.3e}  "
-            f"{layer['alone_gradient_rel_l2']:15.3e}  "
-            f"{layer['alone_gradient_cosine']:12.6f}"
+            f"{_number(layer['alone_gradient_rel_l2'], '.3e'):>15}  "
+            f"{_number(layer['alone_gradient_cosine'], '.6f'):>12}"
         )
     model = report["model"]
     rows.append(
         f"model: output rel L2 {model['output_rel_l2']:.3e} (SQNR "
         f"{model['output_sqnr_db']:.1f} dB), input gradient rel L2 "
-        f"{model['gradient_rel_l2']:.3e}, cosine {model['gradient_cosine']:.6f}"
+        f"{_number(model['gradient_rel_l2'], '.3e')}, cosine "
+        f"{_number(model['gradient_cosine'], '.6f')}"
     )
     return "\n".join(rows)
 
@@ -227,8 +238,8 @@ def accuracy_main(argv: list[str], command: str) -> int:
                 f"weights ({report['bytes'] / report['float32_bytes']:.1%} of "
                 "float32); "
                 f"output rel L2 {errors['output_rel_l2']:.3e}, gradient rel L2 "
-                f"{errors['gradient_rel_l2']:.3e} (budget {args.budget:g} on "
-                f"{args.metric}); wrote {args.out}"
+                f"{_number(errors['gradient_rel_l2'], '.3e')} "
+                f"(budget {args.budget:g} on {args.metric}); wrote {args.out}"
             )
     except (ModelFileError, ValueError) as error:
         parser.exit(2, f"qarray-serve {command}: {error}\n")

@@ -124,6 +124,14 @@ def with_precisions(model, choice: dict[int, str], group_size: int):
     return jax.tree.map(swap, model, is_leaf=_quantizable)
 
 
+def on_device(model):
+    """``model`` with its NumPy leaves (a model file's, ``load_tree``) as
+    JAX arrays: equinox layers index their weights with traced values."""
+    return jax.tree.map(
+        lambda a: jnp.asarray(a) if isinstance(a, np.ndarray) else a, model
+    )
+
+
 def _inputs(x) -> jax.Array:
     """The data as an array: float32, or integers (indices) as they are."""
     x = jnp.asarray(x)
@@ -380,6 +388,7 @@ def evaluate(model, x, *, precision="int8", group_size=DEFAULT_GROUP_SIZE, seed=
     model (every layer at ``precision`` where it can be, the quantized model
     itself). ``method="gptq"``: the layers as GPTQ quantizes them,
     calibrated on ``data`` (default: ``x``)."""
+    model = on_device(model)
     calibration = _check_method(method, model, data, x)
     layers, simulated, measured = _measurer(model, x, group_size, seed, calibration)
 
@@ -436,6 +445,7 @@ def plan(model, x, budget: float, *, metric="output", group_size=DEFAULT_GROUP_S
             "plan: metric='gradient' needs float inputs; integer ones (indices) "
             "have no gradient: use metric='output'"
         )
+    model = on_device(model)
     calibration = _check_method(method, model, data, x)
     layers, simulated, measured = _measurer(model, x, group_size, seed, calibration)
 
@@ -496,6 +506,7 @@ def apply_plan(model, report: dict, data=None):
             f"apply_plan: the plan has {len(precisions)} layers, the model "
             f"{len(layers_of(model))} quantizable ones"
         )
+    model = on_device(model)
     choice = dict(enumerate(precisions))
     method = report.get("method", "rtn")
     if method != "rtn":

@@ -145,21 +145,80 @@ class Small(eqx.Module):
 """
 
 
-def _small_module(tmp_path):
+TOKEN_MODEL = """
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+
+class Tokens(eqx.Module):
+    embed: eqx.nn.Embedding
+    gru: eqx.nn.GRUCell
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embed = eqx.nn.Embedding(12, 8, key=k1)
+        self.gru = eqx.nn.GRUCell(8, 8, key=k2)
+        self.head = eqx.nn.Linear(8, 2, key=k3)
+
+    def __call__(self, tokens):
+        step = lambda h, t: (self.gru(self.embed(t), h), None)
+        h, _ = jax.lax.scan(step, jnp.zeros(8), tokens)
+        return self.head(h)
+"""
+
+
+def _small_module(tmp_path, source=TREE_MODEL, name="small"):
     """TREE_MODEL (written to tmp_path/small.py) imported."""
+    (tmp_path / f"{name}.py").write_text(source)
     spec = importlib.util.spec_from_file_location(
-        "small_for_test", tmp_path / "small.py"
+        f"{name}_for_test", tmp_path / f"{name}.py"
     )
     module = importlib.util.module_from_spec(spec)
-    sys.modules["small_for_test"] = module
+    sys.modules[f"{name}_for_test"] = module
     spec.loader.exec_module(module)
     return module
+
+
+def test_plan_of_a_token_model_file(tmp_path, rng):
+    """Integer data (indices into an embedding) through evaluate and plan: a
+    recurrent cell and the table searched over, the gradient not measured."""
+    module = _small_module(tmp_path, TOKEN_MODEL, "tokens")
+    model = module.Tokens(jax.random.key(2))
+    save_tree(tmp_path / "f.safetensors", model)
+    tokens = rng.integers(0, 12, (16, 5)).astype(np.int32)
+    np.savez(tmp_path / "d.npz", x=tokens)
+    like = f"{tmp_path / 'tokens.py'}:Tokens"
+    args = [tmp_path / "f.safetensors", tmp_path / "d.npz", "--like", like]
+    out = run(
+        "plan", *args, "--budget", "10", "--group-size", "8",
+        "--out", tmp_path / "p.safetensors", "--json", tmp_path / "p.json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "gradient rel L2 -" in out.stdout
+    report = json.loads((tmp_path / "p.json").read_text())
+    assert report["precisions"] == ["int4"] * 3
+    served = load_quantized(
+        tmp_path / "p.safetensors", module.Tokens(jax.random.key(0))
+    )
+    want = qnn.apply_plan(model, report)
+    np.testing.assert_allclose(
+        jax.vmap(served)(tokens), jax.vmap(want)(tokens), rtol=1e-6, atol=1e-6
+    )
+    np.testing.assert_allclose(
+        np.asarray(served.embed.scale),
+        ref.quantize4(np.asarray(model.embed.weight), 8)[1],
+        rtol=1e-6,
+    )
+    out = run("plan", *args, "--budget", "0.1", "--metric", "gradient",
+              "--out", tmp_path / "q.safetensors")  # fmt: skip
+    assert out.returncode == 2 and "integer ones" in out.stderr
 
 
 def test_plan_of_any_equinox_model_file(tmp_path, rng):
     """--like FILE.py:NAME: a float tree file in, a mixed-precision tree file
     out that load_quantized serves as planned."""
-    (tmp_path / "small.py").write_text(TREE_MODEL)
     module = _small_module(tmp_path)
     model = module.Small(jax.random.key(5))
     save_tree(tmp_path / "f.safetensors", model)
@@ -212,7 +271,6 @@ def test_plan_of_any_equinox_model_file(tmp_path, rng):
 def test_a_gptq_plan_of_an_equinox_model_file(tmp_path, rng):
     """--method gptq --calibration: the plan's layers quantized by GPTQ, the
     method recorded in the written file, and a network refused."""
-    (tmp_path / "small.py").write_text(TREE_MODEL)
     model = _small_module(tmp_path).Small(jax.random.key(5))
     save_tree(tmp_path / "f.safetensors", model)
     np.savez(tmp_path / "d.npz", x=rng.standard_normal((20, 2, 8)).astype(np.float32))
