@@ -173,11 +173,32 @@ def load_quantized(path: str | Path, like, **quantize_options):
         if stored is None:
             return node
         layer = quantize_model(node, activations=activations, **stored)
+        layer = _with_stored_input_scales(path, tensors, name, layer)
         # the skeleton's recorded weight error is its random weights': unknown
         return _unknown_error(layer)
 
     skeleton = jax.tree_util.tree_map_with_path(as_stored, like, is_leaf=_is_layer)
     return _fill(path, tensors, skeleton)
+
+
+def _with_stored_input_scales(path, tensors, name: str, layer):
+    """``layer`` with room for the calibrated input scales the file holds
+    for it (``{name}.channel_scale`` ``(C,)``, ``{name}.activation_scale``
+    ``()``: AWQ / SmoothQuant / static activations; ``_fill`` reads them)."""
+    found = {
+        part: tensors[f"{name}.{part}"]
+        for part in ("channel_scale", "activation_scale")
+        if f"{name}.{part}" in tensors
+    }
+    if not found or not isinstance(layer, Linear | Conv):
+        return layer
+    # (save_tree writes a scalar as (1,): safetensors' arrays have a shape)
+    shapes = {"channel_scale": lambda a: a.shape, "activation_scale": lambda a: ()}
+    room = {part: np.zeros(shapes[part](a), np.float32) for part, a in found.items()}
+    try:
+        return layer.with_input_scales(**room)
+    except TypeError as error:
+        raise ModelFileError(f"{path}: {name}: {error}") from None
 
 
 def _unknown_error(layer):

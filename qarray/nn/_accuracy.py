@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._ops import DEFAULT_GROUP_SIZE, dequantize
-from ._calibrate import METHODS, calibrated
+from ._calibrate import METHODS, Calibration, calibrated
 from ._conv import Conv, ConvTranspose
 from ._embedding import Embedding
 from ._linear import Linear
@@ -61,8 +61,8 @@ def _float_weights(layer) -> tuple[jax.Array, ...]:
     return tuple(jnp.asarray(getattr(layer, name)) for name in _weight_names(layer))
 
 
-def _gptq_target(node) -> bool:
-    """What GPTQ calibrates (the others are rounded to nearest)."""
+def _calibrated(node) -> bool:
+    """What GPTQ and AWQ calibrate (the others are rounded to nearest)."""
     return isinstance(node, eqx.nn.Linear | eqx.nn.Conv)
 
 
@@ -152,11 +152,13 @@ def _check_method(method: str, model, data, x):
     return _inputs(x if data is None else data)
 
 
-def calibrated_choice(model, data, choice: dict[int, str], group_size: int):
+def calibrated_choice(model, data, choice: dict[int, str], group_size: int,
+                      method: str = "gptq"):  # fmt: skip
     """``model`` stored with its i-th quantizable layer at ``choice[i]``
-    (float32 where not given): Linear and Conv layers by GPTQ on ``data``
-    (``qnn.quantize(method="gptq")``), the others (transposed and spectral
-    convolutions) round-to-nearest."""
+    (float32 where not given): Linear and Conv layers by ``method`` ("gptq"
+    or "awq") on ``data`` (``qnn.quantize(method=...)``), the others
+    (transposed and spectral convolutions, embeddings, cells)
+    round-to-nearest."""
     layers = layers_of(model)
 
     def stored(layer, precision):
@@ -171,13 +173,16 @@ def calibrated_choice(model, data, choice: dict[int, str], group_size: int):
         if not _quantizable(node):
             return node
         precision = choice.get(next(found), "float32")
-        return node if _gptq_target(node) else stored(node, precision)
+        return node if _calibrated(node) else stored(node, precision)
 
     model = jax.tree.map(others_first, model, is_leaf=_quantizable)
     # calibrated converts the Linear / Conv layers once each, in tree order
-    targets = iter(i for i, n in enumerate(layers) if _gptq_target(n))
+    targets = iter(i for i, n in enumerate(layers) if _calibrated(n))
     return calibrated(
-        model, data, lambda n: stored(n, choice.get(next(targets), "float32"))
+        model,
+        data,
+        lambda n: stored(n, choice.get(next(targets), "float32")),
+        Calibration(method=method),
     )
 
 
@@ -256,19 +261,17 @@ def _dequantized_parts(quantized, layer) -> tuple[jax.Array, ...]:
     if isinstance(quantized, SpectralConv):
         return (quantized._parts(back),)
     shape = layer.shape if isinstance(layer, jax.Array) else layer.weight.shape
-    return (back.reshape(shape),)
+    back = back.reshape(shape)
+    s = getattr(quantized, "channel_scale", None)
+    if s is not None:  # AWQ's: the layer computes (x / s) @ W^T
+        back = back / jnp.reshape(s, (1, -1, *(1,) * (back.ndim - 2)))
+    return (back,)
 
 
-def _weight_sqnr(layer, precision: str, group_size: int) -> float:
-    """10 log10(||w||^2 / ||w - W||^2) of the layer's weights at ``precision``
-    (a cell's two matrices together)."""
-    if precision == "float32":
-        return math.inf
-    pairs = zip(
-        _float_weights(layer),
-        _dequantized_weights(layer, precision, group_size),
-        strict=True,
-    )
+def _weight_sqnr(layer, dequantized) -> float:
+    """10 log10(||w||^2 / ||w - W||^2) of the layer's weights and their
+    ``dequantized`` parts (a cell's two matrices together)."""
+    pairs = zip(_float_weights(layer), dequantized, strict=True)
     signal = noise = 0.0
     for w, back in pairs:
         w, back = np.asarray(w, np.float64), np.asarray(back, np.float64)
@@ -311,10 +314,11 @@ def layer_bytes(layer, precision: str, group_size: int) -> int:
     return sum(out * per_out + 4 * out for out, per_out in _rows(layer))
 
 
-def _measurer(model, x, group_size: int, seed: int, calibration=None):
-    """(the model's quantizable layers, ``simulated(choice)``,
-    ``measured(choice)``): the errors against float32 on ``x`` of the model
-    with those precisions (float32 where not given).
+class _Measurer:
+    """The errors against float32 on ``x`` of the model with a choice of
+    precisions ``{layer index: precision}`` (float32 where not given), each
+    layer quantized by ``method``: "rtn", or "gptq" / "awq" calibrated on
+    ``calibration`` (the model's inputs).
 
     ``measured`` runs the quantized model itself (its layers ``qarray.nn``'s,
     compiled anew for every choice: the precisions are static). ``simulated``
@@ -322,55 +326,67 @@ def _measurer(model, x, group_size: int, seed: int, calibration=None):
     dequantized values, the same weight-only products in float32, as one
     compiled function whatever the choice: what makes a search over many
     choices take seconds. ``plan`` verifies its answer with ``measured``.
-
-    With ``calibration`` (GPTQ's inputs) the quantized layers are GPTQ's: the
-    simulation takes each layer's GPTQ weights from a model calibrated at
-    that precision throughout (one calibration per precision), and
+    A calibrated method's weights for the simulation come from a model
+    calibrated at one precision throughout (one calibration per precision);
     ``measured`` calibrates the chosen mix itself."""
-    x = _inputs(x)
-    shape = jax.eval_shape(_forward(model), x).shape
-    r = jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
-    # compiled: eagerly every quantize and convolution compiles on its own
-    run = eqx.filter_jit(_outputs_and_gradient)
-    dequantize_jit = eqx.filter_jit(_dequantized_weights)
-    y_ref, g_ref = run(model, x, r)
-    layers = layers_of(model)
-    dequantized: dict[tuple[int, str], tuple[jax.Array, ...]] = {}
 
-    def weight(i: int, precision: str):
-        if (i, precision) not in dequantized:
-            if calibration is not None and precision != "float32":
-                everywhere = {j: precision for j in range(len(layers))}
-                everywhere |= {
-                    j: "int8"
-                    for j, layer in enumerate(layers)
-                    if precision not in precisions_for(layer, group_size)
-                }
-                whole = calibrated_choice(model, calibration, everywhere, group_size)
-                slots = _slots(whole)
-                for j, (layer, q) in enumerate(zip(layers, slots, strict=True)):
-                    if everywhere[j] == precision:
-                        dequantized[j, precision] = _dequantized_parts(q, layer)
-            else:
-                dequantized[i, precision] = dequantize_jit(
-                    layers[i], precision, group_size
-                )
-        return dequantized[i, precision]
+    def __init__(self, model, x, group_size: int, seed: int, calibration=None):
+        self.model, self.x, self.group_size = model, _inputs(x), group_size
+        self.calibration = calibration
+        shape = jax.eval_shape(_forward(model), self.x).shape
+        rng = np.random.default_rng(seed)
+        self.r = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        # compiled: eagerly every quantize and convolution compiles on its own
+        self.run = eqx.filter_jit(_outputs_and_gradient)
+        self.dequantize = eqx.filter_jit(_dequantized_weights)
+        self.y_ref, self.g_ref = self.run(model, self.x, self.r)
+        self.layers = layers_of(model)
+        self.dequantized: dict[tuple, tuple[jax.Array, ...]] = {}
 
-    def simulated(choice):
-        weights = [weight(i, choice.get(i, "float32")) for i in range(len(layers))]
-        y, g = run(_with_weights(model, weights), x, r)
-        return _errors(y, g, y_ref, g_ref)
+    def weight(self, i: int, precision: str, method: str = "rtn"):
+        """Layer i's weights at ``precision`` by ``method``, dequantized."""
+        if method == "rtn" or precision == "float32":
+            if (i, precision, "rtn") not in self.dequantized:
+                parts = self.dequantize(self.layers[i], precision, self.group_size)
+                self.dequantized[i, precision, "rtn"] = parts
+            return self.dequantized[i, precision, "rtn"]
+        if (i, precision, method) not in self.dequantized:
+            layers = self.layers
+            everywhere = {j: precision for j in range(len(layers))}
+            everywhere |= {
+                j: "int8"
+                for j, layer in enumerate(layers)
+                if precision not in precisions_for(layer, self.group_size)
+            }
+            whole = calibrated_choice(
+                self.model, self.calibration, everywhere, self.group_size, method
+            )
+            for j, (layer, q) in enumerate(zip(layers, _slots(whole), strict=True)):
+                if everywhere[j] == precision:
+                    self.dequantized[j, precision, method] = _dequantized_parts(
+                        q, layer
+                    )
+        return self.dequantized[i, precision, method]
 
-    def measured(choice):
-        if calibration is None:
-            quantized = with_precisions(model, choice, group_size)
+    def _errors_of(self, model):
+        y, g = self.run(model, self.x, self.r)
+        return _errors(y, g, self.y_ref, self.g_ref)
+
+    def simulated(self, choice, method: str = "rtn"):
+        weights = [
+            self.weight(i, choice.get(i, "float32"), method)
+            for i in range(len(self.layers))
+        ]
+        return self._errors_of(_with_weights(self.model, weights))
+
+    def measured(self, choice, method: str = "rtn"):
+        if method == "rtn":
+            quantized = with_precisions(self.model, choice, self.group_size)
         else:
-            quantized = calibrated_choice(model, calibration, choice, group_size)
-        y, g = run(quantized, x, r)
-        return _errors(y, g, y_ref, g_ref)
-
-    return layers, simulated, measured
+            quantized = calibrated_choice(
+                self.model, self.calibration, choice, self.group_size, method
+            )
+        return self._errors_of(quantized)
 
 
 def _shape(layer) -> list:
@@ -386,40 +402,92 @@ def evaluate(model, x, *, precision="int8", group_size=DEFAULT_GROUP_SIZE, seed=
     gradient with only that layer quantized: its sensitivity, run as the
     float model with that layer's weights dequantized) and for the whole
     model (every layer at ``precision`` where it can be, the quantized model
-    itself). ``method="gptq"``: the layers as GPTQ quantizes them,
-    calibrated on ``data`` (default: ``x``)."""
+    itself). ``method="gptq"`` or ``"awq"``: the layers as that method
+    quantizes them, calibrated on ``data`` (default: ``x``), each layer's row
+    with round-to-nearest's SQNR and sensitivity beside (``rtn_...``)."""
     model = on_device(model)
     calibration = _check_method(method, model, data, x)
-    layers, simulated, measured = _measurer(model, x, group_size, seed, calibration)
+    measure = _Measurer(model, x, group_size, seed, calibration)
 
     per_layer, whole = [], {}
-    for i, layer in enumerate(layers):
+    for i, layer in enumerate(measure.layers):
         chosen = precision if precision in precisions_for(layer, group_size) else "int8"
         whole[i] = chosen
-        per_layer.append(
-            {
-                "layer": i,
-                "kind": type(layer).__name__,
-                "shape": _shape(layer),
-                "precision": chosen,
-                "weight_sqnr_db": _weight_sqnr(layer, chosen, group_size),
-                "bytes": layer_bytes(layer, chosen, group_size),
-                "float32_bytes": layer_bytes(layer, "float32", group_size),
-                **{f"alone_{k}": v for k, v in simulated({i: chosen}).items()},
-            }
-        )
+        row = {
+            "layer": i,
+            "kind": type(layer).__name__,
+            "shape": _shape(layer),
+            "precision": chosen,
+            "bytes": layer_bytes(layer, chosen, group_size),
+            "float32_bytes": layer_bytes(layer, "float32", group_size),
+        }
+        for name in dict.fromkeys((method, "rtn")):
+            prefix = "" if name == method else "rtn_"
+            row[f"{prefix}weight_sqnr_db"] = (
+                math.inf
+                if chosen == "float32"
+                else _weight_sqnr(layer, measure.weight(i, chosen, name))
+            )
+            errors = measure.simulated({i: chosen}, name)
+            row |= {f"{prefix}alone_{k}": v for k, v in errors.items()}
+        per_layer.append(row)
     return {
         "precision": precision,
         "group_size": group_size,
         "method": method,
         "examples": int(np.shape(x)[0]),
         "layers": per_layer,
-        "model": measured(whole),
+        "model": measure.measured(whole, method),
     }
 
 
 def _error_of(errors: dict, metric: str) -> float:
     return errors["output_rel_l2" if metric == "output" else "gradient_rel_l2"]
+
+
+def _search(measure: _Measurer, budget: float, metric: str, method: str) -> dict:
+    """``plan``'s search for one method: the choice, its verified errors and
+    the steps taken."""
+    options = [precisions_for(layer, measure.group_size) for layer in measure.layers]
+    choice = {i: opts[0] for i, opts in enumerate(options)}
+    alone: dict[tuple[int, str], float] = {}
+
+    def sensitivity(i: int) -> float:
+        """The error of the model with only layer i quantized (as chosen)."""
+        if (i, choice[i]) not in alone:
+            errors = measure.simulated({i: choice[i]}, method)
+            alone[i, choice[i]] = _error_of(errors, metric)
+        return alone[i, choice[i]]
+
+    steps = []
+
+    def climb(errors_of):
+        """Move the most sensitive layer up one precision while
+        ``errors_of`` the whole model is over the budget; its last errors."""
+        errors = errors_of(choice, method)
+        while _error_of(errors, metric) > budget:
+            movable = [i for i, p in choice.items() if p != "float32"]
+            if not movable:
+                break
+            worst = max(movable, key=sensitivity)
+            opts = options[worst]
+            choice[worst] = opts[opts.index(choice[worst]) + 1]
+            errors = errors_of(choice, method)
+            steps.append({"layer": worst, "to": choice[worst], **errors})
+        return errors
+
+    climb(measure.simulated)
+    errors = climb(measure.measured)  # verified on the quantized model itself
+    layers, group_size = measure.layers, measure.group_size
+    return {
+        "method": method,
+        "precisions": [choice[i] for i in range(len(layers))],
+        "bytes": sum(
+            layer_bytes(layer, choice[i], group_size) for i, layer in enumerate(layers)
+        ),
+        "model": errors,
+        "steps": steps,
+    }
 
 
 def plan(model, x, budget: float, *, metric="output", group_size=DEFAULT_GROUP_SIZE,
@@ -433,9 +501,14 @@ def plan(model, x, budget: float, *, metric="output", group_size=DEFAULT_GROUP_S
     model with dequantized weights (one compiled function); the answer is
     then measured on the quantized model itself, and climbs further should
     that be over the budget. Returns the choice, its verified errors,
-    bytes and the steps taken. ``method="gptq"``: the layers as GPTQ
-    quantizes them, calibrated on ``data`` (default: ``x``), in the search
-    and in the verification; ``apply_plan`` needs the same ``data``."""
+    bytes and the steps taken.
+
+    ``method="gptq"`` or ``"awq"``: the layers as that method quantizes
+    them, calibrated on ``data`` (default: ``x``), in the search and in the
+    verification; the plan searches round-to-nearest too and keeps the one
+    of fewer bytes (``"method"`` says which; ``"compared"``: the bytes of
+    each), so a calibrated plan never costs more than RTN's. ``apply_plan``
+    of a calibrated plan needs the same ``data``."""
     if metric not in METRICS:
         raise ValueError(f"plan: metric must be one of {METRICS}, got {metric!r}")
     if not budget >= 0:
@@ -447,49 +520,21 @@ def plan(model, x, budget: float, *, metric="output", group_size=DEFAULT_GROUP_S
         )
     model = on_device(model)
     calibration = _check_method(method, model, data, x)
-    layers, simulated, measured = _measurer(model, x, group_size, seed, calibration)
-
-    options = [precisions_for(layer, group_size) for layer in layers]
-    choice = {i: opts[0] for i, opts in enumerate(options)}
-    alone: dict[tuple[int, str], float] = {}
-
-    def sensitivity(i: int) -> float:
-        """The error of the model with only layer i quantized (as chosen)."""
-        if (i, choice[i]) not in alone:
-            alone[i, choice[i]] = _error_of(simulated({i: choice[i]}), metric)
-        return alone[i, choice[i]]
-
-    steps = []
-
-    def climb(measure):
-        """Move the most sensitive layer up one precision while ``measure``
-        of the whole model is over the budget; its last errors."""
-        errors = measure(choice)
-        while _error_of(errors, metric) > budget:
-            movable = [i for i, p in choice.items() if p != "float32"]
-            if not movable:
-                break
-            worst = max(movable, key=sensitivity)
-            opts = options[worst]
-            choice[worst] = opts[opts.index(choice[worst]) + 1]
-            errors = measure(choice)
-            steps.append({"layer": worst, "to": choice[worst], **errors})
-        return errors
-
-    climb(simulated)
-    errors = climb(measured)  # verified on the quantized model itself
-    size = sum(layer_bytes(lay, choice[i], group_size) for i, lay in enumerate(layers))
-    full = sum(layer_bytes(lay, "float32", group_size) for lay in layers)
+    measure = _Measurer(model, x, group_size, seed, calibration)
+    results = [
+        _search(measure, budget, metric, name)
+        for name in dict.fromkeys((method, "rtn"))
+    ]
+    # the calibrated method where it is no dearer than round-to-nearest
+    best = min(results, key=lambda r: (r["bytes"], r["method"] == "rtn"))
+    full = sum(layer_bytes(layer, "float32", group_size) for layer in measure.layers)
     return {
         "budget": budget,
         "metric": metric,
         "group_size": group_size,
-        "method": method,
-        "precisions": [choice[i] for i in range(len(layers))],
-        "bytes": size,
+        **best,
         "float32_bytes": full,
-        "model": errors,
-        "steps": steps,
+        "compared": {r["method"]: r["bytes"] for r in results},
     }
 
 
@@ -514,5 +559,7 @@ def apply_plan(model, report: dict, data=None):
             raise ValueError(
                 f"apply_plan: a {method} plan needs data, its calibration inputs"
             )
-        return calibrated_choice(model, jnp.asarray(data), choice, report["group_size"])
+        return calibrated_choice(
+            model, jnp.asarray(data), choice, report["group_size"], method
+        )
     return freeze(with_precisions(model, choice, report["group_size"]))

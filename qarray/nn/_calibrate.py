@@ -26,11 +26,20 @@ import numpy as np
 from jax import lax
 
 from .._kernels import pack_nibbles
+from .._ops import dequantize
 from ._conv import Conv
-from ._gptq import gptq
+from ._gptq import QMAX8, gptq
 from ._linear import Linear
+from ._scales import (
+    awq_scale,
+    channel_statistics,
+    columns,
+    smoothquant_scale,
+    static_channel_scale,
+    weight_channel_absmax,
+)
 
-METHODS = ("rtn", "gptq")
+METHODS = ("rtn", "gptq", "awq")
 _TARGETS = (eqx.nn.Linear, eqx.nn.Conv)
 
 
@@ -60,11 +69,12 @@ def _map_targets(model, replace: Callable):
     )
 
 
-def _hessians(layer, inputs: np.ndarray) -> list[np.ndarray]:
-    """``X^T X`` per group of the layer's weight rows (one for a Linear)."""
+def _features(layer, inputs: np.ndarray) -> list[np.ndarray]:
+    """The inputs as the layer's weight rows see them, per group of rows
+    (one for a Linear): ``(n, K)``, a convolution's im2col patches with
+    their features ``(C / groups, *kernel)``, C outermost."""
     if isinstance(layer, eqx.nn.Linear):
-        x = inputs.reshape(-1, inputs.shape[-1]).astype(np.float64)
-        return [x.T @ x]
+        return [inputs.reshape(-1, inputs.shape[-1])]
     nsp = layer.num_spatial_dims
     x = inputs.reshape(-1, *inputs.shape[-nsp - 1 :])  # (examples, C, *spatial)
     space = "DHW"[3 - nsp :]
@@ -76,57 +86,126 @@ def _hessians(layer, inputs: np.ndarray) -> list[np.ndarray]:
         rhs_dilation=layer.dilation,
         dimension_numbers=("NC" + space, "OI" + space, "NC" + space),
     )
-    # features (C, *kernel), C outermost: a group's channels are a slice
     features = np.asarray(patches).reshape(patches.shape[0], patches.shape[1], -1)
     per_group = features.shape[1] // layer.groups
-    hessians = []
-    for g in range(layer.groups):
-        part = features[:, g * per_group : (g + 1) * per_group]
-        flat = np.moveaxis(part, 1, -1).reshape(-1, per_group).astype(np.float64)
-        hessians.append(flat.T @ flat)
-    return hessians
+    return [
+        np.moveaxis(features[:, g * per_group : (g + 1) * per_group], 1, -1).reshape(
+            -1, per_group
+        )
+        for g in range(layer.groups)
+    ]
 
 
-def _gptq_layer(layer, stored, hessians, damp: float, act_order: bool):
-    """(``stored``, the round-to-nearest ``qarray.nn`` layer of ``layer``,
-    with the values and scales GPTQ gives the float weights instead; those
-    weights dequantized, in the float layer's shape)."""
-    w = np.asarray(layer.weight, np.float64).reshape(layer.weight.shape[0], -1)
+def _gptq_parts(w, features, s_cols, stored, damp, act_order):
+    """(int values, scales) GPTQ gives ``w * s`` for the inputs ``features /
+    s`` (per group of rows)."""
     bits = 4 if stored.precision == "int4" else 8
-    rows = np.array_split(np.arange(w.shape[0]), len(hessians))
+    rows = np.array_split(np.arange(w.shape[0]), len(features))
     values, scales = [], []
-    for index, h in zip(rows, hessians, strict=True):
-        v, s = gptq(w[index], h, bits=bits, group_size=stored.group_size, damp=damp,
-                    act_order=act_order)  # fmt: skip
+    for index, f in zip(rows, features, strict=True):
+        f = f.astype(np.float64) / s_cols
+        options = {"damp": damp, "act_order": act_order}
+        v, s = gptq(w[index] * s_cols, f.T @ f, bits=bits,
+                    group_size=stored.group_size, **options)  # fmt: skip
         values.append(v)
         scales.append(s)
     values, scale = np.concatenate(values), np.concatenate(scales)
-    if bits == 4:
-        groups = values.reshape(*scale.shape, -1) * scale[..., None].astype(np.float64)
-        back = groups.reshape(values.shape)
-        qvalue = np.asarray(pack_nibbles(jnp.asarray(values)))
-    else:
-        back = values * scale[:, None].astype(np.float64)
-        qvalue = values
+    qvalue = values if bits == 8 else np.asarray(pack_nibbles(jnp.asarray(values)))
+    return eqx.tree_at(
+        lambda n: (n.qvalue, n.scale), stored, (jnp.asarray(qvalue), jnp.asarray(scale))
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """How ``calibrated`` chooses a layer: ``method`` ("gptq", "awq" or
+    "rtn": the rounding), ``smoothquant`` (alpha, or None), ``static``
+    (False, "tensor" or "channel": the activation ranges), GPTQ's ``damp``
+    and ``act_order``."""
+
+    method: str = "gptq"
+    smoothquant: float | None = None
+    static: bool | str = False
+    damp: float = 0.01
+    act_order: bool = False
+
+    def channel_scale(self, layer, stored, w, features, inputs):
+        """The layer's per-input-channel scale ``(C,)``, or None: none
+        asked for, or a grouped convolution (its channels meet separate
+        rows of weights)."""
+        wanted = self.method == "awq" or self.smoothquant is not None
+        if getattr(layer, "groups", 1) != 1 or not (wanted or self.static == "channel"):
+            return None
+        x_absmax, x_mean = channel_statistics(inputs, _channel_axis(layer))
+        if self.static == "channel":
+            return static_channel_scale(x_absmax)
+        if self.smoothquant is not None:
+            w_absmax = weight_channel_absmax(w, len(x_absmax))
+            return smoothquant_scale(x_absmax, w_absmax, self.smoothquant)
+        bits = 4 if stored.precision == "int4" else 8
+        best, _ = awq_scale(
+            w, features[0], x_mean, bits=bits, group_size=stored.group_size
+        )
+        return best
+
+
+def _channel_axis(layer) -> int:
+    """The axis of an input's channels (a Linear's features)."""
+    return -1 if isinstance(layer, eqx.nn.Linear) else -layer.num_spatial_dims - 1
+
+
+def _choose(layer, stored, inputs, calibration: Calibration):
+    """(``layer`` calibrated: ``stored``, its round-to-nearest ``qarray.nn``
+    layer, with the weights, channel scale and activation scale chosen on
+    ``inputs``; the float weights it computes with, in the layer's shape, for
+    the layers after it to calibrate through)."""
+    w = np.asarray(layer.weight, np.float64).reshape(layer.weight.shape[0], -1)
+    features = _features(layer, inputs)
+    s = calibration.channel_scale(layer, stored, w, features, inputs)
+    s_cols = np.ones(w.shape[1]) if s is None else columns(s, w.shape[1] // len(s))
+    if calibration.method == "gptq":
+        chosen = _gptq_parts(
+            w, features, s_cols, stored, calibration.damp, calibration.act_order
+        )
+    elif s is None:
+        chosen = stored
+    else:  # round-to-nearest of the scaled weights
+        scaled = jnp.asarray((w * s_cols).reshape(layer.weight.shape), jnp.float32)
+        trainable = dataclasses.replace(stored, weight=scaled, qvalue=None, scale=None)
+        chosen = trainable.frozen()
+    back = np.asarray(dequantize(chosen.quantized()), np.float64).reshape(w.shape)
+    back = back / s_cols
     error = float(np.linalg.norm(w - back) / max(np.linalg.norm(w), 1e-30))
-    parts = (jnp.asarray(qvalue), jnp.asarray(scale))
-    new = eqx.tree_at(lambda n: (n.qvalue, n.scale), stored, parts)
+    chosen = dataclasses.replace(chosen, stored_error=error)
+    activation_scale = None
+    if calibration.static:  # the absmax of x / s over the calibration inputs
+        shape = [1] * inputs.ndim
+        shape[_channel_axis(layer)] = -1
+        divisor = 1.0 if s is None else s.reshape(shape)
+        seen = np.abs(np.asarray(inputs, np.float64) / divisor)
+        activation_scale = np.float32(max(seen.max(initial=0.0), 1e-30) / QMAX8)
+    if s is not None or activation_scale is not None:
+        chosen = chosen.with_input_scales(
+            None if s is None else jnp.asarray(s, jnp.float32),
+            None if activation_scale is None else jnp.asarray(activation_scale),
+        )
     dense = jnp.asarray(back.reshape(layer.weight.shape), jnp.float32)
-    return dataclasses.replace(new, stored_error=error), dense
+    return chosen, dense
 
 
-def calibrated(model, data, quantize_layer: Callable, *, damp=0.01, act_order=False):
+def calibrated(model, data, quantize_layer: Callable, calibration=None):
     """``model`` with each ``eqx.nn.Linear`` / ``eqx.nn.Conv`` that
     ``quantize_layer`` (``qnn.quantize``'s conversion of one layer) stores
-    int8 or int4 quantized by GPTQ on ``data`` instead, in tree order, each
-    on the inputs the layers before it hand it (module doc); the others as
-    they are (``qnn.quantize`` converts them after).
+    int8 or int4 chosen on ``data`` as ``calibration`` says (GPTQ by default),
+    in tree order, each on the inputs the layers before it hand it (module
+    doc); the others as they are (``qnn.quantize`` converts them after).
 
-    The layers before run as float layers holding their dequantized GPTQ
-    weights: the weight-only products of the stored layers, in a model of
-    unchanging structure, so one compiled forward serves every layer (with
-    ``activations="int8"`` the calibration inputs are the weight-only
-    model's)."""
+    The layers before run as float layers holding the weights they compute
+    with (dequantized, a channel scale divided out): the weight-only
+    products of the stored layers, in a model of unchanging structure, so
+    one compiled forward serves every layer (with ``activations="int8"`` the
+    calibration inputs are the weight-only model's)."""
+    calibration = Calibration() if calibration is None else calibration
     data = jnp.asarray(data)
     seen: list[tuple[int, np.ndarray]] = []
 
@@ -145,9 +224,7 @@ def calibrated(model, data, quantize_layer: Callable, *, damp=0.01, act_order=Fa
         jax.block_until_ready(run(recording, data))
         jax.effects_barrier()
         inputs = np.stack([x for index, x in seen if index == i])
-        chosen[i], dense = _gptq_layer(
-            layer, stored, _hessians(layer, inputs), damp, act_order
-        )
+        chosen[i], dense = _choose(layer, stored, inputs, calibration)
         # (the recorders' layers are the targets here: tree order as before)
         recording = _map_targets(
             recording,

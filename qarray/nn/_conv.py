@@ -13,6 +13,7 @@ import numpy as np
 
 from .._conv import conv_q
 from .._ops import pack, quantize
+from ._inputs import InputScales, check_input_scales
 from ._linear import (
     _dtype_str,
     _require,
@@ -24,7 +25,7 @@ from ._linear import (
 )
 
 
-class Conv(eqx.Module):
+class Conv(InputScales, eqx.Module):
     """One quantized convolution, ``eqx.nn.Conv``'s conventions: channels
     first, an unbatched ``x (C, *spatial) -> (out, *out_spatial)`` (``vmap``
     for batches; a batched ``(B, C, *spatial)`` works too), 1 to 3 spatial
@@ -41,12 +42,17 @@ class Conv(eqx.Module):
     groups of ``group_size`` (which must divide ``C / groups *
     prod(kernel_size)``), stored packed: ``qvalue`` uint8 ``(out, K / 2)``,
     ``scale`` ``(out, K / group_size)``.
+
+    ``channel_scale`` ``(C,)`` and ``activation_scale`` ``()``: as
+    ``Linear``'s (per input channel; calibrated layers).
     """
 
     weight: jax.Array | None
     qvalue: jax.Array | None
     scale: jax.Array | None
     bias: jax.Array | None
+    channel_scale: jax.Array | None
+    activation_scale: jax.Array | None
     kernel_size: tuple[int, ...] = eqx.field(static=True)
     stride: tuple[int, ...] = eqx.field(static=True)
     padding: str | tuple[tuple[int, int], ...] = eqx.field(static=True)
@@ -73,6 +79,8 @@ class Conv(eqx.Module):
         stored_error: float | None = None,
         precision: str = "int8",
         group_size: int | None = None,
+        channel_scale=None,
+        activation_scale=None,
     ):
         check_modes(
             "Conv", activations, weight, qvalue, scale, "qvalue, scale and kernel_size"
@@ -149,6 +157,18 @@ class Conv(eqx.Module):
                     f"{_dtype_str(bias)}."
                 )
         self.bias = bias
+        check_input_scales(
+            type(self).__name__,
+            channel_scale,
+            activation_scale,
+            self.in_channels,
+            activations,
+        )
+        self.channel_scale, self.activation_scale = channel_scale, activation_scale
+
+    @property
+    def _input_channels(self) -> int:
+        return self.in_channels
 
     @classmethod
     def from_float(
@@ -239,7 +259,9 @@ class Conv(eqx.Module):
         """The convolution with the quantized weights ``qw`` (default:
         ``self.quantized()``)."""
         qw = self.quantized() if qw is None else qw
-        y = conv_q(jnp.asarray(x), qw, self.kernel_size, **self._conv_parameters())
+        x, activations = self._prepared(x, -len(self.kernel_size) - 1)
+        parameters = self._conv_parameters() | {"activations": activations}
+        y = conv_q(x, qw, self.kernel_size, **parameters)
         if self.bias is None:
             return y
         return y + self.bias.reshape(-1, *(1,) * len(self.kernel_size))

@@ -21,6 +21,7 @@ from .._ops import (
     quantize,
     unpack,
 )
+from ._inputs import InputScales, check_input_scales
 from ._shapes import LAYOUTS, PRECISIONS, LayerShapes
 
 
@@ -146,7 +147,7 @@ def stored_parts(layer):
     return qvalue, scale, layer.weight_error(qw)
 
 
-class Linear(eqx.Module):
+class Linear(InputScales, eqx.Module):
     """One quantized dense layer: ``x (..., K) -> x @ W + bias (..., N)``.
 
     ``W`` is int8 with one float32 scale per row of the stored matrix
@@ -175,12 +176,21 @@ class Linear(eqx.Module):
     than a small layer's product (``benchmarks/bench_matmul.py``), while a
     module of arrays goes through ``jax.jit`` / ``eqx.filter_jit`` like any
     other. Leaves may carry leading batch axes when a ``Network`` maps them.
+
+    Calibrated layers (``qnn.quantize(..., method="awq")``, ``smoothquant=``,
+    ``static=True``) may carry ``channel_scale`` ``(K,)``: ``x`` is divided
+    by it per input channel (the stored weights were multiplied by it before
+    quantization), and ``activation_scale`` ``()``: with
+    ``activations="int8"``, ``x`` is rounded to the int8 grid of that fixed
+    scale instead of one measured per row (straight-through gradient).
     """
 
     weight: jax.Array | None
     qvalue: jax.Array | None
     scale: jax.Array | None
     bias: jax.Array | None
+    channel_scale: jax.Array | None
+    activation_scale: jax.Array | None
     layout: str = eqx.field(static=True)
     activations: str = eqx.field(static=True)
     precision: str = eqx.field(static=True)
@@ -201,6 +211,8 @@ class Linear(eqx.Module):
         stored_error: float | None = None,
         precision: str = "int8",
         group_size: int | None = None,
+        channel_scale=None,
+        activation_scale=None,
     ):
         if layout not in LAYOUTS:
             raise ValueError(f"Linear requires layout in {LAYOUTS}, got {layout!r}.")
@@ -230,6 +242,14 @@ class Linear(eqx.Module):
                     f"{_dtype_str(bias)}."
                 )
         self.bias = bias
+        check_input_scales(
+            "Linear", channel_scale, activation_scale, self.in_features, activations
+        )
+        self.channel_scale, self.activation_scale = channel_scale, activation_scale
+
+    @property
+    def _input_channels(self) -> int:
+        return self.in_features
 
     @classmethod
     def from_float(
@@ -325,14 +345,15 @@ class Linear(eqx.Module):
         """``x (..., K) -> (..., N)`` with the quantized weights ``qw``
         (``self.quantized()``, when the caller already holds it; unused for a
         float32 layer)."""
+        x, activations = self._prepared(x, -1)
         if self.precision == "float32":  # as given: exact gradients
             w = jnp.asarray(self.weight)
             w = w if self.layout == "kn" else jnp.swapaxes(w, -1, -2)
-            y = jnp.asarray(x) @ w
+            y = x @ w
             return y if self.bias is None else y + self.bias
         qw = self.quantized() if qw is None else qw
         product = matmul_q if self.layout == "kn" else linear_q
-        y = product(jnp.asarray(x), qw, self.activations)
+        y = product(x, qw, activations)
         return y if self.bias is None else y + self.bias
 
     def weight_error(self, qw=None):
@@ -378,6 +399,8 @@ class Linear(eqx.Module):
             qvalue=on(self.qvalue, weights),
             scale=on(self.scale, scales),
             bias=on(self.bias, jax.P(model)),
+            channel_scale=on(self.channel_scale, jax.P(None)),
+            activation_scale=on(self.activation_scale, jax.P()),
         )
 
     def with_batch_rank(self, rank: int) -> Linear:

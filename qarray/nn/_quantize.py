@@ -10,7 +10,7 @@ import equinox as eqx
 import jax
 
 from .._ops import DEFAULT_GROUP_SIZE
-from ._calibrate import METHODS, calibrated
+from ._calibrate import METHODS, Calibration, calibrated
 from ._conv import Conv, ConvTranspose
 from ._embedding import Embedding
 from ._linear import Linear
@@ -37,6 +37,8 @@ def quantize(
     group_size: int | None = None,
     method: str = "rtn",
     data=None,
+    smoothquant: float | None = None,
+    static: bool | str = False,
 ):
     """A copy of ``model`` with every ``eqx.nn.Linear``, ``eqx.nn.Conv``
     (``Conv1d``, ``Conv2d``, ``Conv3d``), ``eqx.nn.ConvTranspose`` (1-3d)
@@ -77,17 +79,28 @@ def quantize(
     example; ``jax.vmap`` runs it on them), layer by layer through the
     already-quantized layers before it (``qarray.nn._calibrate``); stored
     weights only (``trainable=False``); other layers round-to-nearest.
+    "awq": a scale per input channel of each ``eqx.nn.Linear`` / ``Conv``
+    (groups 1) searched on ``data`` for the least output error (activation-
+    aware: ``mean|x|^alpha`` over AWQ's grid of alpha), the weights
+    multiplied by it before round-to-nearest and the input divided by it (the
+    layer's ``channel_scale``: a multiply before the product, as an equinox
+    model has no graph to fold it into the layer before).
+
+    W8A8 (``activations="int8"``), calibrated on ``data``:
+    ``smoothquant=alpha`` in [0, 1] migrates the input's outlier channels
+    into the weights (``channel_scale = max|x|^alpha / max|W|^(1-alpha)``);
+    ``static=True`` (or "tensor") rounds each layer's input to one int8 scale
+    calibrated on ``data`` (its ``activation_scale``: the absmax of the
+    calibration inputs / 127) instead of a scale measured per row and call;
+    ``static="channel"``: a range per input channel (as a channel scale
+    folded into the weights and one activation scale). ``smoothquant`` and
+    ``static`` combine with ``method`` ("gptq" quantizes the smoothed
+    weights), except that a channel scale is chosen once (AWQ, SmoothQuant
+    or ``static="channel"``).
     """
-    if method not in METHODS:
-        raise ValueError(f"quantize: method must be one of {METHODS}, got {method!r}.")
-    if method != "rtn" and data is None:
-        raise ValueError(
-            f"quantize: method={method!r} needs data=X, calibration inputs."
-        )
-    if method != "rtn" and trainable:
-        raise ValueError(
-            f"quantize: method={method!r} chooses stored weights: trainable=False."
-        )
+    calibration = _calibration(
+        method, data, trainable, activations, smoothquant, static
+    )
 
     def convert(layer):
         if where is not None and not where(layer):
@@ -154,9 +167,52 @@ def quantize(
         eqx.nn.LSTMCell,
         SpectralConv,
     )
-    if method == "gptq":
-        model = calibrated(model, data, convert)
+    if calibration is not None:
+        model = calibrated(model, data, convert, calibration)
     return _replace(model, kinds, convert)
+
+
+def _calibration(method, data, trainable, activations, smoothquant, static):
+    """``quantize``'s calibration options checked: a ``Calibration``, or None
+    for round-to-nearest with dynamic activations (no data needed)."""
+    if method not in METHODS:
+        raise ValueError(f"quantize: method must be one of {METHODS}, got {method!r}.")
+    if static not in (False, True, "tensor", "channel"):
+        raise ValueError(
+            f"quantize: static must be False, True, 'tensor' or 'channel', got "
+            f"{static!r}."
+        )
+    static = "tensor" if static is True else static
+    if smoothquant is not None and not 0 <= smoothquant <= 1:
+        raise ValueError(
+            f"quantize: smoothquant must be in [0, 1], got {smoothquant!r}."
+        )
+    w8a8 = [f"smoothquant={smoothquant!r}"] if smoothquant is not None else []
+    w8a8 += [f"static={static!r}"] if static else []
+    asked = ([f"method={method!r}"] if method != "rtn" else []) + w8a8
+    if not asked:
+        return None
+    if w8a8 and activations != "int8":
+        raise ValueError(
+            f"quantize: {' and '.join(w8a8)} calibrate int8 activations: needs "
+            f"activations='int8', got {activations!r}."
+        )
+    choosers = [a for a in asked if a in ("method='awq'", "static='channel'")]
+    choosers += [a for a in w8a8 if a.startswith("smoothquant")]
+    if len(choosers) > 1:
+        raise ValueError(
+            f"quantize: {' and '.join(choosers)} each choose a scale per input "
+            "channel: take one."
+        )
+    if data is None:
+        raise ValueError(
+            f"quantize: {', '.join(asked)} needs data=X, calibration inputs."
+        )
+    if trainable:
+        raise ValueError(
+            f"quantize: {', '.join(asked)} chooses stored weights: trainable=False."
+        )
+    return Calibration(method=method, smoothquant=smoothquant, static=static)
 
 
 def fits_int4_width(weight, group_size: int | None = None) -> bool:

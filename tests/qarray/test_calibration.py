@@ -1,0 +1,268 @@
+"""AWQ, SmoothQuant and static activation scales (qnn.quantize(method="awq"),
+smoothquant=alpha, static=...) against NumPy: the scales chosen, the stored
+weights, the layers' outputs and gradients, model files, and what they buy
+on a model with outlier input channels."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qarray.nn as qnn
+from qarray.checkpoint import load_quantized, save_tree
+from qarray.nn._scales import AWQ_GRID
+from tests import reference as ref
+
+
+def outlier_inputs(rng, n, k, channels=(3, 11), factor=40.0):
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    x[:, list(channels)] *= factor
+    return x
+
+
+def numpy_awq(w, b, x, group_size):
+    """AWQ's grid searched by brute force in float64: for each exponent,
+    s = mean|x|^alpha / sqrt(max * min), the layer's output error with
+    weights roundtrip4(W * s) / s; (the errors, the scale of each)."""
+    mean = np.maximum(np.abs(x).mean(axis=0), 1e-4).astype(np.float64)
+    y = x.astype(np.float64) @ w.T.astype(np.float64)
+    errors, scales = [], []
+    for alpha in AWQ_GRID:
+        s = mean**alpha
+        s = s / np.sqrt(s.max() * s.min())
+        back = ref.roundtrip4((w * s).astype(np.float32), group_size) / s
+        errors.append(np.sum((y - x.astype(np.float64) @ back.T) ** 2))
+        scales.append(s)
+    return np.array(errors), scales
+
+
+def test_awq_search_against_brute_force(rng):
+    """A tiny layer (K = 16, int4 G = 8) whose inputs have outlier channels:
+    the scale AWQ keeps is the brute-force search's best (its error the
+    least of the grid's), the stored weights roundtrip4(W * s), and the
+    layer computes (x / s) @ W^T + b."""
+    k1, _ = jax.random.split(jax.random.key(0))
+    dense = eqx.nn.Linear(16, 6, key=k1)
+    x = outlier_inputs(rng, 200, 16)
+    w, b = np.asarray(dense.weight), np.asarray(dense.bias)
+    got = qnn.quantize(dense, precision="int4", group_size=8, method="awq", data=x)
+    assert got.channel_scale is not None and got.activation_scale is None
+    s = np.asarray(got.channel_scale, np.float64)
+    errors, _ = numpy_awq(w, b, x, 8)
+    back = ref.roundtrip4((w * s).astype(np.float32), 8) / s
+    y = x.astype(np.float64) @ w.T
+    chosen = np.sum((y - x.astype(np.float64) @ back.T) ** 2)
+    assert chosen == pytest.approx(errors.min(), rel=1e-3)
+    assert errors.min() < 0.8 * errors[0]  # alpha = 0 is round-to-nearest
+    values, scale = ref.quantize4((w * s).astype(np.float32), 8)
+    np.testing.assert_array_equal(np.asarray(got.qvalue), ref.pack4(values))
+    np.testing.assert_allclose(np.asarray(got.scale), scale, rtol=1e-6)
+    want = (x / s) @ ref.dequantize4(values, scale).astype(np.float64).T + b
+    np.testing.assert_allclose(jax.vmap(got)(x), want, rtol=1e-4, atol=1e-4)
+    # the gradient with respect to x is the stored layer's: W'^T r / s
+    r = rng.standard_normal((200, 6)).astype(np.float32)
+    (gx,) = jax.grad(lambda x: jnp.sum(jax.vmap(got)(x) * r), argnums=(0,))(x)
+    np.testing.assert_allclose(
+        gx, (r @ ref.dequantize4(values, scale)) / s, rtol=1e-4, atol=1e-4
+    )
+
+
+def test_smoothquant_scales_and_outputs(rng):
+    """channel_scale = max|x|^a / max|W|^(1-a) per input channel, the
+    weights quantize(W * s), and the int8 product of x / s quantized per
+    row: as NumPy computes them."""
+    dense = eqx.nn.Linear(24, 8, key=jax.random.key(1))
+    x = outlier_inputs(rng, 64, 24)
+    w, b = np.asarray(dense.weight, np.float64), np.asarray(dense.bias)
+    got = qnn.quantize(dense, activations="int8", smoothquant=0.6, data=x)
+    s = np.abs(x).max(axis=0) ** 0.6 / np.abs(w).max(axis=0) ** 0.4
+    np.testing.assert_allclose(np.asarray(got.channel_scale), s, rtol=1e-5)
+    qvalue, scale = ref.quantize((w * s).astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(got.qvalue), qvalue)
+    folded = (x / s).astype(np.float32)
+    want = ref.linear_q(folded, qvalue, scale, activations="int8") + b
+    np.testing.assert_allclose(jax.vmap(got)(x), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("static", [True, "channel"])
+def test_static_activation_scales(rng, static):
+    """Two layers: each one's activation scale is the absmax of the inputs
+    that reach it on the data (the second's through the first as quantized,
+    weight-only) / 127, per tensor (True) or per channel ("channel": the
+    ranges as a channel scale, max|x_c| / max_c max|x_c|); the product is of
+    x / s rounded to that fixed grid."""
+    k1, k2 = jax.random.split(jax.random.key(2))
+    model = eqx.nn.Sequential(
+        [eqx.nn.Linear(16, 12, key=k1), eqx.nn.Lambda(jax.nn.relu),
+         eqx.nn.Linear(12, 4, key=k2)]
+    )  # fmt: skip
+    x = outlier_inputs(rng, 80, 16)
+    got = qnn.quantize(model, activations="int8", static=static, data=x)
+    first, second = got.layers[0], got.layers[2]
+    h = x.astype(np.float64)
+    for float_layer, layer in ((model.layers[0], first), (model.layers[2], second)):
+        w = np.asarray(float_layer.weight, np.float64)
+        b = np.asarray(float_layer.bias, np.float64)
+        absmax = np.abs(h).max(axis=0)
+        if static == "channel":
+            s = np.where(absmax > 0, absmax / absmax.max(), 1.0)
+            np.testing.assert_allclose(np.asarray(layer.channel_scale), s, rtol=1e-5)
+        else:
+            s = np.ones(w.shape[1])
+            assert layer.channel_scale is None
+        a = np.abs(h / s).max() / 127
+        assert float(layer.activation_scale) == pytest.approx(a, rel=1e-5)
+        assert layer.activations == "int8"
+        qvalue, scale = ref.quantize((w * s).astype(np.float32))
+        np.testing.assert_array_equal(np.asarray(layer.qvalue), qvalue)
+        xq = np.clip(np.round(h / s / a), -127, 127)
+        want = (xq * a) @ ref.dequantize(qvalue, scale).astype(np.float64).T + b
+        np.testing.assert_allclose(
+            jax.vmap(layer)(h.astype(np.float32)), want, rtol=1e-4, atol=1e-4
+        )
+        # the next layer calibrates on this one's weight-only output
+        weight_only = h @ (ref.dequantize(qvalue, scale) / s).T + b
+        h = np.maximum(weight_only, 0)
+
+
+class Outliers(eqx.Module):
+    """Three Linear layers whose every input has outlier channels (a fixed
+    gain of 50 on three hidden channels, as a LayerNorm's weight makes
+    them in a transformer)."""
+
+    l1: eqx.nn.Linear
+    l2: eqx.nn.Linear
+    l3: eqx.nn.Linear
+    gain: jax.Array
+
+    def __init__(self, key):
+        k = jax.random.split(key, 3)
+        self.l1 = eqx.nn.Linear(64, 128, key=k[0])
+        self.l2 = eqx.nn.Linear(128, 128, key=k[1])
+        self.l3 = eqx.nn.Linear(128, 16, key=k[2])
+        gain = np.ones(128, np.float32)
+        gain[[5, 70, 99]] = 50.0
+        self.gain = jnp.asarray(gain)
+
+    def __call__(self, x):
+        h = self.gain * jax.nn.relu(self.l1(x))
+        h = self.gain * jax.nn.relu(self.l2(h)) / 10
+        return self.l3(h)
+
+
+def test_smoothquant_halves_the_w8a8_error_of_outlier_channels(rng):
+    """The issue's target, on held-out inputs: W8A8 with SmoothQuant at most
+    half dynamic round-to-nearest's output error against float32 (NumPy
+    computes the errors)."""
+    model = Outliers(jax.random.key(0))
+    calibration = outlier_inputs(rng, 128, 64, channels=(3, 17), factor=50.0)
+    held_out = outlier_inputs(rng, 128, 64, channels=(3, 17), factor=50.0)
+    y = np.asarray(jax.vmap(model)(held_out), np.float64)
+
+    def error(quantized):
+        got = np.asarray(jax.vmap(quantized)(held_out), np.float64)
+        return np.linalg.norm(got - y) / np.linalg.norm(y)
+
+    dynamic = error(qnn.quantize(model, activations="int8"))
+    smooth = error(
+        qnn.quantize(model, activations="int8", smoothquant=0.5, data=calibration)
+    )
+    assert smooth <= 0.5 * dynamic, (smooth, dynamic)
+
+
+def test_model_files_keep_the_input_scales(tmp_path, rng):
+    """save_tree / load_quantized: the channel and activation scales are
+    stored beside the weights and the loaded model computes the same."""
+    model = Outliers(jax.random.key(1))
+    x = outlier_inputs(rng, 32, 64, channels=(3, 17), factor=50.0)
+    stored = qnn.quantize(
+        model, activations="int8", smoothquant=0.5, static=True, data=x
+    )
+    save_tree(tmp_path / "m.safetensors", stored)
+    loaded = load_quantized(tmp_path / "m.safetensors", Outliers(jax.random.key(9)))
+    assert loaded.l2.activations == "int8" and loaded.l2.channel_scale is not None
+    np.testing.assert_array_equal(
+        np.asarray(jax.vmap(loaded)(x)), np.asarray(jax.vmap(stored)(x))
+    )
+    awq = qnn.quantize(model, precision="int4", group_size=32, method="awq", data=x)
+    save_tree(tmp_path / "a.safetensors", awq)
+    loaded = load_quantized(tmp_path / "a.safetensors", Outliers(jax.random.key(9)))
+    assert loaded.l1.precision == "int4" and loaded.l1.activation_scale is None
+    np.testing.assert_array_equal(
+        np.asarray(jax.vmap(loaded)(x)), np.asarray(jax.vmap(awq)(x))
+    )
+
+
+def test_evaluate_and_plan_with_awq(rng):
+    """evaluate(method="awq") reports AWQ's and RTN's per-layer errors; plan
+    never takes more bytes than round-to-nearest's plan."""
+    model = Outliers(jax.random.key(2))
+    x = outlier_inputs(rng, 64, 64, channels=(3, 17), factor=50.0)
+    report = qnn.evaluate(model, x, precision="int4", group_size=32, method="awq")
+    assert report["method"] == "awq"
+    for layer in report["layers"]:
+        assert {"rtn_weight_sqnr_db", "rtn_alone_output_rel_l2"} <= set(layer)
+    # AWQ trades weight SQNR for output error on the data
+    first = report["layers"][0]
+    assert first["alone_output_rel_l2"] < first["rtn_alone_output_rel_l2"]
+    budget = 0.02
+    rtn = qnn.plan(model, x, budget, group_size=32)
+    awq = qnn.plan(model, x, budget, group_size=32, method="awq")
+    assert awq["bytes"] <= rtn["bytes"]
+    assert awq["compared"]["rtn"] == rtn["bytes"]
+    assert awq["model"]["output_rel_l2"] <= budget
+    applied = qnn.apply_plan(model, awq, data=x)
+    y = np.asarray(jax.vmap(model)(x), np.float64)
+    got = np.asarray(jax.vmap(applied)(x), np.float64)
+    assert np.linalg.norm(got - y) / np.linalg.norm(y) == pytest.approx(
+        awq["model"]["output_rel_l2"], rel=1e-3
+    )
+
+
+def test_clear_errors(rng):
+    dense = eqx.nn.Linear(8, 4, key=jax.random.key(0))
+    x = rng.standard_normal((10, 8)).astype(np.float32)
+    with pytest.raises(ValueError, match="activations='int8'"):
+        qnn.quantize(dense, smoothquant=0.5, data=x)
+    with pytest.raises(ValueError, match="activations='int8'"):
+        qnn.quantize(dense, static=True, data=x)
+    with pytest.raises(ValueError, match="each choose a scale per input channel"):
+        qnn.quantize(dense, activations="int8", method="awq", smoothquant=0.5, data=x)
+    with pytest.raises(ValueError, match="smoothquant must be in"):
+        qnn.quantize(dense, activations="int8", smoothquant=1.5, data=x)
+    with pytest.raises(ValueError, match="needs data=X"):
+        qnn.quantize(dense, method="awq")
+    with pytest.raises(ValueError, match="static must be"):
+        qnn.quantize(dense, activations="int8", static="row", data=x)
+    with pytest.raises(
+        TypeError, match=r"channel_scale to be a float32 array of shape \(8,\)"
+    ):
+        qnn.Linear(jnp.zeros((4, 8)), channel_scale=jnp.ones(5))
+    with pytest.raises(ValueError, match="needs activations='int8'"):
+        qnn.Linear(jnp.zeros((4, 8)), activation_scale=jnp.float32(1.0))
+
+
+def test_awq_of_a_convolution(rng):
+    """A Conv2d's channel scale (one per input channel, over its kernel's
+    positions): the layer computes conv(x / s, roundtrip4(W * s)) + b, and
+    AWQ's output error on the data is below round-to-nearest's."""
+    conv = eqx.nn.Conv2d(4, 6, 3, padding=1, key=jax.random.key(3))
+    x = rng.standard_normal((12, 4, 6, 6)).astype(np.float32)
+    x[:, 1] *= 30.0  # an outlier channel
+    got = qnn.quantize(conv, precision="int4", group_size=12, method="awq", data=x)
+    rtn = qnn.quantize(conv, precision="int4", group_size=12)
+    s = np.asarray(got.channel_scale, np.float64)
+    assert s.shape == (4,)
+    w = np.asarray(conv.weight)
+    scaled = (w * s[None, :, None, None]).astype(np.float32).reshape(6, -1)
+    values, scale = ref.quantize4(scaled, 12)
+    back = ref.dequantize4(values, scale).reshape(w.shape).astype(np.float64)
+    geometry = ((1, 1), ((1, 1), (1, 1)), (1, 1))
+    b = np.asarray(conv.bias)
+    want = np.stack([ref.conv(xi / s[:, None, None], back, *geometry) + b for xi in x])
+    np.testing.assert_allclose(jax.vmap(got)(x), want, rtol=1e-4, atol=1e-4)
+    y = np.asarray(jax.vmap(conv)(x), np.float64)
+    awq_error = np.linalg.norm(want - y)
+    rtn_error = np.linalg.norm(np.asarray(jax.vmap(rtn)(x), np.float64) - y)
+    assert awq_error < rtn_error
