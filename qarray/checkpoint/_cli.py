@@ -190,12 +190,14 @@ def accuracy_main(argv: list[str], command: str) -> int:
         "--method",
         choices=METHODS,
         default="rtn",
-        help="rtn (round-to-nearest) or gptq (calibrated, equinox models: --like)",
+        help="rtn (round-to-nearest), gptq or awq (calibrated, equinox models: --like)",
     )
     parser.add_argument(
         "--calibration",
-        help="with --method gptq: .npz with an array 'x' of calibration inputs "
-        "(default: DATA)",
+        "--data",
+        dest="calibration",
+        help="with --method gptq / awq: .npz with an array 'x' of calibration "
+        "inputs (default: DATA)",
     )
     parser.add_argument("--json", help="also write the report as JSON here")
     if command == "evaluate":
@@ -259,6 +261,53 @@ def _pairs(text: str | None, sep: str) -> list[tuple[str, str]]:
     return pairs
 
 
+def _convert_with_model(parser, args) -> int:
+    """``convert --tree --like``: the state dict converted float32, loaded
+    as the model and quantized by ``qarray.nn.quantize`` (calibrated on
+    ``--data`` where asked), written keyed by its paths with the method in
+    its metadata."""
+    from ..nn import quantize
+
+    try:
+        with tempfile.TemporaryDirectory() as scratch:
+            floats = Path(scratch) / "float32.safetensors"
+            convert_tree(
+                args.src,
+                floats,
+                fold=_pairs(args.fold, "+"),
+                rename=_pairs(args.rename, "="),
+                transposed=[n for n in (args.transposed or "").split(",") if n],
+                eps=args.bn_eps,
+                precision="float32",
+            )
+            model = on_device(load_tree(floats, skeleton_of(args.like)))
+        data = None
+        if args.data:
+            data = read_data(args.data)
+            check_data(model, data, args.data)
+        group = args.group_size if args.precision == "int4" else None
+        quantized = quantize(
+            model,
+            precision=args.precision,
+            group_size=group,
+            activations=args.activations,
+            method=args.method,
+            data=data,
+            smoothquant=args.smoothquant,
+            static=args.static or False,
+        )
+    except (ModelFileError, ValueError, TypeError) as error:
+        parser.exit(2, f"qarray-serve convert: {error}\n")
+    metadata = {"method": args.method, "activations": args.activations}
+    if args.smoothquant is not None:
+        metadata["smoothquant"] = str(args.smoothquant)
+    if args.static:
+        metadata["static"] = args.static
+    save_tree(args.dst, quantized, metadata=metadata)
+    print(f"wrote {args.dst} ({args.precision}, {args.method})")
+    return 0
+
+
 def convert_main(argv: list[str] | None = None) -> int:
     """``qarray-serve convert SRC DST --layers fc1:relu,fc2:none`` (a network)
     or ``... --tree [--fold conv1+bn1] [--rename old=new]`` (any model)."""
@@ -307,7 +356,34 @@ def convert_main(argv: list[str] | None = None) -> int:
         "their weights (in, out, *k) laid out as eqx.nn.ConvTranspose's",
     )
     parser.add_argument("--bn-eps", type=float, default=1e-5, help="BatchNorm eps")
+    calibrated = parser.add_argument_group(
+        "calibrated quantization (with --tree and --like: qarray.nn.quantize)"
+    )
+    calibrated.add_argument(
+        "--like",
+        help="the equinox model the converted file is keyed by: FILE.py:NAME or "
+        "module:NAME, NAME(jax.random.key(0)) building it",
+    )
+    calibrated.add_argument("--method", choices=METHODS, default="rtn")
+    calibrated.add_argument(
+        "--data", help=".npz with an array 'x' of calibration inputs"
+    )
+    calibrated.add_argument(
+        "--activations", choices=("float32", "int8"), default="float32"
+    )
+    calibrated.add_argument("--smoothquant", type=float, help="alpha in [0, 1] (W8A8)")
+    calibrated.add_argument(
+        "--static",
+        choices=("tensor", "channel"),
+        help="static int8 activation scales (W8A8)",
+    )
     args = parser.parse_args(argv)
+    if args.like:
+        if not args.tree:
+            parser.error("--like needs --tree")
+        return _convert_with_model(parser, args)
+    if args.method != "rtn" or args.smoothquant is not None or args.static:
+        parser.error("--method, --smoothquant and --static need --tree and --like")
     if args.tree:
         try:
             errors = convert_tree(

@@ -329,3 +329,40 @@ def test_evaluate_a_pytorch_state_dict(tmp_path, rng):
         "--layers", "fc1:relu,fc9",
     )  # fmt: skip
     assert out.returncode == 2 and "no tensor fc9.weight" in out.stderr
+
+
+def test_a_calibrated_convert(tmp_path, rng):
+    """convert --tree --like --method awq --data: the file holds what
+    qnn.quantize(method="awq") builds in-process, its method recorded; W8A8
+    with --smoothquant --static keeps the input scales; the options need
+    --like."""
+    model = _small_module(tmp_path).Small(jax.random.key(5))
+    save_tree(tmp_path / "f.safetensors", model)
+    x = rng.standard_normal((20, 2, 8)).astype(np.float32)
+    np.savez(tmp_path / "c.npz", x=x)
+    like = f"{tmp_path / 'small.py'}:Small"
+    src = [tmp_path / "f.safetensors", tmp_path / "q.safetensors", "--tree"]
+    out = run(
+        "convert", *src, "--like", like, "--method", "awq", "--data",
+        tmp_path / "c.npz", "--precision", "int4", "--group-size", "6",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    with safe_open(str(tmp_path / "q.safetensors"), framework="numpy") as f:
+        assert f.metadata()["method"] == "awq"
+    skeleton = _small_module(tmp_path).Small(jax.random.key(0))
+    served = load_quantized(tmp_path / "q.safetensors", skeleton)
+    want = qnn.quantize(model, precision="int4", group_size=6, method="awq", data=x)
+    np.testing.assert_array_equal(served.conv.qvalue, want.conv.qvalue)
+    np.testing.assert_allclose(served.conv.channel_scale, want.conv.channel_scale)
+    out = run(
+        "convert", *src, "--like", like, "--activations", "int8",
+        "--smoothquant", "0.5", "--static", "tensor", "--data", tmp_path / "c.npz",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    served = load_quantized(tmp_path / "q.safetensors", skeleton)
+    assert served.head.activations == "int8"
+    assert served.head.activation_scale is not None
+    out = run("convert", *src, "--method", "gptq")
+    assert out.returncode == 2 and "need --tree and --like" in out.stderr
+    out = run("convert", *src, "--like", like, "--method", "gptq")
+    assert out.returncode == 2 and "needs data=X" in out.stderr
