@@ -10,6 +10,7 @@ the serving machinery.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -107,6 +108,23 @@ class Layer(BaseModel):
         return qnn.layer_shapes({**dict(self), "w_q": self.w_q and dict(self.w_q)})
 
 
+class Adapter(BaseModel):
+    """A layer's LoRA adapter: ``(alpha / rank) (h a^T) b^T`` added to the
+    layer's output before its activation (``qarray.nn.Adapter``)."""
+
+    a: Float32Array = Field(
+        description="(rank, K_i), 1 <= rank <= min(K_i, N_i): the down projection."
+    )
+    b: Float32Array = Field(description="(N_i, rank): the up projection.")
+    alpha: float | None = Field(
+        default=None,
+        gt=0,
+        description="The update's scale is alpha / rank; default rank (a scale of 1).",
+    )
+
+    model_config = ConfigDict(extra="forbid")
+
+
 def _check_size(shape: qnn.NetworkShape) -> None:
     LIMITS.check_result("y", shape.y)
     LIMITS.check_work(shape.rows, shape.widths)
@@ -150,6 +168,15 @@ class InputSchema(BaseModel):
         description="Return the quantized weights of the layers given as dense w "
         "(they cost wire bytes on every call).",
     )
+    lora: list[Adapter | None] | None = Field(
+        default=None,
+        description="LoRA adapters, one entry (or null: none) per layer of the "
+        "request's network or the resident one: layer i computes "
+        "activation(h @ W + bias + (alpha / rank) (h a^T) b^T). a and b are "
+        "differentiable (lora.[i].a, lora.[i].b): with a resident model a request "
+        "of x and the adapters fine-tunes it (QLoRA) without sending its weights. "
+        "No batch axes.",
+    )
 
     model_config = ConfigDict(extra="forbid")
 
@@ -183,6 +210,7 @@ class InputSchema(BaseModel):
                 )
             require_finite("x", self.x)
             _check_resident_fit(tuple(self.x.shape))
+            self._check_lora()
             return self
         for i, layer in enumerate(self.layers):
             if (layer.w is None) == (layer.w_q is None):
@@ -208,7 +236,21 @@ class InputSchema(BaseModel):
             )
             require_finite(f"{name}.w_q.scale", layer.w_q.scale)
             require_at_least(f"{name}.w_q.scale", layer.w_q.scale, 0)
+        self._check_lora()
         return self
+
+    def _check_lora(self) -> None:
+        if self.lora is None:
+            return
+        shapes = [
+            None if e is None else (tuple(e.a.shape), tuple(e.b.shape))
+            for e in self.lora
+        ]
+        qnn.check_adapter_shapes(self.network_shape().widths, shapes)
+        for i, adapter in enumerate(self.lora):
+            if adapter is not None:
+                require_finite(f"lora.[{i}].a", adapter.a)
+                require_finite(f"lora.[{i}].b", adapter.b)
 
     def layer_shapes(self) -> Sequence[qnn.LayerShapes]:
         if self.layers is None:
@@ -276,10 +318,26 @@ class OutputSchema(BaseModel):
 # --- the computation: the request's network, or the resident one
 
 
+def _adapters(inputs: dict) -> list[qnn.Adapter | None] | None:
+    if inputs["lora"] is None:
+        return None
+    return [
+        None
+        if entry is None
+        else qnn.Adapter(
+            entry["a"],
+            entry["b"],
+            float(entry["alpha"] or entry["a"].shape[0]),
+        )
+        for entry in inputs["lora"]
+    ]
+
+
 def _network(inputs: dict, resident: qnn.Network | None) -> qnn.Network:
     activations = "int8" if inputs["quantize_activations"] else "float32"
     if inputs["layers"] is None:
-        return resident.with_activations(activations)
+        network = resident.with_activations(activations)
+        return dataclasses.replace(network, adapters=_adapters(inputs))
     layers = []
     for layer in inputs["layers"]:
         w_q = layer["w_q"] or {"qvalue": None, "scale": None}
@@ -302,6 +360,7 @@ def _network(inputs: dict, resident: qnn.Network | None) -> qnn.Network:
         layers,
         [layer["activation"] for layer in inputs["layers"]],
         mesh_axes=None if RUNTIME.mesh is None else RUNTIME.mesh.axis_names,
+        adapters=_adapters(inputs),
     )
 
 
@@ -328,6 +387,8 @@ def _as_dict(inputs: InputSchema) -> dict:
             {**dict(layer), "w_q": None if layer.w_q is None else dict(layer.w_q)}
             for layer in inputs.layers
         ]
+    if inputs.lora is not None:
+        out["lora"] = [None if e is None else dict(e) for e in inputs.lora]
     return out
 
 

@@ -1,6 +1,8 @@
-"""Calibrated quantization (suite ``calibration``): GPTQ against
+"""Calibrated quantization (suite ``calibration``): GPTQ and AWQ against
 round-to-nearest (RTN) at the same precision, group size and bytes, on the
-examples' models, and what calibrating costs in time.
+examples' models, what calibrating costs in time, and W8A8 with SmoothQuant
+and static activation scales against dynamic RTN on a model with outlier
+input channels.
 
     .venv/bin/python -m benchmarks.bench_calibration
 
@@ -10,8 +12,11 @@ examples' models, and what calibrating costs in time.
 - the digits MLP (64 -> 64 -> 10, trained here in float32 with optax, as
   examples/qat_pipeline.py's network): test accuracy, all-int4 (G = 16),
   calibrated on the 1,347 training images;
-- a 4 x (4096, 4096) MLP on 128 samples: GPTQ's time, and the output error
-  on held-out samples of the same distribution.
+- a 4 x (4096, 4096) MLP on 128 samples: GPTQ's and AWQ's time, and the
+  output error on held-out samples of the same distribution;
+- W8A8 of three Linear layers whose inputs have outlier channels (as
+  tests/qarray/test_calibration.py's model): output error against float32 on
+  held-out inputs, each option / dynamic RTN's.
 """
 
 from __future__ import annotations
@@ -31,9 +36,9 @@ import qarray.nn as qnn
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _timed_quantize(model, data, **options):
+def _timed_quantize(model, data, method="gptq", **options):
     start = time.perf_counter()
-    quantized = qnn.quantize(model, method="gptq", data=data, **options)
+    quantized = qnn.quantize(model, method=method, data=data, **options)
     return quantized, time.perf_counter() - start
 
 
@@ -57,11 +62,15 @@ def cnn_rows():
         options = {"precision": precision, "group_size": group}
         rtn = qnn.quantize(model, **options)
         gptq, seconds = _timed_quantize(model, calibration[:, None], **options)
+        awq, awq_seconds = _timed_quantize(
+            model, calibration[:, None], "awq", **options
+        )
         errors = {
             name: (relative_l2(y, test_u), relative_l2(y, reference))
             for name, y in (
                 ("rtn", predict(rtn, test_k)),
                 ("gptq", predict(gptq, test_k)),
+                ("awq", predict(awq, test_k)),
             )
         }
         what = f"CNN surrogate, all {precision}" + (f" (G={group})" if group else "")
@@ -91,6 +100,33 @@ def cnn_rows():
                 "baseline": "128 calibration fields",
                 "ratio": seconds,
                 "target": 60.0,
+                "unit": "s",
+                "lower_is_better": True,
+            },
+            {
+                "row": f"{what}: test error vs the solver, AWQ",
+                "shape": shape,
+                "baseline": f"RTN {errors['rtn'][0]:.4f}, GPTQ {errors['gptq'][0]:.4f}",
+                "ratio": errors["awq"][0],
+                "target": None,
+                "unit": "relative L2",
+                "lower_is_better": True,
+            },
+            {
+                "row": f"{what}: output error vs float32, AWQ / RTN",
+                "shape": shape,
+                "baseline": f"RTN {errors['rtn'][1]:.4f}, AWQ {errors['awq'][1]:.4f}",
+                "ratio": errors["awq"][1] / errors["rtn"][1],
+                "target": None,
+                "unit": "x RTN's (lower is better)",
+                "lower_is_better": True,
+            },
+            {
+                "row": f"{what}: AWQ calibration time",
+                "shape": shape,
+                "baseline": "128 calibration fields",
+                "ratio": awq_seconds,
+                "target": None,
                 "unit": "s",
                 "lower_is_better": True,
             },
@@ -140,18 +176,22 @@ def digits_rows():
     options = {"precision": "int4", "group_size": 16}
     float_acc = accuracy(model)
     rtn_acc = accuracy(qnn.quantize(model, **options))
-    gptq, _ = _timed_quantize(model, jnp.asarray(x_train), **options)
-    return [
-        {
-            "row": "digits MLP, all int4 (G=16): accuracy drop from float32, GPTQ",
-            "shape": (len(x_test), 64, 10),
-            "baseline": f"float32 {100 * float_acc:.2f}%, RTN {100 * rtn_acc:.2f}%",
-            "ratio": 100 * (float_acc - accuracy(gptq)),
-            "target": 0.2,
-            "unit": "points",
-            "lower_is_better": True,
-        }
-    ]
+    rows = []
+    for method, target in (("gptq", 0.2), ("awq", None)):
+        calibrated, _ = _timed_quantize(model, jnp.asarray(x_train), method, **options)
+        rows.append(
+            {
+                "row": "digits MLP, all int4 (G=16): accuracy drop from float32, "
+                f"{method.upper()}",
+                "shape": (len(x_test), 64, 10),
+                "baseline": f"float32 {100 * float_acc:.2f}%, RTN {100 * rtn_acc:.2f}%",
+                "ratio": 100 * (float_acc - accuracy(calibrated)),
+                "target": target,
+                "unit": "points",
+                "lower_is_better": True,
+            }
+        )
+    return rows
 
 
 def mlp_rows(width=4096, depth=4, samples=128):
@@ -184,8 +224,29 @@ def mlp_rows(width=4096, depth=4, samples=128):
         return float(jnp.linalg.norm(y - reference) / jnp.linalg.norm(reference))
 
     gptq, seconds = _timed_quantize(mlp, calibration)
+    int4 = {"precision": "int4", "group_size": 128}
+    awq, awq_seconds = _timed_quantize(mlp, calibration, "awq", **int4)
     shape = (samples, width, width)
     return [
+        {
+            "row": f"AWQ calibration time, {depth} x ({width}, {width}) MLP, int4",
+            "shape": shape,
+            "baseline": f"{samples} calibration samples",
+            "ratio": awq_seconds,
+            "target": None,
+            "unit": "s",
+            "lower_is_better": True,
+        },
+        {
+            "row": f"{depth} x ({width}, {width}) MLP int4 (G=128): held-out "
+            "output error, AWQ",
+            "shape": shape,
+            "baseline": f"RTN {error(qnn.quantize(mlp, **int4)):.5f}",
+            "ratio": error(awq),
+            "target": None,
+            "unit": "relative L2",
+            "lower_is_better": True,
+        },
         {
             "row": f"GPTQ calibration time, {depth} x ({width}, {width}) MLP, int8",
             "shape": shape,
@@ -208,8 +269,73 @@ def mlp_rows(width=4096, depth=4, samples=128):
     ]
 
 
+class Outliers(eqx.Module):
+    """Three Linear layers whose every input has outlier channels (a gain of
+    50 on three hidden channels, as a transformer's LayerNorm weight)."""
+
+    l1: eqx.nn.Linear
+    l2: eqx.nn.Linear
+    l3: eqx.nn.Linear
+    gain: jax.Array
+
+    def __init__(self, key):
+        k = jax.random.split(key, 3)
+        self.l1 = eqx.nn.Linear(64, 128, key=k[0])
+        self.l2 = eqx.nn.Linear(128, 128, key=k[1])
+        self.l3 = eqx.nn.Linear(128, 16, key=k[2])
+        gain = np.ones(128, np.float32)
+        gain[[5, 70, 99]] = 50.0
+        self.gain = jnp.asarray(gain)
+
+    def __call__(self, x):
+        h = self.gain * jax.nn.relu(self.l1(x))
+        h = self.gain * jax.nn.relu(self.l2(h)) / 10
+        return self.l3(h)
+
+
+def w8a8_rows(samples=128):
+    model = Outliers(jax.random.key(0))
+    rng = np.random.default_rng(0)
+
+    def draw():
+        x = rng.standard_normal((samples, 64)).astype(np.float32)
+        x[:, [3, 17]] *= 50.0
+        return jnp.asarray(x)
+
+    calibration, held_out = draw(), draw()
+    reference = jax.vmap(model)(held_out)
+
+    def error(m):
+        y = jax.vmap(m)(held_out)
+        return float(jnp.linalg.norm(y - reference) / jnp.linalg.norm(reference))
+
+    dynamic = error(qnn.quantize(model, activations="int8"))
+    rows = []
+    for what, options, target in (
+        ("SmoothQuant (alpha 0.5)", {"smoothquant": 0.5}, 0.5),
+        ("static per-tensor scales", {"static": True}, None),
+        ("static per-channel scales", {"static": "channel"}, None),
+        ("SmoothQuant + static", {"smoothquant": 0.5, "static": True}, 0.5),
+        ("GPTQ + SmoothQuant", {"smoothquant": 0.5, "method": "gptq"}, None),
+    ):
+        quantized = qnn.quantize(model, activations="int8", data=calibration, **options)
+        rows.append(
+            {
+                "row": f"W8A8 with outlier channels: output error, {what} / "
+                "dynamic RTN",
+                "shape": (samples, 64, 128),
+                "baseline": f"dynamic RTN {dynamic:.4f}, this {error(quantized):.4f}",
+                "ratio": error(quantized) / dynamic,
+                "target": target,
+                "unit": "x dynamic RTN's (lower is better)",
+                "lower_is_better": True,
+            }
+        )
+    return rows
+
+
 def run():
-    return [*cnn_rows(), *digits_rows(), *mlp_rows()]
+    return [*cnn_rows(), *digits_rows(), *mlp_rows(), *w8a8_rows()]
 
 
 if __name__ == "__main__":

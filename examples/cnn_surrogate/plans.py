@@ -6,8 +6,11 @@ the solver, and the inverse problem solved through each served model.
    heat_surrogate.py:Surrogate --budget B`` at two budgets (output relative
    L2 against float32 on 32 fields): each writes a tree model file whose
    layers are int4, int8 or float32.
+   With ``--methods rtn,gptq``, each budget planned with each method
+   (GPTQ calibrated on 128 training fields, ``--method gptq --data``).
 2. Each model file (the plans, all-int8, all-int4 with groups of 32: the
-   first convolution, K = 9, stays int8) served by qarray-serve for
+   first convolution, K = 9, stays int8; all-int4 by GPTQ and by AWQ on the
+   same 128 fields) served by qarray-serve for
    tesseract_api.py (QARRAY_MODEL); float32 runs in JAX, as the trained model.
 3. Per model: its test error against the solver (200 held-out fields), and
    the inverse problem of pipeline.py through it (tesseract-jax: apply +
@@ -43,9 +46,11 @@ from qarray.checkpoint import load_quantized, load_tree, save_tree  # noqa: E402
 GROUP = 32  # divides the inner convolutions' K = 32 * 9
 
 
-def make_plan(model_file: Path, data: Path, budget: float, out: Path) -> dict:
+def make_plan(model_file: Path, data: Path, budget: float, out: Path,
+              method: str = "rtn", calibration: Path | None = None):  # fmt: skip
     """qarray-serve plan on the float32 file; its JSON report and seconds."""
     serve = Path(sys.executable).with_name("qarray-serve")
+    calibrated = [] if method == "rtn" else ["--method", method, "--data", calibration]
     start = time.perf_counter()
     subprocess.run(
         [
@@ -53,6 +58,7 @@ def make_plan(model_file: Path, data: Path, budget: float, out: Path) -> dict:
             "--like", f"{HERE / 'heat_surrogate.py'}:Surrogate",
             "--budget", str(budget), "--group-size", str(GROUP),
             "--out", str(out), "--json", str(out.with_suffix(".json")),
+            *map(str, calibrated),
         ],
         check=True,
     )  # fmt: skip
@@ -89,6 +95,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=HERE / "surrogate.safetensors")
     parser.add_argument("--budgets", default="0.02,0.01")
+    parser.add_argument("--methods", default="rtn", help="plan methods: rtn,gptq")
     parser.add_argument("--inverse-steps", type=int, default=300)
     parser.add_argument("--test-count", type=int, default=200)
     parser.add_argument("--out", type=Path, default=Path("cnn_plans_results"))
@@ -98,6 +105,7 @@ def main(argv=None) -> dict:
     model = load_tree(args.model, skeleton)
     test_k, test_u = dataset(np.random.default_rng(0), args.test_count)
     plan_k, _ = dataset(np.random.default_rng(7), 32)  # the plans' data
+    calibration_k, _ = dataset(np.random.default_rng(1), 128)  # GPTQ's, AWQ's
     log_k_star, u_star = test_k[0], solve(test_k[0]).astype(np.float32)
 
     from tesseract_core import Tesseract
@@ -107,19 +115,29 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         np.savez(scratch / "data.npz", x=plan_k[:, None].astype(np.float32))
+        calibration = calibration_k[:, None].astype(np.float32)
+        np.savez(scratch / "calibration.npz", x=calibration)
         files = {}
-        for name, variant in (
+        int4 = {"precision": "int4", "group_size": GROUP}
+        for i, (name, variant) in enumerate((
             ("all int8", qnn.quantize(model)),
-            (f"all int4 (G={GROUP})", qnn.quantize(model, precision="int4",
-                                                   group_size=GROUP)),
-        ):  # fmt: skip
-            files[name] = scratch / f"{name.split()[1]}.safetensors"
+            (f"all int4 (G={GROUP})", qnn.quantize(model, **int4)),
+            (f"all int4 (G={GROUP}), GPTQ",
+             qnn.quantize(model, **int4, method="gptq", data=calibration)),
+            (f"all int4 (G={GROUP}), AWQ",
+             qnn.quantize(model, **int4, method="awq", data=calibration)),
+        )):  # fmt: skip
+            files[name] = scratch / f"variant_{i}.safetensors"
             save_tree(files[name], variant)
         for budget in (float(b) for b in args.budgets.split(",")):
-            name = f"plan, budget {budget:g}"
-            files[name] = scratch / f"plan_{budget:g}.safetensors"
-            plans[name] = make_plan(args.model, scratch / "data.npz", budget,
-                                    files[name])  # fmt: skip
+            for method in args.methods.split(","):
+                name = f"plan, budget {budget:g}" + (
+                    f", {method.upper()}" if method != "rtn" else ""
+                )
+                files[name] = scratch / f"plan_{budget:g}_{method}.safetensors"
+                plans[name] = make_plan(args.model, scratch / "data.npz", budget,
+                                        files[name], method,
+                                        scratch / "calibration.npz")  # fmt: skip
 
         def measure(name, loaded, surrogate_fn):
             f, losses, seconds = invert(surrogate_fn, u_star, args.inverse_steps)

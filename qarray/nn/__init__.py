@@ -19,6 +19,7 @@ from ._conv import Conv as Conv
 from ._conv import ConvTranspose as ConvTranspose
 from ._embedding import Embedding as Embedding
 from ._linear import Linear as Linear
+from ._lora import Adapter as Adapter
 from ._lora import LoRA as LoRA
 from ._lora import lora as lora
 from ._lora import lora_spec as lora_spec
@@ -31,6 +32,7 @@ from ._shapes import LAYOUTS as LAYOUTS
 from ._shapes import PRECISIONS as PRECISIONS
 from ._shapes import LayerShapes as LayerShapes
 from ._shapes import NetworkShape as NetworkShape
+from ._shapes import check_adapter_shapes as check_adapter_shapes
 from ._shapes import layer_shapes as layer_shapes
 from ._shapes import network_shape as network_shape
 from ._spectral import SpectralConv as SpectralConv

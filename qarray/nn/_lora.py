@@ -29,6 +29,25 @@ from ._conv import Conv, ConvTranspose
 from ._linear import Linear
 
 
+class Adapter(eqx.Module):
+    """A ``Linear`` layer's low-rank update without the layer: ``x (..., K)
+    -> (alpha / rank) (x a^T) b^T (..., N)``, ``a (rank, K)``, ``b (N,
+    rank)``. What a ``Network`` adds to its layers (the Tesseract contract's
+    ``lora`` field); ``LoRA`` holds one with its base."""
+
+    a: jax.Array
+    b: jax.Array
+    alpha: float = eqx.field(static=True)
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[-2]
+
+    def __call__(self, x):
+        return (self.alpha / self.rank) * ((x @ jnp.swapaxes(self.a, -1, -2)) @
+                                           jnp.swapaxes(self.b, -1, -2))  # fmt: skip
+
+
 class LoRA(eqx.Module):
     """A frozen quantized layer (``base``: a ``qarray.nn.Linear`` or
     ``Conv``) and its trainable low-rank adapter ``a``, ``b`` (module doc);
@@ -53,7 +72,7 @@ class LoRA(eqx.Module):
         channels of the kernel-shaped ``a``, then ``b`` pointwise)."""
         x = jnp.asarray(x)
         if isinstance(self.base, Linear):
-            return (x @ self.a.T) @ self.b.T
+            return Adapter(self.a, self.b, float(self.rank))(x)
         base = self.base
         nsp = len(base.kernel_size)
         space = "DHW"[3 - nsp :]

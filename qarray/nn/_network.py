@@ -14,7 +14,8 @@ from jax.sharding import reshard
 
 from .._ops import unpack
 from ._linear import Linear
-from ._shapes import NetworkShape, network_shape
+from ._lora import Adapter
+from ._shapes import NetworkShape, check_adapter_shapes, network_shape
 
 # applied after each layer's bias; gelu is the exact (erf) form, PyTorch's
 # nn.GELU default
@@ -43,13 +44,18 @@ class Network(eqx.Module):
     ``mesh_axes=(data, model)`` runs it under explicit sharding (the mesh set
     with ``jax.set_mesh``): x's rows over ``data``, every layer's output
     channels over ``model``, each layer's contraction axis whole.
+
+    ``adapters``: one ``Adapter`` (LoRA: ``a (rank, K_i)``, ``b (N_i,
+    rank)``, no batch axes) or None per layer, added to the layer's output
+    before its activation: ``activation_i(layers[i](h) + adapters[i](h))``.
     """
 
     layers: tuple[Linear, ...]
+    adapters: tuple[Adapter | None, ...] | None
     activation: tuple[str, ...] = eqx.field(static=True)
     mesh_axes: tuple[str, str] | None = eqx.field(static=True)
 
-    def __init__(self, layers, activation=None, *, mesh_axes=None):
+    def __init__(self, layers, activation=None, *, mesh_axes=None, adapters=None):
         layers = tuple(layers)
         if not layers or not all(isinstance(layer, Linear) for layer in layers):
             raise TypeError("Network requires one or more qarray.nn.Linear layers.")
@@ -74,6 +80,9 @@ class Network(eqx.Module):
                     f"{b.in_features}."
                 )
         self.layers, self.activation, self.mesh_axes = layers, activation, mesh_axes
+        self.adapters = None if adapters is None else tuple(adapters)
+        if self.adapters is not None:
+            _check_adapters(self.layers, self.adapters)
 
     def shape(self, x_shape: tuple[int, ...]) -> NetworkShape:
         """The output shapes for an input of ``x_shape``; TypeError when the
@@ -106,8 +115,14 @@ class Network(eqx.Module):
         x = jnp.asarray(x)
         shape = self.shape(x.shape)
         rank = len(shape.batch)
+
+        def unbatched(a):  # size-1 batch axes: broadcast by _map_batch
+            return a.reshape(*(1,) * rank, *a.shape)
+
         net = dataclasses.replace(
-            self, layers=[layer.with_batch_rank(rank) for layer in self.layers]
+            self,
+            layers=[layer.with_batch_rank(rank) for layer in self.layers],
+            adapters=jax.tree.map(unbatched, self.adapters),
         )
         if self.mesh_axes is not None and rank == 0:
             return net._run_on_mesh(x, return_w_q)
@@ -118,19 +133,32 @@ class Network(eqx.Module):
     def _run_one(self, h, return_w_q: bool):
         """One example: unbatched layers."""
         per_layer = []
-        for layer, activation in zip(self.layers, self.activation, strict=True):
+        adapters = self.adapters or (None,) * len(self.layers)
+        for layer, adapter, activation in zip(
+            self.layers, adapters, self.activation, strict=True
+        ):
             if self.mesh_axes is not None:
                 data, model = self.mesh_axes
                 # a sharded contraction axis is a TypeError in qarray's typing
                 # rules: the rows go over data, the features stay whole
                 h = reshard(h, jax.P(data, None))
                 layer = layer.placed(reshard, model)
+                if adapter is not None:
+                    adapter = dataclasses.replace(
+                        adapter,
+                        a=reshard(adapter.a, jax.P(None, None)),
+                        b=reshard(adapter.b, jax.P(model, None)),
+                    )
+
+            def update(h, adapter=adapter):
+                return 0.0 if adapter is None else adapter(h)
+
             if layer.precision == "float32":  # not quantized: nothing to report
-                h = ACTIVATIONS[activation](layer(h))
+                h = ACTIVATIONS[activation](layer(h) + update(h))
                 per_layer.append({"weight_error": layer.weight_error(), "w_q": None})
                 continue
             qw = layer.quantized()
-            h = ACTIVATIONS[activation](layer.product(h, qw))
+            h = ACTIVATIONS[activation](layer.product(h, qw) + update(h))
             w_q = None
             if return_w_q and layer.trainable:
                 qvalue, scale = unpack(qw)
@@ -149,6 +177,16 @@ class Network(eqx.Module):
         y, per_layer = self._run_one(rows, return_w_q)
         y = reshard(y, jax.P(None, None))[:m]
         return y.reshape(*lead, y.shape[-1]), per_layer
+
+
+def _check_adapters(layers, adapters) -> None:
+    """``check_adapter_shapes`` of the layers' widths, as a TypeError."""
+    widths = [layers[0].in_features, *(layer.out_features for layer in layers)]
+    shapes = [None if a is None else (jnp.shape(a.a), jnp.shape(a.b)) for a in adapters]
+    try:
+        check_adapter_shapes(widths, shapes)
+    except ValueError as error:
+        raise TypeError(str(error)) from None
 
 
 def _map_batch(fn, batch: tuple[int, ...], args):

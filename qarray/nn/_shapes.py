@@ -198,3 +198,32 @@ def layer_shapes(layer: dict, shape_of=lambda a: tuple(a.shape)) -> LayerShapes 
     return LayerShapes(
         weights, scale, bias_shape, layout, w is not None, precision, group_size
     )
+
+
+def check_adapter_shapes(widths, adapters) -> None:
+    """The ``lora`` field's shapes against the network's ``widths`` (K0, N0,
+    N1, ...: layer i maps ``widths[i]`` to ``widths[i + 1]``): one entry per
+    layer, each None or ``(a_shape, b_shape)`` with ``a (rank, K_i)``,
+    ``b (N_i, rank)``, ``1 <= rank <= min(K_i, N_i)``; a ValueError naming
+    ``lora.[i]`` otherwise."""
+    layers = len(widths) - 1
+    if len(adapters) != layers:
+        raise ValueError(
+            f"lora has {len(adapters)} entries for a network of {layers} layers "
+            "(one adapter or null per layer)"
+        )
+    for i, shapes in enumerate(adapters):
+        if shapes is None:
+            continue
+        (a, b), k, n = (tuple(s) for s in shapes), widths[i], widths[i + 1]
+        rank = a[0] if len(a) == 2 else None
+        if rank is None or a[1] != k or not 1 <= rank <= min(k, n):
+            raise ValueError(
+                f"lora.[{i}].a must be (rank, {k}) for layers.[{i}] (K = {k}, "
+                f"1 <= rank <= {min(k, n)}), got {a}"
+            )
+        if b != (n, rank):
+            raise ValueError(
+                f"lora.[{i}].b must be ({n}, {rank}) for layers.[{i}] (N = {n}) "
+                f"and lora.[{i}].a {a}, got {b}"
+            )

@@ -96,28 +96,52 @@ def _product(h, layer, quantize_activations):
     return acc * hs[..., None] * scale.astype(np.float64)
 
 
-def forward_one(x, layers, quantize_activations=False):
-    """y and the per-layer (input, pre-activation) pairs, in float64."""
+def _adapter_scale(adapter):
+    """alpha / rank of a LoRA adapter (alpha defaults to the rank)."""
+    rank = np.shape(adapter["a"])[0]
+    return (adapter.get("alpha") or rank) / rank
+
+
+def forward_one(x, layers, quantize_activations=False, lora=None):
+    """y and the per-layer (input, pre-activation) pairs, in float64; ``lora``
+    (one adapter {a, b, alpha} or None per layer) adds (alpha / rank) (h
+    a^T) b^T before each activation."""
     h = np.asarray(x, np.float64)
     trace = []
-    for layer in layers:
+    lora = lora or [None] * len(layers)
+    for layer, adapter in zip(layers, lora, strict=True):
         z = _product(h, layer, quantize_activations)
         if "bias" in layer:
             z = z + layer["bias"]
+        if adapter is not None:
+            a, b = (np.asarray(adapter[k], np.float64) for k in ("a", "b"))
+            z = z + _adapter_scale(adapter) * (h @ a.T) @ b.T
         trace.append((h, z))
         h = act(layer.get("activation", "none"), z)
     return h, trace
 
 
-def vjp_one(x, layers, g, quantize_activations=False):
-    """Straight-through cotangents {path: array} of every differentiable input."""
-    _, trace = forward_one(x, layers, quantize_activations)
+def vjp_one(x, layers, g, quantize_activations=False, lora=None):
+    """Straight-through cotangents {path: array} of every differentiable input
+    (an adapter's ``lora.[i].a`` and ``lora.[i].b`` too)."""
+    _, trace = forward_one(x, layers, quantize_activations, lora)
     out = {}
     g = np.asarray(g, np.float64)
+    lora = lora or [None] * len(layers)
     for i in reversed(range(len(layers))):
         layer = layers[i]
         h, z = trace[i]
         gz = g * act_grad(layer.get("activation", "none"), z)
+        through_adapter = 0.0
+        if lora[i] is not None:
+            a, b = (np.asarray(lora[i][k], np.float64) for k in ("a", "b"))
+            s = _adapter_scale(lora[i])
+            rows, grows = h.reshape(-1, h.shape[-1]), gz.reshape(-1, gz.shape[-1])
+            low = rows @ a.T  # (rows, rank)
+            out[f"lora.[{i}].b"] = s * grows.T @ low
+            g_low = s * grows @ b  # (rows, rank)
+            out[f"lora.[{i}].a"] = g_low.T @ rows
+            through_adapter = (g_low @ a).reshape(h.shape)
         w = dense_kn(layer)
         gw = h.reshape(-1, h.shape[-1]).T @ gz.reshape(-1, gz.shape[-1])  # (K, N)
         if layer.get("layout", "kn") == "nk":
@@ -135,7 +159,7 @@ def vjp_one(x, layers, g, quantize_activations=False):
             )
         if "bias" in layer:
             out[f"layers.[{i}].bias"] = gz.reshape(-1, gz.shape[-1]).sum(axis=0)
-        g = gz @ w.T
+        g = gz @ w.T + through_adapter
     out["x"] = g
     return out
 

@@ -346,6 +346,37 @@ CASES = [
             "Could not find jac_inputs path layers.[0].w_q.scale in inputs",
         ],
     ),
+    # LoRA adapters (x (2, 3) -> w (3, 4): a (rank, 3), b (4, rank))
+    (
+        "lora-a-shape",
+        "apply",
+        {"inputs": inputs(lora=[{"a": b64(f32(2, 4)), "b": b64(f32(4, 2))}])},
+        ["lora.[0].a must be (rank, 3) for layers.[0] (K = 3", "got (2, 4)"],
+    ),
+    (
+        "lora-b-shape",
+        "apply",
+        {"inputs": inputs(lora=[{"a": b64(f32(2, 3)), "b": b64(f32(2, 4))}])},
+        ["lora.[0].b must be (4, 2) for layers.[0] (N = 4)", "got (2, 4)"],
+    ),
+    (
+        "lora-count",
+        "apply",
+        {"inputs": inputs(lora=[None, None])},
+        ["lora has 2 entries for a network of 1 layers"],
+    ),
+    (
+        "lora-nan",
+        "apply",
+        {"inputs": inputs(lora=[{"a": b64(with_nan(f32(2, 3))), "b": b64(f32(4, 2))}])},
+        ["lora.[0].a must be finite"],
+    ),
+    (
+        "lora-path-not-given",
+        "vector_jacobian_product",
+        vjp(vjp_inputs=["lora.[0].a"]),
+        ["vjp_inputs: 'lora.[0].a' names an array this request did not give"],
+    ),
 ]
 
 
