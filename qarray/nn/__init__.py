@@ -24,6 +24,7 @@ from ._lora import LoRA as LoRA
 from ._lora import lora as lora
 from ._lora import lora_spec as lora_spec
 from ._lora import merge as merge
+from ._lora import with_adapters as with_adapters
 from ._network import ACTIVATIONS as ACTIVATIONS
 from ._network import Network as Network
 from ._quantize import freeze as freeze

@@ -106,6 +106,38 @@ def _widths(layer) -> tuple[int, int, tuple[int, ...]]:
     return k, n, ()
 
 
+def _adaptable(node) -> bool:
+    """What ``lora`` adapts: a stored quantized ``Linear`` or ``Conv``."""
+    return isinstance(node, Linear | Conv) and not node.trainable
+
+
+def adapter_shapes(model, rank: int, where=None) -> list[tuple[tuple, tuple]]:
+    """``(a.shape, b.shape)`` of each adapter ``lora(model, rank)`` makes,
+    in tree order: ``a (rank, K, *kernel)``, ``b (N, rank)``."""
+    shapes = []
+    for node in jax.tree.leaves(model, is_leaf=_adaptable):
+        if _adaptable(node) and (where is None or where(node)):
+            k, n, kernel = _widths(node)
+            shapes.append(((rank, k, *kernel), (n, rank)))
+    return shapes
+
+
+def with_adapters(model, adapters, *, alpha: float, where=None):
+    """``model`` with the i-th layer ``lora`` would adapt wrapped in
+    ``LoRA(layer, a_i, b_i, alpha)`` for ``adapters[i] = (a_i, b_i)`` (left
+    as it is where ``adapters[i]`` is None): how a served model takes the
+    adapters of a request."""
+    given = iter(adapters)
+
+    def wrap(node):
+        if not _adaptable(node) or (where is not None and not where(node)):
+            return node
+        pair = next(given)
+        return node if pair is None else LoRA(node, *pair, float(alpha))
+
+    return jax.tree.map(wrap, model, is_leaf=_adaptable)
+
+
 def lora(model, rank: int, *, alpha: float | None = None, where=None, key):
     """``model`` with every stored quantized ``Linear`` and ``Conv`` (that
     ``where(layer)`` accepts) wrapped in a ``LoRA`` of ``rank`` (``alpha``
@@ -113,23 +145,18 @@ def lora(model, rank: int, *, alpha: float | None = None, where=None, key):
     ``+-1 / sqrt(fan_in)``, ``b`` zero."""
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"lora requires a positive int rank, got {rank!r}.")
+    adapters = []
+    for i, (a, b) in enumerate(adapter_shapes(model, rank, where)):
+        bound = 1.0 / math.sqrt(math.prod(a[1:]))
+        sub = jax.random.fold_in(key, i)
+        adapters.append(
+            (
+                jax.random.uniform(sub, a, minval=-bound, maxval=bound),
+                jnp.zeros(b, jnp.float32),
+            )
+        )
     alpha = float(rank if alpha is None else alpha)
-    counter = iter(range(10**9))
-
-    def is_layer(node) -> bool:
-        return isinstance(node, Linear | Conv) and not node.trainable
-
-    def wrap(node):
-        if not is_layer(node) or (where is not None and not where(node)):
-            return node
-        k, n, kernel = _widths(node)
-        fan_in = k * math.prod(kernel)
-        sub = jax.random.fold_in(key, next(counter))
-        bound = 1.0 / math.sqrt(fan_in)
-        a = jax.random.uniform(sub, (rank, k, *kernel), minval=-bound, maxval=bound)
-        return LoRA(node, a, jnp.zeros((n, rank), jnp.float32), alpha)
-
-    return jax.tree.map(wrap, model, is_leaf=is_layer)
+    return with_adapters(model, adapters, alpha=alpha, where=where)
 
 
 def _is_lora(node) -> bool:

@@ -24,6 +24,14 @@ guard (``qarray-serve``), the size limits (``QARRAY_MAX_ELEMENTS`` on every
 declared array with ``TESSERACT.limits.array``, and on every output and
 Jacobian), the residual cache (apply keeps its pullback for the VJP that
 follows), ``abstract_eval``, and every client error a 422 naming the field.
+
+``lora_rank=r`` exposes LoRA adapters on the resident model as inputs: the
+API's InputSchema declares ``lora: TESSERACT.Lora = None``, a list of one
+``{a, b}`` (or null) per stored quantized Linear and Conv of the model (tree
+order, ``TESSERACT.lora_shapes``); a request's adapters are added to those
+layers (``qarray.nn.with_adapters``) before ``forward`` runs, and are
+differentiable (``lora.[i].a``, ``lora.[i].b``): a client fine-tunes the
+resident int8 / int4 model (QLoRA) by sending and receiving the adapters.
 """
 
 from __future__ import annotations
@@ -33,17 +41,20 @@ import math
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from pydantic import BaseModel
-from tesseract_core.runtime import jax_recipes
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from tesseract_core.runtime import Array, Differentiable, Float32, jax_recipes
 
 from ..checkpoint import ModelFileError, load_quantized
+from ..nn import with_adapters
+from ..nn._lora import adapter_shapes
 from ._jit import jit_request, merge_request, split_request
+from ._limits import require_finite
 from ._paths import lookup_path
 from ._requests import checked_vectors, unprocessable
 from ._runtime import Runtime
@@ -69,6 +80,8 @@ class ModelTesseract:
         *,
         model_file: str | Path | None = None,
         environ: Mapping[str, str] | None = None,
+        lora_rank: int | None = None,
+        lora_alpha: float | None = None,
         **quantize_options,
     ):
         settings = Settings.from_env(environ)
@@ -103,8 +116,67 @@ class ModelTesseract:
         self.forward = forward
         self._compiled = jit_request(self._run)
         self._shapes: dict = {}
+        self.lora_shapes: list[tuple[tuple, tuple]] = []
+        if lora_rank is not None:
+            self._serve_adapters(lora_rank, lora_alpha)
+
+    def _serve_adapters(self, rank: int, alpha: float | None) -> None:
+        """``Lora``: the InputSchema field's type (module doc)."""
+        if not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"lora_rank must be a positive int, got {rank!r}")
+        self.lora_shapes = adapter_shapes(self.model, rank)
+        if not self.lora_shapes:
+            raise RuntimeError(
+                "lora_rank: the model has no stored quantized Linear or Conv layer "
+                "to adapt"
+            )
+        self.lora_alpha = float(rank if alpha is None else alpha)
+        weights = Annotated[
+            Differentiable[Array[..., Float32]], self.limits.array("float32")
+        ]
+
+        class Adapter(BaseModel):
+            """One layer's LoRA adapter: ``(alpha / rank) (x a^T) b^T``
+            added to its output (a convolution's ``a`` is kernel-shaped)."""
+
+            a: weights = Field(description="(rank, K, *kernel)")
+            b: weights = Field(description="(N, rank)")
+
+            model_config = ConfigDict(extra="forbid")
+
+        self.Lora = Annotated[
+            list[Adapter | None] | None, AfterValidator(self._checked_adapters)
+        ]
+
+    def _checked_adapters(self, entries):
+        """A request's ``lora``, once its count and shapes fit the model."""
+        if entries is None:
+            return None
+        if len(entries) != len(self.lora_shapes):
+            raise ValueError(
+                f"lora has {len(entries)} entries: the model has "
+                f"{len(self.lora_shapes)} adapted layers (one {{a, b}} or null each)"
+            )
+        for i, (entry, shapes) in enumerate(
+            zip(entries, self.lora_shapes, strict=True)
+        ):
+            if entry is None:
+                continue
+            for name, want in zip(("a", "b"), shapes, strict=True):
+                got = tuple(np.shape(getattr(entry, name)))
+                if got != want:
+                    raise ValueError(
+                        f"lora.[{i}].{name} must be {want} for the model's adapted "
+                        f"layer {i}, got {got}"
+                    )
+                require_finite(f"lora.[{i}].{name}", getattr(entry, name))
+        return entries
 
     def _run(self, inputs: dict, model) -> dict:
+        entries = inputs.get("lora") if self.lora_shapes else None
+        if entries is not None:
+            pairs = [None if e is None else (e["a"], e["b"]) for e in entries]
+            model = with_adapters(model, pairs, alpha=self.lora_alpha)
         return self.forward(model, inputs)
 
     def apply_jit(self, inputs: dict) -> dict:

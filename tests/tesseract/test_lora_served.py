@@ -176,3 +176,175 @@ def test_adapters_that_do_not_fit_are_refused(resident, lora, message):
     t, _ = resident
     with pytest.raises(Exception, match=message):
         t.apply({"x": np.zeros((2, 6), np.float32), "lora": lora})
+
+
+SMALL_MODEL = """
+import equinox as eqx
+import jax
+
+
+class Small(eqx.Module):
+    conv: eqx.nn.Conv1d
+    fc: eqx.nn.Linear
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k = jax.random.split(key, 3)
+        self.conv = eqx.nn.Conv1d(2, 4, 3, padding=1, key=k[0])
+        self.fc = eqx.nn.Linear(24, 8, key=k[1])
+        self.head = eqx.nn.Linear(8, 3, key=k[2])
+
+    def __call__(self, x):
+        h = jax.nn.relu(self.conv(x)).ravel()
+        return self.head(jax.nn.relu(self.fc(h)))
+"""
+
+SMALL_API = """
+from pathlib import Path
+from typing import Annotated
+
+import jax
+from pydantic import BaseModel, Field
+from small_model import Small
+from tesseract_core.runtime import Array, Differentiable, Float32
+
+from qarray.tesseract import ModelTesseract
+
+
+def forward(model, inputs):
+    return {"y": jax.vmap(model)(inputs["x"])}
+
+
+TESSERACT = ModelTesseract(
+    Small(jax.random.key(0)), forward,
+    model_file=Path(__file__).with_name("small.safetensors"),
+    lora_rank=2, lora_alpha=4.0,
+)
+RUNTIME = TESSERACT.runtime
+Float = Differentiable[Array[..., Float32]]
+
+
+class InputSchema(BaseModel):
+    x: Annotated[Float, TESSERACT.limits.array("float32")] = Field(description="x")
+    lora: TESSERACT.Lora = Field(default=None, description="adapters")
+
+
+class OutputSchema(BaseModel):
+    y: Float = Field(description="y")
+
+
+def apply(inputs: InputSchema) -> OutputSchema:
+    return TESSERACT.apply(inputs)
+
+
+def vector_jacobian_product(inputs: InputSchema, vjp_inputs, vjp_outputs,
+                            cotangent_vector):
+    return TESSERACT.vector_jacobian_product(inputs, vjp_inputs, vjp_outputs,
+                                             cotangent_vector)
+"""
+
+
+def _dense(layer):
+    """A stored int8 layer's weights, dequantized (float64, rows per output)."""
+    return ref.dequantize(np.asarray(layer.qvalue), np.asarray(layer.scale)).astype(
+        np.float64
+    )
+
+
+def numpy_small(stored, x, lora, scale=2.0):
+    """Small in float64 with its stored int8 weights and the adapters
+    ``lora`` (conv, fc, head; None: none) at ``alpha / rank = scale``."""
+    conv = _dense(stored.conv).reshape(4, 2, 3)
+    geometry = ((1,), ((1, 1),), (1,))
+    ys = []
+    for xi in x.astype(np.float64):
+        z = ref.conv(xi, conv, *geometry) + np.asarray(stored.conv.bias)[:, None]
+        if lora[0] is not None:
+            low = ref.conv(xi, np.asarray(lora[0]["a"], np.float64), *geometry)
+            z = z + scale * np.asarray(lora[0]["b"], np.float64) @ low
+        h = np.maximum(z, 0).ravel()
+        h = np.maximum(h @ _dense(stored.fc).T + np.asarray(stored.fc.bias), 0)
+        y = h @ _dense(stored.head).T + np.asarray(stored.head.bias)
+        if lora[2] is not None:
+            a, b = (np.asarray(lora[2][k], np.float64) for k in ("a", "b"))
+            y = y + scale * (h @ a.T) @ b.T
+        ys.append(y)
+    return np.stack(ys)
+
+
+def test_a_model_tesseract_with_lora_rank(tmp_path, rng, monkeypatch):
+    """ModelTesseract(lora_rank=2): one adapter per stored layer (a conv's
+    kernel-shaped), values against NumPy with and without adapters, the
+    gradients w.r.t. them (linear in b: against differences of NumPy
+    outputs; the others against jax.vjp of qnn.with_adapters), and 4xx's
+    naming lora.[i]."""
+    import importlib.util
+    import sys
+
+    import jax
+
+    import qarray.nn as qnn
+    from qarray.checkpoint import save_tree
+
+    monkeypatch.delenv("QARRAY_MODEL", raising=False)  # model_file, not the env's
+    (tmp_path / "small_model.py").write_text(SMALL_MODEL)
+    (tmp_path / "small_api.py").write_text(SMALL_API)
+    spec = importlib.util.spec_from_file_location(
+        "small_model", tmp_path / "small_model.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["small_model"] = module
+    spec.loader.exec_module(module)
+    stored = qnn.quantize(module.Small(jax.random.key(4)))
+    save_tree(tmp_path / "small.safetensors", stored)
+    x = net.normal(rng, (5, 2, 6))
+    lora = [
+        {"a": net.normal(rng, (2, 2, 3)), "b": net.normal(rng, (4, 2))},
+        None,
+        {"a": net.normal(rng, (2, 8)), "b": net.normal(rng, (3, 2))},
+    ]
+    with Tesseract.from_tesseract_api(str(tmp_path / "small_api.py")) as t:
+        got = t.apply({"x": x, "lora": lora})["y"]
+        np.testing.assert_allclose(
+            got, numpy_small(stored, x, lora), rtol=RTOL, atol=ATOL
+        )
+        np.testing.assert_allclose(
+            t.apply({"x": x})["y"],
+            numpy_small(stored, x, [None] * 3),
+            rtol=RTOL,
+            atol=ATOL,
+        )
+        g = net.normal(rng, (5, 3))
+        paths = {"lora.[0].a", "lora.[0].b", "lora.[2].a", "lora.[2].b"}
+        grads = t.vector_jacobian_product(
+            {"x": x, "lora": lora}, paths, {"y"}, {"y": g}
+        )
+        # y is linear in the head adapter's b: its VJP from NumPy differences
+        without = [lora[0], None, {**lora[2], "b": 0 * lora[2]["b"]}]
+        base = numpy_small(stored, x, without)
+        want = np.zeros(lora[2]["b"].shape)
+        for idx in np.ndindex(*want.shape):
+            unit = np.zeros_like(lora[2]["b"])
+            unit[idx] = 1.0
+            moved = numpy_small(stored, x, [lora[0], None, {**lora[2], "b": unit}])
+            want[idx] = np.sum(g * (moved - base))
+        np.testing.assert_allclose(grads["lora.[2].b"], want, rtol=RTOL, atol=ATOL)
+        adapted = qnn.with_adapters(
+            stored,
+            [(lora[0]["a"], lora[0]["b"]), None, (lora[2]["a"], lora[2]["b"])],
+            alpha=4.0,
+        )
+        assert isinstance(adapted.conv, qnn.LoRA) and adapted.fc is stored.fc
+        _, pullback = jax.vjp(lambda m: jax.vmap(m)(x), adapted)
+        (cotangents,) = pullback(g)
+        for path, want in (
+            ("lora.[0].a", cotangents.conv.a),
+            ("lora.[0].b", cotangents.conv.b),
+            ("lora.[2].a", cotangents.head.a),
+        ):
+            np.testing.assert_allclose(grads[path], want, rtol=RTOL, atol=ATOL)
+        bad = {"a": np.zeros((2, 7), np.float32), "b": np.zeros((3, 2), np.float32)}
+        with pytest.raises(Exception, match=r"lora.\[2\].a must be \(2, 8\)"):
+            t.apply({"x": x, "lora": [None, None, bad]})
+        with pytest.raises(Exception, match="the model has 3 adapted layers"):
+            t.apply({"x": x, "lora": [None]})
