@@ -200,7 +200,8 @@ def main():
     # bench_e2e.run), which the other suites should not measure under
     parser.add_argument(
         "--only",
-        default="kernels,int4,matmul,conv,cache,http,scaling,e2e,served,calibration",
+        default="kernels,int4,matmul,conv,cache,http,scaling,e2e,served,calibration,"
+        "lora",
     )
     parser.add_argument("--out", default=str(HERE / "results.json"))
     parser.add_argument("--plot", default=str(HERE / "results.png"))
@@ -224,6 +225,7 @@ def main():
         bench_http,
         bench_int4,
         bench_kernels,
+        bench_lora,
         bench_matmul,
         bench_scaling,
         bench_served,
@@ -241,6 +243,7 @@ def main():
         "e2e": lambda: bench_e2e.run(reps=5 if args.quick else 31),
         "served": lambda: bench_served.run(reps=5 if args.quick else 21),
         "calibration": bench_calibration.run,
+        "lora": lambda: bench_lora.run(reps=5 if args.quick else 11),
     }
     rows = []
     started = time.time()

@@ -36,8 +36,9 @@ def random_log_k(rng: np.random.Generator, count: int, grid: int = GRID) -> np.n
     return fields.astype(np.float32)
 
 
-def solve(log_k: np.ndarray) -> np.ndarray:
-    """u (grid, grid) for one log-conductivity field, in float64."""
+def solve(log_k: np.ndarray, source: np.ndarray | None = None) -> np.ndarray:
+    """u (grid, grid) for one log-conductivity field, in float64; ``source``
+    (grid, grid) the heat source on the right-hand side (default 1)."""
     grid = log_k.shape[0]
     k = np.exp(np.asarray(log_k, np.float64))
     h2 = (1.0 / grid) ** 2
@@ -72,13 +73,14 @@ def solve(log_k: np.ndarray) -> np.ndarray:
     matrix = coo_matrix(
         (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), (n, n)
     ).tocsr()
-    return spsolve(matrix, np.ones(n)).reshape(grid, grid)
+    rhs = np.ones(n) if source is None else np.asarray(source, np.float64).ravel()
+    return spsolve(matrix, rhs).reshape(grid, grid)
 
 
-def dataset(rng: np.random.Generator, count: int, grid: int = GRID):
-    """(log_k, u), each (count, grid, grid) float32."""
+def dataset(rng: np.random.Generator, count: int, grid: int = GRID, source=None):
+    """(log_k, u), each (count, grid, grid) float32 (``source``: ``solve``'s)."""
     log_k = random_log_k(rng, count, grid)
-    u = np.stack([solve(f) for f in log_k]).astype(np.float32)
+    u = np.stack([solve(f, source) for f in log_k]).astype(np.float32)
     return log_k, u
 
 

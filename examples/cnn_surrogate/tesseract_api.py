@@ -1,10 +1,10 @@
 """A CNN surrogate of the steady heat equation, served int8 with gradients.
 
 log_k (B, 32, 32), the log-conductivity fields -> u (B, 32, 32), the
-temperatures (heat_surrogate.py). The weights come from surrogate.safetensors
-beside this file (QARRAY_MODEL overrides it), float32, quantized to int8 once
-at start-up; qarray.tesseract.ModelTesseract gives the endpoints, the request
-guard, the limits and the residual cache.
+temperatures (heat_surrogate.py). The weights: surrogate.safetensors beside
+this file (QARRAY_MODEL overrides it), float32 quantized to int8 at start-up,
+or a stored int8 / int4 file as stored. ModelTesseract gives the endpoints,
+guard, limits and residual cache; ``lora``, rank-4 adapters (qlora.py).
 """
 
 from pathlib import Path
@@ -27,6 +27,7 @@ TESSERACT = ModelTesseract(
     Surrogate(jax.random.key(0)),
     forward,
     model_file=Path(__file__).with_name("surrogate.safetensors"),
+    lora_rank=4,
 )
 RUNTIME = TESSERACT.runtime  # qarray-serve reads the settings here
 Fields = Differentiable[Array[(None, GRID, GRID), Float32]]
@@ -36,6 +37,9 @@ class InputSchema(BaseModel):
     log_k: Annotated[Fields, TESSERACT.limits.array("float32")] = Field(
         description=f"Log-conductivity fields, (B, {GRID}, {GRID}) on the unit "
         "square's cell centres."
+    )
+    lora: TESSERACT.Lora = Field(
+        None, description="Adapters: {a (4, C, 3, 3), b (N, 4)} or null per conv."
     )
 
 
@@ -47,7 +51,6 @@ class OutputSchema(BaseModel):
 
 
 def apply(inputs: InputSchema) -> OutputSchema:
-    """The temperatures the int8 surrogate predicts."""
     return TESSERACT.apply(inputs)
 
 
