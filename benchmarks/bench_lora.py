@@ -20,6 +20,7 @@ training adapters in-process.
 
 from __future__ import annotations
 
+import json
 import tempfile
 from contextlib import ExitStack
 from pathlib import Path
@@ -32,7 +33,7 @@ import optax
 
 from benchmarks._timing import interleaved
 from benchmarks.bench_e2e import network
-from tests.tesseract.server import ROOT, serve
+from tests.tesseract.server import ROOT, b64, serve
 
 SHAPE = (128, 1024, 1024)
 DEPTH = 3
@@ -176,6 +177,9 @@ def http_rows(reps=11):
             "lower_is_better": True,
             "bytes": wire["qlora"],
             "baseline_bytes": wire["qat"],
+            # x in both requests, the cotangent of y and y itself: the same
+            # in both steps, and alone over 5% of the full-weight step here
+            "data_bytes": 4 * len(json.dumps(b64(x))),
         },
         {
             "row": f"QLoRA step over HTTP, resident int8 ({what}): time",

@@ -371,14 +371,17 @@ class _QProduct(HiPrim):
     def _ct_x(self, g, qw):
         """``g`` contracted with qw's output axis, typed like ``x``."""
         x_aval, qw_aval = self.in_avals
-        if qw_aval.bits == 4:  # no int4 matmul_q: the dequantized weights
+        unsharded = _explicit_spec(x_aval) is None and _explicit_spec(qw_aval) is None
+        if qw_aval.bits == 4 and unsharded:  # no int4 matmul_q: blocks of rows
+            ct_x = _int4_rows_product(g, qw)
+        elif qw_aval.bits == 4:
             ct_x = lax.dot_general(
                 g,
                 dequantize(qw),
                 (((g.ndim - 1,), (1 - self.w_axis,)), ((), ())),
                 out_sharding=_explicit_spec(x_aval),
             )
-        elif _explicit_spec(x_aval) is None and _explicit_spec(qw_aval) is None:
+        elif unsharded:
             ct_x = self.transposed(g, qw)  # runs on the int8 payload
         else:
             # explicit sharding: the contraction (qw's output axis) may be
@@ -597,6 +600,44 @@ def quantize(x, bits=8, group_size=None):
     half of int8's bytes. ``linear_q`` takes it as weights (N, K).
     """
     return Quantize(jax.typeof(x), bits, group_size)(x)
+
+
+# float32 bytes of int4 weights dequantized at once by a backward pass
+# (``_int4_rows_product``): a small fraction of a large layer's payload, so
+# that training adapters over an int4 model holds no float copy of it
+# (``benchmarks/bench_lora.py``, the memory rows)
+_INT4_BLOCK_BYTES = 1 << 20
+
+
+def _int4_rows_product(g, qw):
+    """``g[..., n] . W[n, k]`` over n for int4 ``qw (N, K)``, a block of rows
+    dequantized at a time (whole for a small layer)."""
+    ty = jax.typeof(qw)
+    n, k = ty.shape
+    rows = max(1, _INT4_BLOCK_BYTES // (4 * k))
+    if rows >= n:
+        return g @ dequantize(qw)
+    qvalue, scale = unpack(qw)
+    flat = g.reshape(-1, n)
+
+    def block(start, size):
+        part = pack(
+            lax.dynamic_slice_in_dim(qvalue, start, size, 0),
+            lax.dynamic_slice_in_dim(scale, start, size, 0),
+            4,
+            ty.group_size,
+        )
+        return lax.dynamic_slice_in_dim(flat, start, size, 1) @ dequantize(part)
+
+    def step(total, i):
+        return total + block(i * rows, rows), None
+
+    whole = n // rows
+    total = jnp.zeros((flat.shape[0], k), g.dtype)
+    total, _ = lax.scan(step, total, jnp.arange(whole))
+    if whole * rows < n:
+        total = total + block(whole * rows, n - whole * rows)
+    return total.reshape(*g.shape[:-1], k)
 
 
 def dequantize(q):

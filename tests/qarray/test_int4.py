@@ -182,6 +182,29 @@ def test_grad_with_respect_to_stored_int4_scales(rng):
     np.testing.assert_allclose(jax.grad(loss)(scale), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("n", [300, 1024])
+def test_the_x_cotangent_of_int4_weights_holds_no_float_copy(rng, n):
+    """The backward pass of a large int4 layer dequantizes a block of rows
+    at a time (a remainder block for n = 300): the values of g @ W, and a
+    compiled VJP whose temporaries are far below the float32 weights'."""
+    k = 4096
+    w = normal(rng, (n, k))
+    q = qa.quantize(jnp.asarray(w), bits=4, group_size=128)
+    x, g = normal(rng, (8, k)), normal(rng, (8, n))
+
+    def ct_x(x, q, g):
+        return jax.vjp(lambda x: qa.linear_q(x, q), x)[1](g)[0]
+
+    # against the weights q holds (the quantizer's own rounding is tested above)
+    values = ref.unpack4(np.asarray(qa.unpack(q)[0]))
+    dense = ref.dequantize4(values, np.asarray(qa.unpack(q)[1]))
+    want = g.astype(np.float64) @ dense.astype(np.float64)
+    np.testing.assert_allclose(jax.jit(ct_x)(x, q, g), want, rtol=1e-4, atol=1e-3)
+    if n == 1024:
+        memory = jax.jit(ct_x).lower(x, q, g).compile().memory_analysis()
+        assert memory.temp_size_in_bytes < 4 * n * k / 4, memory
+
+
 @pytest.fixture
 def mesh():
     mesh = jax.make_mesh((4,), ("i",), axis_types=(AxisType.Explicit,))

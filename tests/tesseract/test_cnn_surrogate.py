@@ -289,3 +289,30 @@ def test_pipeline_short(tmp_path):
         results[f"{served}: final loss"] < 1.5 * results[f"{local}: final loss"] + 1e-3
     )
     assert (tmp_path / "cnn_surrogate.png").stat().st_size > 10_000
+
+
+def test_qlora_short(tmp_path):
+    """qlora.py, a few steps on a few fields: the int4 base resident, its
+    adapters trained over HTTP through tesseract-jax (the served outputs
+    those of the adapted model in-process), the training loss down, fewer
+    wire bytes than a full-weight step, and the table written."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLE / "qlora.py"), "--steps", "12",
+         "--train-count", "24", "--test-count", "8", "--batch", "8",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+        env=env | {"JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((tmp_path / "qlora.json").read_text())
+    rows = summary["rows"]
+    qlora = rows["QLoRA (int4 base + adapters, HTTP)"]
+    assert qlora["served vs in-process max |du|"] < 1e-4
+    assert qlora["wire bytes / full-weight step"] < 0.6
+    assert qlora["trainable parameters"] < 0.2 * rows[
+        "full fine-tune (float32, in-process)"]["trainable parameters"]  # fmt: skip
+    # a dozen steps already move the adapted model towards the new family
+    before = rows["int4 base (before)"]["test error (shifted family)"]
+    assert qlora["test error (shifted family)"] < before
+    assert (tmp_path / "qlora.png").stat().st_size > 10_000
