@@ -72,22 +72,28 @@ def figure(path, rows: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
     metrics = [
         ("test relative L2 vs the solver", "surrogate error (200 fields)"),
         ("inverse: log k relative L2", "inverse problem: recovered log k error"),
     ]
-    for ax, (key, title) in zip(axes, metrics, strict=True):
-        for name, row in rows.items():
-            ax.scatter(row["weight bytes"], row[key], s=40)
-            ax.annotate(name, (row["weight bytes"], row[key]), fontsize=8,
-                        xytext=(4, 4), textcoords="offset points")  # fmt: skip
+    # one marker (and legend entry) for models that coincide
+    points: dict[tuple, list[str]] = {}
+    for name, row in rows.items():
+        where = (row["weight bytes"], *(row[key] for key, _ in metrics))
+        points.setdefault(where, []).append(name)
+    for (size, *values), names in points.items():
+        for ax, value in zip(axes, values, strict=True):
+            ax.scatter(size, value, s=40, label=" = ".join(names))
+    for ax, (_, title) in zip(axes, metrics, strict=True):
         ax.set_xscale("log")
         ax.set_xlabel("weight bytes (log)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=7)
+    fig.subplots_adjust(bottom=0.3)
     fig.suptitle("CNN surrogate: uniform precisions and qarray-serve plan's mixes")
-    fig.tight_layout()
     fig.savefig(path, dpi=100)
 
 

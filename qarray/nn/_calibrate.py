@@ -97,15 +97,17 @@ def _features(layer, inputs: np.ndarray) -> list[np.ndarray]:
 
 
 def _gptq_parts(w, features, s_cols, stored, damp, act_order):
-    """(int values, scales) GPTQ gives ``w * s`` for the inputs ``features /
-    s`` (per group of rows)."""
+    """``stored`` with the values and scales GPTQ gives ``w * s`` for the
+    inputs ``features / s`` (per group of rows)."""
     bits = 4 if stored.precision == "int4" else 8
     rows = np.array_split(np.arange(w.shape[0]), len(features))
     values, scales = [], []
     for index, f in zip(rows, features, strict=True):
-        f = f.astype(np.float64) / s_cols
+        f = f.astype(np.float64)
+        # (X / s)^T (X / s): the scale divides H's rows and columns
+        h = (f.T @ f) / np.outer(s_cols, s_cols)
         options = {"damp": damp, "act_order": act_order}
-        v, s = gptq(w[index] * s_cols, f.T @ f, bits=bits,
+        v, s = gptq(w[index] * s_cols, h, bits=bits,
                     group_size=stored.group_size, **options)  # fmt: skip
         values.append(v)
         scales.append(s)
