@@ -1,15 +1,17 @@
 """Calibrated quantization of any equinox model: ``qnn.quantize(model,
-method="gptq", data=X)``.
+method="gptq" | "awq", data=X, smoothquant=..., static=...)``.
 
 Layer by layer, in the model's tree order, each ``eqx.nn.Linear`` and
 ``eqx.nn.Conv`` that ``qnn.quantize`` would replace gets the inputs that reach
 it on the calibration data, through the layers before it as already
 quantized: the model runs on ``data`` (``jax.vmap`` over its leading axis,
 as ``qnn.evaluate`` does) with that layer wrapped in a recorder
-(``jax.debug.callback`` of its input). Its ``H = X^T X`` (a convolution's
-over its im2col patches, one per group) goes to ``_gptq.gptq``, and the
-layer is stored with the values and scales GPTQ chose. Every other layer is
-quantized as ``qnn.quantize`` does it (round-to-nearest).
+(``jax.debug.callback`` of its input). From them (``_choose``): a scale per
+input channel (AWQ's search, SmoothQuant's migration or static per-channel
+ranges, ``_scales``), the weights times it rounded by GPTQ (its ``H = X^T X``,
+a convolution's over its im2col patches, one per group: ``_gptq.gptq``) or
+to nearest, and a static activation scale; the layer is stored with them.
+Every other layer is quantized as ``qnn.quantize`` does it (round-to-nearest).
 """
 
 from __future__ import annotations

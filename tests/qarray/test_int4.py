@@ -200,6 +200,14 @@ def test_the_x_cotangent_of_int4_weights_holds_no_float_copy(rng, n):
     dense = ref.dequantize4(values, np.asarray(qa.unpack(q)[1]))
     want = g.astype(np.float64) @ dense.astype(np.float64)
     np.testing.assert_allclose(jax.jit(ct_x)(x, q, g), want, rtol=1e-4, atol=1e-3)
+    # the blocked rule under vmap and differentiated again (its scan of
+    # primitives transforms like any other)
+    batched = jax.vmap(ct_x, in_axes=(None, None, 0))(x, q, np.stack([g, 2 * g]))
+    np.testing.assert_allclose(batched[1], 2 * want, rtol=1e-4, atol=2e-3)
+    second = jax.grad(lambda g: jnp.sum(ct_x(x, q, g) ** 2))(g)
+    np.testing.assert_allclose(
+        second, 2 * want @ dense.T.astype(np.float64), rtol=1e-3, atol=5e-2
+    )
     if n == 1024:
         memory = jax.jit(ct_x).lower(x, q, g).compile().memory_analysis()
         assert memory.temp_size_in_bytes < 4 * n * k / 4, memory
