@@ -20,12 +20,13 @@ $(STAMP): pyproject.toml tesseract_requirements.txt scripts/install.sh \
 
 # every test (with qarray's CPU kernels where they run), the library's tests
 # that reach the kernels again on the XLA formulations alone
-# (QARRAY_KERNELS=xla: qarray.nn's convolutions, model files and accuracy
-# reports add no formulation of their own), and the documentation site built
+# (QARRAY_KERNELS=xla: qarray.nn's convolutions, model files, accuracy
+# reports, calibration and adapters add no formulation of their own), and the
+# documentation site built
 # with --strict (a broken link, a missing page or a docstring mkdocstrings
 # cannot render fails)
 XLA_RERUN_SKIPS := test_nn_conv.py test_tree_checkpoint.py test_accuracy.py test_doc_types.py \
-	test_nn_spectral.py test_nn_layers.py test_jit.py
+	test_nn_spectral.py test_nn_layers.py test_jit.py test_gptq.py test_calibration.py test_lora.py
 test: setup browser
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -q --site-dir $(SCRATCH)-site
 	$(PY) -m pytest
