@@ -120,10 +120,11 @@ class Network(eqx.Module):
             return a.reshape(*(1,) * rank, *a.shape)
 
         net = dataclasses.replace(
-            self,
-            layers=[layer.with_batch_rank(rank) for layer in self.layers],
-            adapters=jax.tree.map(unbatched, self.adapters),
+            self, layers=[layer.with_batch_rank(rank) for layer in self.layers]
         )
+        if self.adapters is not None:  # (past __init__'s check: 2-D adapters)
+            padded = jax.tree.map(unbatched, self.adapters)
+            net = eqx.tree_at(lambda n: n.adapters, net, padded)
         if self.mesh_axes is not None and rank == 0:
             return net._run_on_mesh(x, return_w_q)
         return _map_batch(

@@ -85,6 +85,31 @@ def test_adapters_on_the_request_network(tess, rng):
     )
 
 
+def test_adapters_on_an_ensemble(tess, rng):
+    """Per-example weights (a batch axis on every layer, as tesseract-jax's
+    vmap sends them) with one set of adapters: y and the adapters' VJP,
+    example by example in NumPy (the adapters' cotangents summed)."""
+    inputs = {"x": net.normal(rng, (2, 3, 4)), "layers": []}
+    inputs["layers"].append(net.make_layer(rng, 4, 5, "kn", "w", True, "relu", (2,)))
+    inputs["layers"].append(net.make_layer(rng, 5, 3, "nk", "w_q", True, "none", (2,)))
+    lora = [adapter(rng, 4, 5, 2), adapter(rng, 5, 3, 1)]
+    out = tess.apply({**inputs, "lora": lora})
+    g = net.normal(rng, out["y"].shape)
+    got = tess.vector_jacobian_product(
+        {**inputs, "lora": lora}, {"lora.[0].a", "lora.[1].b"}, {"y"}, {"y": g}
+    )
+    want = {"lora.[0].a": 0.0, "lora.[1].b": 0.0}
+    for b in range(2):
+        x_b, layers_b = net.example(inputs, (b,))
+        y_b, _ = net.forward_one(x_b, layers_b, lora=lora)
+        np.testing.assert_allclose(out["y"][b], y_b, rtol=RTOL, atol=ATOL)
+        cotangents = net.vjp_one(x_b, layers_b, g[b], lora=lora)
+        for path in want:
+            want[path] = want[path] + cotangents[path]
+    for path, value in want.items():
+        np.testing.assert_allclose(got[path], value, rtol=RTOL, atol=ATOL)
+
+
 def test_int8_activations_with_adapters(tess, rng):
     inputs = net.three_layer(rng, "nk", quantize_activations=True)
     lora = [adapter(rng, 6, 5, 1), adapter(rng, 5, 4, 2), None]
