@@ -46,6 +46,18 @@ def mixed_layers(rng):
     return [first, second, third]
 
 
+def declared(tree):
+    """A request with every array as its declared shape and dtype
+    (abstract_eval's input)."""
+    if isinstance(tree, np.ndarray):
+        return {"shape": list(tree.shape), "dtype": tree.dtype.name}
+    if isinstance(tree, dict):
+        return {k: declared(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [declared(v) for v in tree]
+    return tree
+
+
 def reference_paths(lora):
     return ["x"] + [
         f"lora.[{i}].{k}" for i, e in enumerate(lora) if e for k in ("a", "b")
@@ -78,6 +90,8 @@ def test_adapters_on_the_request_network(tess, rng):
     shifted = [*lora[:2], {**lora[2], "b": lora[2]["b"] + t}]
     moved, _ = net.forward_one(x, layers, lora=shifted)
     np.testing.assert_allclose(jvp["y"], moved - want, rtol=RTOL, atol=ATOL)
+    abstract = tess.abstract_eval(declared({"x": x, "layers": layers, "lora": lora}))
+    assert abstract["y"] == {"shape": (4, 3), "dtype": "float32"}
     jac = tess.jacobian(inputs, {"lora.[0].a"}, {"y"})["y"]["lora.[0].a"]
     assert jac.shape == (4, 3, 2, 6)
     np.testing.assert_allclose(
