@@ -113,9 +113,9 @@ class Adapter(BaseModel):
     layer's output before its activation (``qarray.nn.Adapter``)."""
 
     a: Float32Array = Field(
-        description="(rank, K_i), 1 <= rank <= min(K_i, N_i): the down projection."
+        description="(..., rank, K_i), 1 <= rank <= min(K_i, N_i): the down projection."
     )
-    b: Float32Array = Field(description="(N_i, rank): the up projection.")
+    b: Float32Array = Field(description="(..., N_i, rank): the up projection.")
     alpha: float | None = Field(
         default=None,
         gt=0,
@@ -175,7 +175,7 @@ class InputSchema(BaseModel):
         "activation(h @ W + bias + (alpha / rank) (h a^T) b^T). a and b are "
         "differentiable (lora.[i].a, lora.[i].b): with a resident model a request "
         "of x and the adapters fine-tunes it (QLoRA) without sending its weights. "
-        "No batch axes.",
+        "Leading axes of a and b are batch axes, as the weights' are.",
     )
 
     model_config = ConfigDict(extra="forbid")
@@ -242,11 +242,7 @@ class InputSchema(BaseModel):
     def _check_lora(self) -> None:
         if self.lora is None:
             return
-        shapes = [
-            None if e is None else (tuple(e.a.shape), tuple(e.b.shape))
-            for e in self.lora
-        ]
-        qnn.check_adapter_shapes(self.network_shape().widths, shapes)
+        _check_size(self.network_shape())  # the adapters' shapes and batch axes
         for i, adapter in enumerate(self.lora):
             if adapter is not None:
                 require_finite(f"lora.[{i}].a", adapter.a)
@@ -258,7 +254,13 @@ class InputSchema(BaseModel):
         return [layer.shapes() for layer in self.layers]
 
     def network_shape(self) -> qnn.NetworkShape:
-        return qnn.network_shape(tuple(self.x.shape), self.layer_shapes())
+        adapters = None
+        if self.lora is not None:
+            adapters = [
+                None if e is None else (tuple(e.a.shape), tuple(e.b.shape))
+                for e in self.lora
+            ]
+        return qnn.network_shape(tuple(self.x.shape), self.layer_shapes(), adapters)
 
     def lookup(self, path: str) -> Any:
         """The array at a differentiable path (``layers.[1].w_q.scale``), or a
@@ -327,7 +329,7 @@ def _adapters(inputs: dict) -> list[qnn.Adapter | None] | None:
         else qnn.Adapter(
             entry["a"],
             entry["b"],
-            float(entry["alpha"] or entry["a"].shape[0]),
+            float(entry["alpha"] or entry["a"].shape[-2]),
         )
         for entry in inputs["lora"]
     ]

@@ -45,9 +45,10 @@ class Network(eqx.Module):
     with ``jax.set_mesh``): x's rows over ``data``, every layer's output
     channels over ``model``, each layer's contraction axis whole.
 
-    ``adapters``: one ``Adapter`` (LoRA: ``a (rank, K_i)``, ``b (N_i,
-    rank)``, no batch axes) or None per layer, added to the layer's output
-    before its activation: ``activation_i(layers[i](h) + adapters[i](h))``.
+    ``adapters``: one ``Adapter`` (LoRA: ``a (..., rank, K_i)``, ``b (...,
+    N_i, rank)``, leading axes batch axes as the layers' are) or None per
+    layer, added to the layer's output before its activation:
+    ``activation_i(layers[i](h) + adapters[i](h))``.
     """
 
     layers: tuple[Linear, ...]
@@ -82,15 +83,31 @@ class Network(eqx.Module):
         self.layers, self.activation, self.mesh_axes = layers, activation, mesh_axes
         self.adapters = None if adapters is None else tuple(adapters)
         if self.adapters is not None:
-            _check_adapters(self.layers, self.adapters)
+            widths = [layers[0].in_features, *(a.out_features for a in layers)]
+            try:
+                check_adapter_shapes(widths, self._adapter_shapes())
+            except ValueError as error:
+                raise TypeError(str(error)) from None
 
     def shape(self, x_shape: tuple[int, ...]) -> NetworkShape:
         """The output shapes for an input of ``x_shape``; TypeError when the
         shapes do not fit (the message names ``layers.[i]`` fields)."""
         try:
-            return network_shape(tuple(x_shape), [a.shapes() for a in self.layers])
+            return network_shape(
+                tuple(x_shape),
+                [a.shapes() for a in self.layers],
+                self._adapter_shapes(),
+            )
         except ValueError as error:
             raise TypeError(str(error)) from None
+
+    def _adapter_shapes(self):
+        if self.adapters is None:
+            return None
+        return [
+            None if a is None else (jnp.shape(a.a), jnp.shape(a.b))
+            for a in self.adapters
+        ]
 
     def with_activations(self, activations: str) -> Network:
         """Every int8 layer with ``activations`` ("float32" or "int8") for its
@@ -116,14 +133,15 @@ class Network(eqx.Module):
         shape = self.shape(x.shape)
         rank = len(shape.batch)
 
-        def unbatched(a):  # size-1 batch axes: broadcast by _map_batch
-            return a.reshape(*(1,) * rank, *a.shape)
+        def batched(a):  # batch axes first, size 1 where absent (as the layers')
+            lead = a.ndim - 2
+            return a.reshape(*a.shape[:lead], *(1,) * (rank - lead), *a.shape[lead:])
 
         net = dataclasses.replace(
             self, layers=[layer.with_batch_rank(rank) for layer in self.layers]
         )
         if self.adapters is not None:  # (past __init__'s check: 2-D adapters)
-            padded = jax.tree.map(unbatched, self.adapters)
+            padded = jax.tree.map(batched, self.adapters)
             net = eqx.tree_at(lambda n: n.adapters, net, padded)
         if self.mesh_axes is not None and rank == 0:
             return net._run_on_mesh(x, return_w_q)
@@ -178,16 +196,6 @@ class Network(eqx.Module):
         y, per_layer = self._run_one(rows, return_w_q)
         y = reshard(y, jax.P(None, None))[:m]
         return y.reshape(*lead, y.shape[-1]), per_layer
-
-
-def _check_adapters(layers, adapters) -> None:
-    """``check_adapter_shapes`` of the layers' widths, as a TypeError."""
-    widths = [layers[0].in_features, *(layer.out_features for layer in layers)]
-    shapes = [None if a is None else (jnp.shape(a.a), jnp.shape(a.b)) for a in adapters]
-    try:
-        check_adapter_shapes(widths, shapes)
-    except ValueError as error:
-        raise TypeError(str(error)) from None
 
 
 def _map_batch(fn, batch: tuple[int, ...], args):

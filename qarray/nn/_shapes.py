@@ -78,9 +78,12 @@ def _broadcast_batch(batch, shape, what, sources) -> tuple[int, ...]:
     return tuple(out)
 
 
-def network_shape(x: tuple[int, ...], layers: list[LayerShapes]) -> NetworkShape:
+def network_shape(x: tuple[int, ...], layers: list[LayerShapes],
+                  adapters=None) -> NetworkShape:  # fmt: skip
     """Check that a network's shapes chain (module doc), and give its output
-    shapes. Raises ValueError naming the field and the shapes."""
+    shapes; ``adapters``: the ``lora`` field's ``(a_shape, b_shape)`` or None
+    per layer (``check_adapter_shapes``), whose leading axes are batch axes
+    like the weights'. Raises ValueError naming the field and the shapes."""
     if len(x) < 1:
         raise ValueError("x must have shape (..., K) with at least one axis, got ()")
     width, source = x[-1], f"x {x}"
@@ -136,6 +139,14 @@ def network_shape(x: tuple[int, ...], layers: list[LayerShapes]) -> NetworkShape
                 sources.append(f"{what} {array_batch}")
         width, source = n, f"the output of layers.[{i}]"
         widths.append(n)
+    if adapters is not None:
+        check_adapter_shapes(widths, adapters)
+        for i, shapes in enumerate(adapters):
+            for part, shape in zip("ab", shapes or (), strict=False):
+                if len(shape) > 2:
+                    what = f"lora.[{i}].{part}"
+                    batch = _broadcast_batch(batch, tuple(shape[:-2]), what, sources)
+                    sources.append(f"{what} {tuple(shape[:-2])}")
     lead = x[:-1]
     if len(batch) > len(lead):
         raise ValueError(
@@ -203,8 +214,9 @@ def layer_shapes(layer: dict, shape_of=lambda a: tuple(a.shape)) -> LayerShapes 
 def check_adapter_shapes(widths, adapters) -> None:
     """The ``lora`` field's shapes against the network's ``widths`` (K0, N0,
     N1, ...: layer i maps ``widths[i]`` to ``widths[i + 1]``): one entry per
-    layer, each None or ``(a_shape, b_shape)`` with ``a (rank, K_i)``,
-    ``b (N_i, rank)``, ``1 <= rank <= min(K_i, N_i)``; a ValueError naming
+    layer, each None or ``(a_shape, b_shape)`` with ``a (..., rank, K_i)``,
+    ``b (..., N_i, rank)`` (leading axes: batch axes, which ``network_shape``
+    broadcasts), ``1 <= rank <= min(K_i, N_i)``; a ValueError naming
     ``lora.[i]`` otherwise."""
     layers = len(widths) - 1
     if len(adapters) != layers:
@@ -216,14 +228,14 @@ def check_adapter_shapes(widths, adapters) -> None:
         if shapes is None:
             continue
         (a, b), k, n = (tuple(s) for s in shapes), widths[i], widths[i + 1]
-        rank = a[0] if len(a) == 2 else None
-        if rank is None or a[1] != k or not 1 <= rank <= min(k, n):
+        rank = a[-2] if len(a) >= 2 else None
+        if rank is None or a[-1] != k or not 1 <= rank <= min(k, n):
             raise ValueError(
-                f"lora.[{i}].a must be (rank, {k}) for layers.[{i}] (K = {k}, "
+                f"lora.[{i}].a must be (..., rank, {k}) for layers.[{i}] (K = {k}, "
                 f"1 <= rank <= {min(k, n)}), got {a}"
             )
-        if b != (n, rank):
+        if b[-2:] != (n, rank):
             raise ValueError(
-                f"lora.[{i}].b must be ({n}, {rank}) for layers.[{i}] (N = {n}) "
+                f"lora.[{i}].b must be (..., {n}, {rank}) for layers.[{i}] (N = {n}) "
                 f"and lora.[{i}].a {a}, got {b}"
             )

@@ -164,7 +164,9 @@ class ModelTesseract:
                 continue
             for name, want in zip(("a", "b"), shapes, strict=True):
                 got = tuple(np.shape(getattr(entry, name)))
-                if got != want:
+                # leading axes of size 1 (tesseract-jax's vmap adds them) broadcast
+                lead = got[: len(got) - len(want)]
+                if got[len(lead) :] != want or any(d != 1 for d in lead):
                     raise ValueError(
                         f"lora.[{i}].{name} must be {want} for the model's adapted "
                         f"layer {i}, got {got}"
@@ -175,7 +177,15 @@ class ModelTesseract:
     def _run(self, inputs: dict, model) -> dict:
         entries = inputs.get("lora") if self.lora_shapes else None
         if entries is not None:
-            pairs = [None if e is None else (e["a"], e["b"]) for e in entries]
+            pairs = [
+                None
+                if e is None
+                else tuple(
+                    jnp.reshape(e[name], shape)
+                    for name, shape in zip(("a", "b"), shapes, strict=True)
+                )
+                for e, shapes in zip(entries, self.lora_shapes, strict=True)
+            ]
             model = with_adapters(model, pairs, alpha=self.lora_alpha)
         return self.forward(model, inputs)
 

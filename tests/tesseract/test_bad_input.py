@@ -351,13 +351,13 @@ CASES = [
         "lora-a-shape",
         "apply",
         {"inputs": inputs(lora=[{"a": b64(f32(2, 4)), "b": b64(f32(4, 2))}])},
-        ["lora.[0].a must be (rank, 3) for layers.[0] (K = 3", "got (2, 4)"],
+        ["lora.[0].a must be (..., rank, 3) for layers.[0] (K = 3", "got (2, 4)"],
     ),
     (
         "lora-b-shape",
         "apply",
         {"inputs": inputs(lora=[{"a": b64(f32(2, 3)), "b": b64(f32(2, 4))}])},
-        ["lora.[0].b must be (4, 2) for layers.[0] (N = 4)", "got (2, 4)"],
+        ["lora.[0].b must be (..., 4, 2) for layers.[0] (N = 4)", "got (2, 4)"],
     ),
     (
         "lora-count",

@@ -124,6 +124,64 @@ def test_adapters_on_an_ensemble(tess, rng):
         np.testing.assert_allclose(got[path], value, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("method", ["expand_dims", "auto_experimental"])
+def test_tesseract_jax_vmap_over_x_with_adapters(tess, rng, method):
+    """jax.vmap of apply_tesseract over x (tesseract-jax gives the adapters
+    a size-1 batch axis): y and the adapters' gradient of sum(y * g), one
+    example at a time in NumPy."""
+    import jax
+    import jax.numpy as jnp
+    from tesseract_jax import apply_tesseract
+
+    layers = [net.make_layer(rng, 4, 5, "kn", "w", True, "tanh"),
+              net.make_layer(rng, 5, 3, "nk", "w_q", True, "none")]  # fmt: skip
+    lora = [adapter(rng, 4, 5, 2), None]
+    x, g = net.normal(rng, (3, 2, 4)), net.normal(rng, (3, 2, 3))
+
+    def f(lora, x):
+        request = {"x": x, "layers": layers, "lora": lora}
+        return apply_tesseract(tess, request, vmap_method=method)["y"]
+
+    y = jax.vmap(f, in_axes=(None, 0))(lora, jnp.asarray(x))
+    grads = jax.grad(lambda lora: jnp.sum(jax.vmap(f, in_axes=(None, 0))(lora, x) * g))(
+        lora
+    )
+    want = {"a": 0.0, "b": 0.0}
+    for b in range(3):
+        np.testing.assert_allclose(
+            y[b], net.forward_one(x[b], layers, lora=lora)[0], rtol=RTOL, atol=ATOL
+        )
+        cotangents = net.vjp_one(x[b], layers, g[b], lora=lora)
+        want = {k: want[k] + cotangents[f"lora.[0].{k}"] for k in want}
+    for k, value in want.items():
+        np.testing.assert_allclose(grads[0][k], value, rtol=RTOL, atol=ATOL)
+
+
+def test_per_example_adapters(tess, rng):
+    """Adapters with a batch axis (one pair per example of x's first axis):
+    y[b] and the adapters' cotangents [b] from example b alone."""
+    layers = [net.make_layer(rng, 4, 5, "kn", "w", True, "relu"),
+              net.make_layer(rng, 5, 3, "nk", "w_q", True, "none")]  # fmt: skip
+    per = [adapter(rng, 4, 5, 2) for _ in range(2)]
+    lora = [{k: np.stack([p[k] for p in per]) for k in ("a", "b")}, None]
+    x, g = net.normal(rng, (2, 3, 4)), net.normal(rng, (2, 3, 3))
+    inputs = {"x": x, "layers": layers, "lora": lora}
+    y = tess.apply(inputs)["y"]
+    got = tess.vector_jacobian_product(
+        inputs, {"lora.[0].a", "lora.[0].b"}, {"y"}, {"y": g}
+    )
+    for b in range(2):
+        one = [per[b], None]
+        np.testing.assert_allclose(
+            y[b], net.forward_one(x[b], layers, lora=one)[0], rtol=RTOL, atol=ATOL
+        )
+        want = net.vjp_one(x[b], layers, g[b], lora=one)
+        for k in ("a", "b"):
+            np.testing.assert_allclose(
+                got[f"lora.[0].{k}"][b], want[f"lora.[0].{k}"], rtol=RTOL, atol=ATOL
+            )
+
+
 def test_int8_activations_with_adapters(tess, rng):
     inputs = net.three_layer(rng, "nk", quantize_activations=True)
     lora = [adapter(rng, 6, 5, 1), adapter(rng, 5, 4, 2), None]
@@ -202,9 +260,9 @@ def test_a_resident_model_fine_tuned_by_its_adapters_only(resident, rng):
     [
         ([None], "lora has 1 entries for a network of 2 layers"),
         ([{"a": np.zeros((2, 5), np.float32), "b": np.zeros((5, 2), np.float32)},
-          None], r"lora.\[0\].a must be \(rank, 6\)"),
+          None], r"lora.\[0\].a must be \(\.\.\., rank, 6\)"),
         ([None, {"a": np.zeros((2, 5), np.float32),
-                 "b": np.zeros((4, 3), np.float32)}], r"lora.\[1\].b must be \(4, 2\)"),
+                 "b": np.zeros((4, 3), np.float32)}], r"lora.\[1\].b must be .+ 4, 2"),
         ([None, {"a": np.zeros((5, 5), np.float32),
                  "b": np.zeros((4, 5), np.float32)}], r"1 <= rank <= 4"),
         ([None, {"a": np.full((2, 5), np.nan, np.float32),
@@ -280,6 +338,10 @@ def vector_jacobian_product(inputs: InputSchema, vjp_inputs, vjp_outputs,
                             cotangent_vector):
     return TESSERACT.vector_jacobian_product(inputs, vjp_inputs, vjp_outputs,
                                              cotangent_vector)
+
+
+def abstract_eval(abstract_inputs):
+    return TESSERACT.abstract_eval(abstract_inputs)
 """
 
 
@@ -382,6 +444,13 @@ def test_a_model_tesseract_with_lora_rank(tmp_path, rng, monkeypatch):
             ("lora.[2].a", cotangents.head.a),
         ):
             np.testing.assert_allclose(grads[path], want, rtol=RTOL, atol=ATOL)
+        # adapters with a size-1 leading axis (what tesseract-jax's vmap sends
+        # for an unmapped input) broadcast
+        expanded = [None if e is None else {k: v[None] for k, v in e.items()}
+                    for e in lora]  # fmt: skip
+        np.testing.assert_allclose(
+            t.apply({"x": x, "lora": expanded})["y"], got, rtol=1e-6, atol=1e-6
+        )
         bad = {"a": np.zeros((2, 7), np.float32), "b": np.zeros((3, 2), np.float32)}
         with pytest.raises(Exception, match=r"lora.\[2\].a must be \(2, 8\)"):
             t.apply({"x": x, "lora": [None, None, bad]})
