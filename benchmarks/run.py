@@ -183,14 +183,9 @@ def _kept_rows(path: Path, ran: list[str]) -> list[dict]:
     """The rows of an earlier results.json from suites not run now."""
     if not path.is_file():
         return []
-    kept = []
-    for row in json.loads(path.read_text())["rows"]:
-        suite = row.get("suite") or (
-            "served" if row["row"].startswith("served") else None
-        )
-        if suite not in ran:
-            kept.append(row)
-    return kept
+    # a row without a suite predates the tags: no suite would replace it
+    rows = json.loads(path.read_text())["rows"]
+    return [row for row in rows if row.get("suite", ran[0]) not in ran]
 
 
 def main():

@@ -1343,7 +1343,37 @@ ffi::Error ConvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 // round_half_even(x / divisor), divisor = scale if scale > 0 else 1, with a
 // correctly rounded division (XLA's is within 1 ulp), NaN entries 0, clipped
 // to [-127, 127].
-QARRAY_AVX512 void QuantizeRowS8(const float* x, int64_t k, int8_t* q, float* scale) {
+//
+// A division per element is what kept this from the bandwidth limit (make
+// bench, suite kernels: the quantize row), so each row multiplies by the
+// reciprocal of its divisor instead: t = x * (1 / d) is within 2^-22 * |t| <=
+// 2^-15 of x / d, so it rounds to the same integer unless it lies within
+// kNearHalf of a half-integer; those (rare) vectors take the division.
+// Divisors below FLT_MIN, whose reciprocal overflows, divide every element.
+constexpr float kNearHalf = 1.0f / 4096;
+constexpr int64_t kStreamElements = 8 << 20;  // 32 MiB of float32 input
+
+QARRAY_AVX512 inline __m512 RoundQuotient(__m512 v, __m512 divisor, __m512 reciprocal) {
+  const int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 t = _mm512_mul_ps(v, reciprocal);
+  __m512 r = _mm512_roundscale_ps(t, nearest);
+  // |t - r| is exact (r an integer within 0.5 of t); NaN lanes compare false
+  const __mmask16 near = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(t, r)),
+                                            _mm512_set1_ps(0.5f - kNearHalf), _CMP_GT_OQ);
+  if (near) r = _mm512_mask_roundscale_ps(r, near, _mm512_div_ps(v, divisor), nearest);
+  return r;
+}
+
+// 64 int32 lanes (integers in [-127, 127]) -> 64 bytes in order: two
+// saturating packs work within 128-bit lanes, the permutation undoes that
+QARRAY_AVX512 inline __m512i PackBytes(__m512i a, __m512i b, __m512i c, __m512i d) {
+  const __m512i bytes = _mm512_packs_epi16(_mm512_packs_epi32(a, b), _mm512_packs_epi32(c, d));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_epi32(order, bytes);
+}
+
+QARRAY_AVX512 void QuantizeRowS8(const float* x, int64_t k, int8_t* q, float* scale,
+                                 bool stream) {
   __m512 vmax = _mm512_setzero_ps();
   __mmask16 nan = 0;
   for (int64_t i = 0; i < k; i += 16) {
@@ -1355,12 +1385,33 @@ QARRAY_AVX512 void QuantizeRowS8(const float* x, int64_t k, int8_t* q, float* sc
   const float s = nan ? std::numeric_limits<float>::quiet_NaN()
                       : _mm512_reduce_max_ps(vmax) * (1.0f / 127.0f);
   *scale = s;
-  const __m512 divisor = _mm512_set1_ps(s > 0.0f ? s : 1.0f);
+  const float d = s > 0.0f ? s : 1.0f;
+  const __m512 divisor = _mm512_set1_ps(d);
+  // A NaN or inf row (NaN quotients, to be 0) or a divisor whose reciprocal
+  // overflows: every element divided, clipped and cleaned one vector at a time
+  const bool exact = nan || !(d >= std::numeric_limits<float>::min()) || d == INFINITY;
+  const __m512 reciprocal = _mm512_set1_ps(1.0f / d);
+  int64_t i = 0;
+  if (!exact) {  // finite quotients within 127.5 of 0: no clipping to do
+    for (; i + 64 <= k; i += 64) {
+      __m512i part[4];
+      for (int j = 0; j < 4; ++j)
+        part[j] = _mm512_cvtps_epi32(
+            RoundQuotient(_mm512_loadu_ps(x + i + 16 * j), divisor, reciprocal));
+      const __m512i bytes = PackBytes(part[0], part[1], part[2], part[3]);
+      if (stream)
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(q + i), bytes);
+      else
+        _mm512_storeu_si512(q + i, bytes);
+    }
+  }
   const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
-  for (int64_t i = 0; i < k; i += 16) {
+  for (; i < k; i += 16) {
     const __mmask16 m = (k - i >= 16) ? 0xFFFF : (__mmask16)((1u << (k - i)) - 1);
-    __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(m, x + i), divisor),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 x16 = _mm512_maskz_loadu_ps(m, x + i);
+    __m512 v = exact ? _mm512_roundscale_ps(_mm512_div_ps(x16, divisor),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                     : RoundQuotient(x16, divisor, reciprocal);
     v = _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_setzero_ps());
     v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
     _mm_mask_storeu_epi8(q + i, m, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
@@ -1390,12 +1441,17 @@ ffi::Error QuantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t chunk = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(p->k, 1));
   const int64_t threads =
       p->m * p->k < kParallelWork ? 1 : std::max<int64_t>(1, pool.num_threads());
+  // q of an input past the caches goes straight to memory (streaming
+  // stores: no read of the lines it overwrites), where 64-byte stores align
+  const bool stream = p->m * p->k >= kStreamElements &&
+                      reinterpret_cast<uintptr_t>(p->q) % 64 == 0 && p->k % 64 == 0;
   const QuantizeProblem* problem = p.get();
   Parallel(pool, p->m, chunk, threads,
-           [problem](int64_t r0, int64_t r1) {
+           [problem, stream](int64_t r0, int64_t r1) {
              for (int64_t r = r0; r < r1; ++r)
                QuantizeRowS8(problem->x + r * problem->k, problem->k,
-                             problem->q + r * problem->k, problem->scale + r);
+                             problem->q + r * problem->k, problem->scale + r, stream);
+             if (stream) _mm_sfence();
            },
            p);
   return ffi::Error::Success();

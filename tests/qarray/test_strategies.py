@@ -308,6 +308,34 @@ def test_kernel_agrees_with_the_xla_formulations(rng, shape, layout, activations
     assert rel_err(kernel, product(x, qvalue, scale, activations)) <= 1e-6
 
 
+
+def test_quantize_kernel_rounds_near_ties_like_division(rng):
+    """The kernel multiplies by 1 / scale and divides only near a half-integer:
+    rows built of exact half-integer multiples of their scale and their float32
+    neighbours (where x * (1 / s) and x / s can round apart), rows whose scale
+    would be subnormal (flushed to zero, as XLA's), and one input large enough
+    for the streamed stores: scales bit for bit the XLA formulation's, values
+    NumPy's correctly rounded division by them."""
+    needs("kernel")
+    k = 4096
+    scales = rng.uniform(0.01, 3.0, 48).astype(np.float32)
+    half = rng.integers(-127, 127, (48, k)).astype(np.float32) + np.float32(0.5)
+    rows = half * scales[:, None]
+    step = rng.integers(-2, 3, rows.shape)  # up to two ulps either way
+    rows = np.nextafter(rows, np.where(step > 0, np.inf, -np.inf).astype(np.float32))
+    rows = np.where(step == 0, half * scales[:, None], rows).astype(np.float32)
+    rows[:, 0] = 127 * scales  # each row's absmax sets its scale near `scales`
+    rows[-2:] *= np.float32(1e-38)  # absmax normal, absmax / 127 not
+    large = (rng.standard_normal((2048, k)) * 3).astype(np.float32)
+    for x in (rows, np.concatenate([rows, large])):
+        qvalue, scale = jax.jit(_ffi.quantize_rows)(x)
+        np.testing.assert_array_equal(scale, jax.jit(_kernels.quantize_rows)(x)[1])
+        divisor = np.where(scale > 0, scale, np.float32(1))[:, None]
+        # XLA's threads treat subnormal inputs as zero, the XLA formulation too
+        normal = np.where(np.abs(x) < np.finfo(np.float32).tiny, 0, x)
+        want = np.clip(np.round(normal / divisor), -127, 127)
+        np.testing.assert_array_equal(np.asarray(qvalue), want)
+
 def test_kernels_switch_off_with_qarray_kernels_xla():
     import subprocess
     import sys
