@@ -63,6 +63,25 @@ constexpr int kSplit = 3;  // int8 parts of a float32 row (weight-only, nk)
 
 // --- per-row quantization of activations (qarray.quantize's numerics)
 
+// A division per element is what kept quantization from the bandwidth limit
+// (make bench, suite kernels: the quantize row), so rows multiply by the
+// reciprocal of their divisor instead: t = x * (1 / d) is within 2^-22 * |t| <=
+// 2^-15 of x / d, so it rounds to the same integer unless it lies within
+// kNearHalf of a half-integer; those (rare) vectors take the division.
+// Divisors below FLT_MIN, whose reciprocal overflows, divide every element.
+constexpr float kNearHalf = 1.0f / 4096;
+
+QARRAY_AVX512 inline __m512 RoundQuotient(__m512 v, __m512 divisor, __m512 reciprocal) {
+  const int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 t = _mm512_mul_ps(v, reciprocal);
+  __m512 r = _mm512_roundscale_ps(t, nearest);
+  // |t - r| is exact (r an integer within 0.5 of t); NaN lanes compare false
+  const __mmask16 near = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(t, r)),
+                                            _mm512_set1_ps(0.5f - kNearHalf), _CMP_GT_OQ);
+  if (near) r = _mm512_mask_roundscale_ps(r, near, _mm512_div_ps(v, divisor), nearest);
+  return r;
+}
+
 // scale = max|v| / 127; q = round_half_even(v / scale) clipped to [-127, 127]
 // (an all-zero row: scale 0, q 0). v = x[row] * fold (fold: null or K scales).
 QARRAY_AVX512 float QuantizeRow(const float* x, const float* fold, int64_t k,
@@ -75,14 +94,18 @@ QARRAY_AVX512 float QuantizeRow(const float* x, const float* fold, int64_t k,
     vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
   }
   float scale = _mm512_reduce_max_ps(vmax) / 127.0f;
-  __m512 divisor = _mm512_set1_ps(scale > 0.0f ? scale : 1.0f);
+  const float d = scale > 0.0f ? scale : 1.0f;
+  const __m512 divisor = _mm512_set1_ps(d);
+  const bool exact = !(d >= std::numeric_limits<float>::min());  // 1 / d overflows
+  const __m512 reciprocal = _mm512_set1_ps(1.0f / d);  // 0 for d = inf, as x / inf
   __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
   for (int64_t i = 0; i < k; i += 16) {
     __mmask16 m = (k - i >= 16) ? 0xFFFF : (__mmask16)((1u << (k - i)) - 1);
     __m512 v = _mm512_maskz_loadu_ps(m, x + i);
     if (fold) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, fold + i));
-    __m512 q = _mm512_roundscale_ps(_mm512_div_ps(v, divisor),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 q = exact ? _mm512_roundscale_ps(_mm512_div_ps(v, divisor),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                     : RoundQuotient(v, divisor, reciprocal);
     q = _mm512_min_ps(_mm512_max_ps(q, lo), hi);
     if (out_float) _mm512_mask_storeu_ps(out_float + i, m, q);
     if (out_u8) {
@@ -1122,6 +1145,50 @@ ffi::Error ProductInt4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 }
 
 
+// 16 rows of 16 bytes transposed in place: r[j] byte i becomes r[i] byte j
+QARRAY_AVX512 inline void Transpose16Bytes(__m128i r[16]) {
+  __m128i a[16], b[16], c[16];
+  for (int i = 0; i < 8; ++i) {  // 16-bit units: rows 2i, 2i + 1 at one column
+    a[2 * i] = _mm_unpacklo_epi8(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm_unpackhi_epi8(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i)  // 32-bit units: rows 4i .. 4i + 3
+    for (int h = 0; h < 2; ++h) {
+      b[4 * i + 2 * h] = _mm_unpacklo_epi16(a[4 * i + h], a[4 * i + 2 + h]);
+      b[4 * i + 2 * h + 1] = _mm_unpackhi_epi16(a[4 * i + h], a[4 * i + 2 + h]);
+    }
+  // b[4i + t] holds columns 4t .. 4t + 3 of rows 4i .. 4i + 3
+  for (int i = 0; i < 2; ++i)  // 64-bit units: rows 8i .. 8i + 7
+    for (int t = 0; t < 4; ++t) {
+      c[8 * i + 2 * t] = _mm_unpacklo_epi32(b[8 * i + t], b[8 * i + 4 + t]);
+      c[8 * i + 2 * t + 1] = _mm_unpackhi_epi32(b[8 * i + t], b[8 * i + 4 + t]);
+    }
+  // c[8i + u] holds columns 2u, 2u + 1 of rows 8i .. 8i + 7
+  for (int u = 0; u < 8; ++u) {
+    r[2 * u] = _mm_unpacklo_epi64(c[u], c[8 + u]);
+    r[2 * u + 1] = _mm_unpackhi_epi64(c[u], c[8 + u]);
+  }
+}
+
+// 8 rows of 8 floats transposed in place
+QARRAY_AVX512 inline void Transpose8Floats(__m256 r[8]) {
+  __m256 t[8], s[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    s[4 * i + 0] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    s[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    s[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    s[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(s[i], s[4 + i], 0x20);
+    r[4 + i] = _mm256_permute2f128_ps(s[i], s[4 + i], 0x31);
+  }
+}
+
 // --- conv_q on CPU: an implicit GEMM over a padded channels-last copy of x
 //
 // x f32[B, C, *S] (1-3 spatial axes, channels first), q s8[O, C/G * prod(k)]
@@ -1200,6 +1267,19 @@ QARRAY_AVX512 void ConvTile(const ConvProblem& c, int64_t e, int64_t o0, int64_t
     _mm512_store_ps(tile[r], _mm512_mul_ps(_mm512_mul_ps(y0, sx), s0));
     _mm512_store_ps(tile[r] + 16, _mm512_mul_ps(_mm512_mul_ps(y1, sx), s1));
   }
+  if constexpr (MR == 8) {  // 8 x 8 blocks transposed in registers
+    for (int64_t b = 0; b < cols; b += 8) {
+      __m256 block[8];
+      for (int r = 0; r < 8; ++r) block[r] = _mm256_load_ps(tile[r] + b);
+      Transpose8Floats(block);
+      for (int64_t j = b; j < std::min<int64_t>(cols, b + 8); ++j) {
+        float* dst = y + (col + j) * c.positions;
+        const __m256 v = block[j - b];
+        _mm256_storeu_ps(dst, add ? _mm256_add_ps(_mm256_loadu_ps(dst), v) : v);
+      }
+    }
+    return;
+  }
   for (int64_t j = 0; j < cols; ++j) {
     float* dst = y + (col + j) * c.positions;
     for (int r = 0; r < MR; ++r) dst[r] = add ? dst[r] + tile[r][j] : tile[r][j];
@@ -1230,6 +1310,36 @@ QARRAY_AVX512 void ConvLines(const ConvProblem& c, int64_t gi, int64_t l0, int64
                       y + o2, part > 0);
     }
   }
+}
+
+// One example's u8 levels (C, *S) written channels last into its padded
+// plane (rows of cpad bytes), 16 channels x 16 positions of a line at a time
+// through a byte transpose in registers (a byte at a time, this copy took
+// about a fifth of the PointNet row: make bench, suite conv)
+QARRAY_AVX512 void ChannelsLast(const ConvProblem& c, const uint8_t* src, uint8_t* base) {
+  const ConvGeometry& g = c.g;
+  const int64_t plane_in = g.in[0] * g.in[1] * g.in[2], n2 = g.in[2];
+  for (int64_t p0 = 0; p0 < g.in[0]; ++p0)
+    for (int64_t p1 = 0; p1 < g.in[1]; ++p1) {
+      const uint8_t* line = src + (p0 * g.in[1] + p1) * n2;
+      uint8_t* dst = base + (((p0 + g.pad[0]) * g.padded[1] + p1 + g.pad[1]) * g.padded[2] +
+                             g.pad[2]) * c.cpad;
+      for (int64_t ch = 0; ch < c.channels; ch += 16) {
+        const int64_t chs = std::min<int64_t>(16, c.channels - ch);
+        const __mmask16 keep = static_cast<__mmask16>((1u << chs) - 1);
+        for (int64_t p2 = 0; p2 < n2; p2 += 16) {
+          const int64_t ps = std::min<int64_t>(16, n2 - p2);
+          const __mmask16 take = static_cast<__mmask16>((1u << ps) - 1);
+          __m128i r[16];
+          for (int t = 0; t < 16; ++t)
+            r[t] = t < chs ? _mm_maskz_loadu_epi8(take, line + (ch + t) * plane_in + p2)
+                           : _mm_setzero_si128();
+          Transpose16Bytes(r);
+          for (int64_t j = 0; j < ps; ++j)
+            _mm_mask_storeu_epi8(dst + (p2 + j) * c.cpad + ch, keep, r[j]);
+        }
+      }
+    }
 }
 
 ffi::Error ConvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
@@ -1298,20 +1408,9 @@ ffi::Error ConvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                  else
                    SplitRows(xs + b * example, nullptr, 1, example, example, xq.data(),
                              c.sx.data() + b * c.parts);
-                 for (int64_t part = 0; part < c.parts; ++part) {
-                   uint8_t* base = c.xc.data() + (b * c.parts + part) * c.plane * c.cpad;
-                   for (int64_t ch = 0; ch < c.channels; ++ch)
-                     for (int64_t p0 = 0; p0 < g.in[0]; ++p0)
-                       for (int64_t p1 = 0; p1 < g.in[1]; ++p1) {
-                         const uint8_t* src = xq.data() + part * example + ch * plane_in +
-                                              (p0 * g.in[1] + p1) * g.in[2];
-                         uint8_t* dst = base +
-                                        (((p0 + g.pad[0]) * g.padded[1] + p1 + g.pad[1]) *
-                                             g.padded[2] +
-                                         g.pad[2]) * c.cpad + ch;
-                         for (int64_t p2 = 0; p2 < g.in[2]; ++p2) dst[p2 * c.cpad] = src[p2];
-                       }
-                 }
+                 for (int64_t part = 0; part < c.parts; ++part)
+                   ChannelsLast(c, xq.data() + part * example,
+                                c.xc.data() + (b * c.parts + part) * c.plane * c.cpad);
                }
              },
              c);
@@ -1344,25 +1443,7 @@ ffi::Error ConvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 // correctly rounded division (XLA's is within 1 ulp), NaN entries 0, clipped
 // to [-127, 127].
 //
-// A division per element is what kept this from the bandwidth limit (make
-// bench, suite kernels: the quantize row), so each row multiplies by the
-// reciprocal of its divisor instead: t = x * (1 / d) is within 2^-22 * |t| <=
-// 2^-15 of x / d, so it rounds to the same integer unless it lies within
-// kNearHalf of a half-integer; those (rare) vectors take the division.
-// Divisors below FLT_MIN, whose reciprocal overflows, divide every element.
-constexpr float kNearHalf = 1.0f / 4096;
 constexpr int64_t kStreamElements = 8 << 20;  // 32 MiB of float32 input
-
-QARRAY_AVX512 inline __m512 RoundQuotient(__m512 v, __m512 divisor, __m512 reciprocal) {
-  const int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  const __m512 t = _mm512_mul_ps(v, reciprocal);
-  __m512 r = _mm512_roundscale_ps(t, nearest);
-  // |t - r| is exact (r an integer within 0.5 of t); NaN lanes compare false
-  const __mmask16 near = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(t, r)),
-                                            _mm512_set1_ps(0.5f - kNearHalf), _CMP_GT_OQ);
-  if (near) r = _mm512_mask_roundscale_ps(r, near, _mm512_div_ps(v, divisor), nearest);
-  return r;
-}
 
 // 64 int32 lanes (integers in [-127, 127]) -> 64 bytes in order: two
 // saturating packs work within 128-bit lanes, the permutation undoes that

@@ -44,8 +44,11 @@ GEOMETRIES = [
         ((0, 0),),
     ),
     ((2, 4, 8, 8, 8), 6, (3, 3, 3), {"padding": 1}, ((1, 1),) * 3),
+    # more than 16 channels in and 32 out, neither a multiple of 8 (the CPU
+    # kernel's blocks of 16 channels and 8 x 8 output transposes)
+    ((2, 20, 11, 21), 44, (3, 3), {"padding": "SAME"}, ((1, 1), (1, 1))),
 ]
-GEOMETRY_IDS = ["2d-same", "2d-strided", "1d-grouped-dilated", "3d"]
+GEOMETRY_IDS = ["2d-same", "2d-strided", "1d-grouped-dilated", "3d", "2d-wide"]
 
 
 @pytest.mark.parametrize("activations", ["float32", "int8"])
