@@ -188,8 +188,8 @@ SMALL_WEIGHT_ELEMENTS = 1024
 KERNEL_TILE_ROWS = {
     ("nk", "float32"): 2,
     ("nk", "int8"): 8,
-    ("kn", "float32"): 2,
-    ("kn", "int8"): 4,
+    ("kn", "float32"): 3,  # the kernel's integer products up to 9 int8 rows
+    ("kn", "int8"): 9,
 }
 KERNEL_GEMM_ROWS = 32
 KERNEL_MAX_ROWS = {"float32": 64, "int8": 128}

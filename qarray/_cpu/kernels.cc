@@ -15,7 +15,7 @@
 // as int8 (a quarter of float32's bytes), never written back as a float32
 // copy, which is what XLA:CPU does. nk: each row of x split in three int8
 // parts (float32-exact, as _kernels' split_int8) through the W8A8 products
-// below; kn: up to kKnDotRows rows split the same way into integer products
+// below; kn: up to kKnDotInt8Rows int8 rows (parts) into integer products
 // of interleaved weight rows (KnDotProduct), more rows with the int8 weights
 // widened in registers.
 // Int8 activations (int8 == 1): each row v of x (scales folded in for kn) is
@@ -656,7 +656,8 @@ QARRAY_AVX512 void Prepare(Problem& p) {
   }
 }
 
-// --- layout kn with a few rows (kKnDotRows at most): integer products.
+// --- layout kn with a few rows (kKnDotInt8Rows int8 rows at most): integer
+// products.
 // Each row of x (times the scales, which fold in for kn) becomes int8 rows:
 // one (W8A8) or kSplit parts (weight-only, float32-exact as for nk). Four
 // weight rows at a time are interleaved in registers into vpdpbusd's
@@ -669,7 +670,11 @@ QARRAY_AVX512 void Prepare(Problem& p) {
 // their partial sums are added at the end (make bench, suite kernels, the
 // matmul_q rows with few rows).
 
-constexpr int kKnDotRows = 4;  // rows of x (so up to 3 * 4 int8 rows)
+// int8 rows (parts of x's rows) at most: past 9 the sums (rows x N int32)
+// spill out of L2's reach and XLA's int8 dot measured faster at N = 4096
+// (W8A8 (12, 4096, 4096): 1.25x of float32 against 1.96x; make bench, suite
+// kernels, the kn rows)
+constexpr int kKnDotInt8Rows = 9;
 
 // where column `off` of a 64-column block sits among its four accumulators
 // (e: which unpack, lane L: which 16 columns, t: which of four)
@@ -748,6 +753,13 @@ QARRAY_AVX512 void KnDotRange(const KnDotProblem& p, int64_t k0, int64_t k1,
   }
 }
 
+// the int8 rows KnDotRun computes for `rows` (the next instantiated count)
+inline int64_t KnDotRows(int64_t rows) {
+  for (int64_t r : {1, 2, 3, 4, 6, 8, 9})
+    if (rows <= r) return r;
+  return -1;
+}
+
 QARRAY_AVX512 void KnDotRun(const KnDotProblem& p, int64_t c) {
   const int64_t k0 = c * p.step, k1 = std::min(k0 + p.step, p.k);
   int32_t* acc = const_cast<int32_t*>(p.acc.data()) + c * p.rows * p.width;
@@ -759,8 +771,8 @@ QARRAY_AVX512 void KnDotRun(const KnDotProblem& p, int64_t c) {
     case 3: KnDotRange<3, 2>(p, k0, k1, acc, xsum); break;
     case 4: KnDotRange<4, 2>(p, k0, k1, acc, xsum); break;
     case 6: KnDotRange<6, 2>(p, k0, k1, acc, xsum); break;
+    case 8: KnDotRange<8, 1>(p, k0, k1, acc, xsum); break;
     case 9: KnDotRange<9, 1>(p, k0, k1, acc, xsum); break;
-    case 12: KnDotRange<12, 1>(p, k0, k1, acc, xsum); break;
     default: break;
   }
 }
@@ -770,10 +782,10 @@ QARRAY_AVX512 void KnDotProduct(ffi::ThreadPool& pool, const float* x,
                                 std::shared_ptr<KnDotProblem> p) {
   p->ks = (p->k + 3) / 4 * 4;
   p->width = (p->n + 63) / 64 * 64;
-  p->rows = p->parts * p->m;
+  p->rows = KnDotRows(p->parts * p->m);  // rows past parts * m: zeros
   p->xs.assign(p->rows * p->ks, 0);
-  p->sx.resize(p->rows);
-  std::vector<uint8_t> u8(p->rows * p->ks);
+  p->sx.assign(p->rows, 0.0f);
+  std::vector<uint8_t> u8(p->rows * p->ks, 128);
   if (p->parts == 1) {
     for (int64_t r = 0; r < p->m; ++r)
       p->sx[r] = QuantizeRow(x + r * p->k, scale, p->k, nullptr, u8.data() + r * p->ks);
@@ -841,7 +853,7 @@ ffi::Error ProductImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t parallel_from = p->m <= kRowBlock ? kParallelWork / 4 : kParallelWork;
   const int64_t threads =
       work_bytes < parallel_from ? 1 : std::max<int64_t>(1, pool.num_threads());
-  if (p->kn && p->m <= kKnDotRows) {
+  if (p->kn && p->m * (p->int8 ? 1 : kSplit) <= kKnDotInt8Rows) {
     auto dot = std::make_shared<KnDotProblem>();
     dot->m = p->m;
     dot->k = p->k;

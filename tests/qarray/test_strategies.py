@@ -56,6 +56,7 @@ SHAPES = [
     # layout kn's few-row kernel on both threads (4M multiply-adds and more),
     # each on a range of K that is not a multiple of 4 at its end
     (2, 1030, 2050),
+    (7, 1030, 2050),  # W8A8: 7 int8 rows padded to the kernel's 8
     # the kernel's GEMM (32 int8 rows and more; weight-only: three a row):
     # K not a multiple of 4, N not one of 16, rows not one of 8
     (11, 5, 17),
@@ -149,10 +150,10 @@ def test_choose_strategy(m, kn, activations, platform, expected):
         (16, "kn", "float32", "cpu", "split_int8"),  # 4096 x 4096: repacking costs
         (1, "kn", "float32", "cpu", "kernel"),
         (1, "kn", "int8", "cpu", "kernel"),
-        (2, "kn", "float32", "cpu", "kernel"),
-        (3, "kn", "float32", "cpu", "split_int8"),
-        (4, "kn", "int8", "cpu", "kernel"),
-        (5, "kn", "int8", "cpu", "int8_dot"),
+        (3, "kn", "float32", "cpu", "kernel"),  # 9 int8 rows: integer products
+        (4, "kn", "float32", "cpu", "split_int8"),
+        (9, "kn", "int8", "cpu", "kernel"),
+        (10, "kn", "int8", "cpu", "int8_dot"),
         (1, "nk", "float32", "gpu", "dequantize"),
     ],
 )
