@@ -236,13 +236,14 @@ class InputSchema(BaseModel):
             )
             require_finite(f"{name}.w_q.scale", layer.w_q.scale)
             require_at_least(f"{name}.w_q.scale", layer.w_q.scale, 0)
-        self._check_lora()
+        self._check_lora(shapes_checked=True)  # network_shape above had them
         return self
 
-    def _check_lora(self) -> None:
+    def _check_lora(self, shapes_checked: bool = False) -> None:
         if self.lora is None:
             return
-        _check_size(self.network_shape())  # the adapters' shapes and batch axes
+        if not shapes_checked:  # the adapters' shapes and batch axes
+            _check_size(self.network_shape())
         for i, adapter in enumerate(self.lora):
             if adapter is not None:
                 require_finite(f"lora.[{i}].a", adapter.a)

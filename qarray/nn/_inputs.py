@@ -77,13 +77,7 @@ class InputScales:
         weights already multiplied by it) and a static ``activation_scale``
         (and ``activations="int8"``)."""
         activations = "int8" if activation_scale is not None else self.activations
-        check_input_scales(
-            type(self).__name__,
-            channel_scale,
-            activation_scale,
-            self._input_channels,
-            activations,
-        )
+        # replace runs __init__, which checks the scales
         return dataclasses.replace(
             self,
             channel_scale=channel_scale,
