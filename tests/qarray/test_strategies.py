@@ -166,6 +166,15 @@ def test_choose_strategy_with_the_cpu_kernels(
     assert got == expected
 
 
+def test_w8a8_with_a_short_k_takes_the_gemm_at_every_row_count():
+    for layout in ("nk", "kn"):
+        got = _kernels.choose_strategy(512, 1024, 1024, "int8", "cpu", layout, True)
+        assert got == "kernel"
+    assert _kernels.choose_strategy(512, 4096, 1024, "int8", "cpu", "nk", True) == (
+        "int8_dot"
+    )
+
+
 def test_the_kn_gemm_takes_small_weights():
     for activations in ("float32", "int8"):
         got = _kernels.choose_strategy(
@@ -309,7 +318,6 @@ def test_kernel_agrees_with_the_xla_formulations(rng, shape, layout, activations
     assert rel_err(kernel, product(x, qvalue, scale, activations)) <= 1e-6
 
 
-
 def test_quantize_kernel_rounds_near_ties_like_division(rng):
     """The kernel multiplies by 1 / scale and divides only near a half-integer:
     rows built of exact half-integer multiples of their scale and their float32
@@ -336,6 +344,7 @@ def test_quantize_kernel_rounds_near_ties_like_division(rng):
         normal = np.where(np.abs(x) < np.finfo(np.float32).tiny, 0, x)
         want = np.clip(np.round(normal / divisor), -127, 127)
         np.testing.assert_array_equal(np.asarray(qvalue), want)
+
 
 def test_kernels_switch_off_with_qarray_kernels_xla():
     import subprocess
