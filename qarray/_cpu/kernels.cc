@@ -226,8 +226,11 @@ QARRAY_AVX512 void NkInt8Block(const uint8_t* xq, int64_t k_stride,
 // in registers, 4 bytes of a row broadcast against two weight vectors: no
 // horizontal sums (what the dot-product tiles above spend most on at many
 // rows), and each weight vector serves kGemmMR rows from L1/L2.
-constexpr int64_t kGemmRows = 32;
+// from 8 int8 rows the GEMM is ahead of the dot-product tiles and XLA's int8
+// dots (make bench, suite kernels --strategies; _kernels.KERNEL_GEMM_ROWS)
+constexpr int64_t kGemmRows = 8;
 constexpr int kGemmMR = 8;
+constexpr int64_t kPanelBytes = 256 << 10;
 
 struct Panel {
   std::vector<int8_t> w;       // (n16 + 1) blocks of k4 x 64 bytes
@@ -510,8 +513,8 @@ QARRAY_AVX512 void RunTiles(const Problem& p, int64_t n0, int64_t n1) {
   }
 }
 
-// The GEMM form over channels [n0, n1): panel, then tiles of rows x 32
-QARRAY_AVX512 void GemmChunk(const Problem& p, int64_t n0, int64_t n1, int64_t r0,
+// One panel's channels [n0, n1): packed, then tiles of rows x 32
+QARRAY_AVX512 void GemmPanel(const Problem& p, int64_t n0, int64_t n1, int64_t r0,
                              int64_t r1) {
   Panel panel;
   if (p.kn)
@@ -533,6 +536,16 @@ QARRAY_AVX512 void GemmChunk(const Problem& p, int64_t n0, int64_t n1, int64_t r
   for (; row + kGemmMR <= r1; row += kGemmMR)
     rows(std::integral_constant<int, kGemmMR>{}, row);
   for (; row < r1; ++row) rows(std::integral_constant<int, 1>{}, row);
+}
+
+// The GEMM form over channels [n0, n1): panels of at most kPanelBytes, each
+// packed then multiplied while it is in L2 (one panel of a whole chunk, 2 MiB
+// at K = 4096, went to memory and back: make bench, suite kernels, the
+// (16, 4096, 4096) rows)
+QARRAY_AVX512 void GemmChunk(const Problem& p, int64_t n0, int64_t n1, int64_t r0,
+                             int64_t r1) {
+  const int64_t step = std::max<int64_t>(32, kPanelBytes / std::max<int64_t>(p.k, 1) / 32 * 32);
+  for (int64_t c = n0; c < n1; c += step) GemmPanel(p, c, std::min(n1, c + step), r0, r1);
 }
 
 // y's rows [r0, r1) / kSplit, channels [n0, n1): the parts' products summed

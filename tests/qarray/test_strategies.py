@@ -138,10 +138,9 @@ def test_choose_strategy(m, kn, activations, platform, expected):
     [
         (1, "nk", "float32", "cpu", "kernel"),
         (2, "nk", "float32", "cpu", "kernel"),
-        (3, "nk", "float32", "cpu", "split_int8"),
+        (3, "nk", "float32", "cpu", "kernel"),  # 9 int8 rows: the GEMM
         (8, "nk", "int8", "cpu", "kernel"),
-        (9, "nk", "int8", "cpu", "int8_dot"),
-        (11, "nk", "float32", "cpu", "kernel"),  # 33 int8 rows: the GEMM
+        (9, "nk", "int8", "cpu", "kernel"),
         (64, "nk", "float32", "cpu", "kernel"),
         (65, "nk", "float32", "cpu", "split_int8"),
         (32, "nk", "int8", "cpu", "kernel"),
