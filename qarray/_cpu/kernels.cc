@@ -1080,7 +1080,7 @@ constexpr int kInt4GemmMR = 4;
 constexpr int64_t kInt4GemmRows = 2;
 
 // channels [n0, n1) of the split rows' products, then the parts summed
-QARRAY_AVX512 void Int4GemmChunk(const Int4Problem& p, int64_t n0, int64_t n1) {
+QARRAY_AVX512 void Int4GemmPanel(const Int4Problem& p, int64_t n0, int64_t n1) {
   Int4Panel panel;
   PackInt4Panel(p.q, p.scale, p.k, p.group, n0, n1, panel);
   float* parts = const_cast<float*>(p.y_parts.data());
@@ -1103,6 +1103,12 @@ QARRAY_AVX512 void Int4GemmChunk(const Int4Problem& p, int64_t n0, int64_t n1) {
         sum += parts[(p.parts * r + part) * p.n + j];
       p.y[r * p.n + j] = sum;
     }
+}
+
+// channels [n0, n1) in panels that stay in L2, as GemmChunk
+QARRAY_AVX512 void Int4GemmChunk(const Int4Problem& p, int64_t n0, int64_t n1) {
+  const int64_t step = std::max<int64_t>(32, kPanelBytes / std::max<int64_t>(p.k, 1) / 32 * 32);
+  for (int64_t c = n0; c < n1; c += step) Int4GemmPanel(p, c, std::min(n1, c + step));
 }
 
 ffi::Error ProductInt4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
