@@ -184,8 +184,7 @@ SMALL_WEIGHT_ELEMENTS = 1024
 # KERNEL_TILE_ROWS rows, its GEMM from KERNEL_GEMM_ROWS int8 rows (kGemmRows
 # in kernels.cc; weight-only runs three int8 parts a row) up to
 # KERNEL_MAX_ROWS rows (W8A8 with a short K: every count), past which XLA's
-# int8 dots measure as fast; for layout "kn" only while the weights the GEMM
-# repacks every call are few.
+# int8 dots measure as fast, in both layouts.
 KERNEL_TILE_ROWS = {
     ("nk", "float32"): 2,
     ("nk", "int8"): 8,
@@ -200,7 +199,6 @@ KERNEL_MAX_ROWS = {"float32": 64, "int8": 128}
 # near L1; at K = 1024 it measured 1.05-1.24x of XLA's int8 dot from 256 to
 # 2048 rows, at K = 4096 0.86-0.89x from 256 rows)
 KERNEL_SHORT_K = 2048
-KN_GEMM_MAX_WEIGHTS = 2**21
 
 
 def kernel_wins(m: int, k: int, n: int, activations: str, layout: str) -> bool:
@@ -211,9 +209,7 @@ def kernel_wins(m: int, k: int, n: int, activations: str, layout: str) -> bool:
     too_many = m > KERNEL_MAX_ROWS[activations]
     if activations == "int8" and k <= KERNEL_SHORT_K:
         too_many = False
-    if int8_rows < KERNEL_GEMM_ROWS or too_many:
-        return False
-    return layout == "nk" or k * n <= KN_GEMM_MAX_WEIGHTS
+    return int8_rows >= KERNEL_GEMM_ROWS and not too_many
 
 
 def choose_strategy(

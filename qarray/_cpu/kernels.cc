@@ -466,7 +466,6 @@ struct Problem {
   std::vector<float> xf, sx;
   int64_t k_stride = 0;  // bytes between rows of xq (nk): k rounded up to 4
   bool gemm = false;  // kGemmRows rows (parts) or more: GemmChunk
-  std::vector<float> ones;  // kn's output scales under the GEMM
 };
 
 template <int MB>
@@ -513,23 +512,18 @@ QARRAY_AVX512 void RunTiles(const Problem& p, int64_t n0, int64_t n1) {
   }
 }
 
-// One panel's channels [n0, n1): packed, then tiles of rows x 32
+// Layout nk, one panel's channels [n0, n1): packed, then tiles of rows x 32
 QARRAY_AVX512 void GemmPanel(const Problem& p, int64_t n0, int64_t n1, int64_t r0,
                              int64_t r1) {
   Panel panel;
-  if (p.kn)
-    PackPanelKn(p.q, p.k, p.n, n0, n1, panel);
-  else
-    PackPanel(p.q, p.k, n0, n1, panel);
-  // kn: the scales folded into x already, the output's are ones
-  const float* scale = p.kn ? p.ones.data() : p.scale;
+  PackPanel(p.q, p.k, n0, n1, panel);
   float* y = p.split ? const_cast<float*>(p.y_parts.data()) : p.y;
   // a block of rows stays in L1 while it passes over the whole panel (in L2)
   auto rows = [&](auto mr, int64_t row) {
     constexpr int MR = decltype(mr)::value;
     for (int64_t c = 0; c < n1 - n0; c += 32)
       GemmTile<MR>(p.xq.data() + row * p.k_stride, p.k_stride, p.sx.data() + row,
-                   panel, c, std::min<int64_t>(32, n1 - n0 - c), scale + n0 + c,
+                   panel, c, std::min<int64_t>(32, n1 - n0 - c), p.scale + n0 + c,
                    y + row * p.n + n0 + c, p.n);
   };
   int64_t row = r0;
@@ -538,12 +532,69 @@ QARRAY_AVX512 void GemmPanel(const Problem& p, int64_t n0, int64_t n1, int64_t r
   for (; row < r1; ++row) rows(std::integral_constant<int, 1>{}, row);
 }
 
+// MR rows' integer products with the panel's 32 channels from c, minus the
+// u8 shift's correction, added into sums (ld apart): one block of K
+template <int MR>
+QARRAY_AVX512 void GemmTileSums(const uint8_t* xq, int64_t ks, const Panel& panel,
+                                int64_t c, int64_t cols, int32_t* sums, int64_t ld) {
+  const int64_t k4 = panel.k4;
+  const int8_t* w0 = panel.w.data() + (c / 16) * k4 * 64;
+  const int8_t* w1 = w0 + k4 * 64;
+  __m512i acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+  DotSteps<MR>(acc, xq, ks, w0, w1, k4);
+  const ColumnMasks m(cols);
+  const __m512i c0 = _mm512_loadu_si512(panel.corr.data() + c);
+  const __m512i c1 = _mm512_loadu_si512(panel.corr.data() + c + 16);
+  for (int r = 0; r < MR; ++r) {
+    int32_t* at = sums + r * ld;
+    const __m512i s0 = _mm512_maskz_loadu_epi32(m.lo, at);
+    const __m512i s1 = _mm512_maskz_loadu_epi32(m.hi, at + 16);
+    _mm512_mask_storeu_epi32(at, m.lo, _mm512_add_epi32(s0, _mm512_sub_epi32(acc[r][0], c0)));
+    _mm512_mask_storeu_epi32(at + 16, m.hi,
+                             _mm512_add_epi32(s1, _mm512_sub_epi32(acc[r][1], c1)));
+  }
+}
+
+// Layout kn over channels [n0, n1): the panel's rows of q are N apart, so it
+// is packed a block of K at a time across the whole chunk (each row read
+// along (n1 - n0) bytes; a narrow panel down all of K touched a page per 64
+// bytes: make bench, suite kernels, the kn rows), the integer sums carried
+// across the blocks in int32 (exact, as one block), then scaled
+QARRAY_AVX512 void GemmChunkKn(const Problem& p, int64_t n0, int64_t n1, int64_t r0,
+                               int64_t r1) {
+  const int64_t width = n1 - n0;
+  const int64_t block = std::max<int64_t>(4, kPanelBytes / width / 4 * 4);
+  std::vector<int32_t> sums((r1 - r0) * width, 0);
+  Panel panel;
+  for (int64_t k0 = 0; k0 < p.k; k0 += block) {
+    PackPanelKn(p.q + k0 * p.n, std::min(block, p.k - k0), p.n, n0, n1, panel);
+    auto rows = [&](auto mr, int64_t row) {
+      constexpr int MR = decltype(mr)::value;
+      for (int64_t c = 0; c < width; c += 32)
+        GemmTileSums<MR>(p.xq.data() + row * p.k_stride + k0, p.k_stride, panel, c,
+                         std::min<int64_t>(32, width - c),
+                         sums.data() + (row - r0) * width + c, width);
+    };
+    int64_t row = r0;
+    for (; row + kGemmMR <= r1; row += kGemmMR)
+      rows(std::integral_constant<int, kGemmMR>{}, row);
+    for (; row < r1; ++row) rows(std::integral_constant<int, 1>{}, row);
+  }
+  // kn: the weights' scales folded into x already
+  float* y = p.split ? const_cast<float*>(p.y_parts.data()) : p.y;
+  for (int64_t row = r0; row < r1; ++row)
+    for (int64_t j = 0; j < width; ++j)
+      y[row * p.n + n0 + j] = static_cast<float>(sums[(row - r0) * width + j]) * p.sx[row];
+}
+
 // The GEMM form over channels [n0, n1): panels of at most kPanelBytes, each
 // packed then multiplied while it is in L2 (one panel of a whole chunk, 2 MiB
 // at K = 4096, went to memory and back: make bench, suite kernels, the
 // (16, 4096, 4096) rows)
 QARRAY_AVX512 void GemmChunk(const Problem& p, int64_t n0, int64_t n1, int64_t r0,
                              int64_t r1) {
+  if (p.kn) return GemmChunkKn(p, n0, n1, r0, r1);
   const int64_t step = std::max<int64_t>(32, kPanelBytes / std::max<int64_t>(p.k, 1) / 32 * 32);
   for (int64_t c = n0; c < n1; c += step) GemmPanel(p, c, std::min(n1, c + step), r0, r1);
 }
@@ -638,7 +689,6 @@ QARRAY_AVX512 void Prepare(Problem& p) {
   // weight-only runs on split rows for nk, and for kn under the GEMM
   p.gemm = (p.int8 ? p.m : kSplit * p.m) >= kGemmRows;
   p.split = !p.int8 && (!p.kn || p.gemm);
-  if (p.kn && p.gemm) p.ones.assign(p.n, 1.0f);
   if (p.split) {
     p.rows = kSplit * p.m;
     p.xq.assign(p.rows * p.k_stride, 0);

@@ -62,6 +62,8 @@ SHAPES = [
     (11, 5, 17),
     (37, 70, 33),
     (64, 96, 130),
+    # layout kn's GEMM over two blocks of K (the second 4 rows long)
+    (12, 4100, 70),
 ]
 
 
@@ -146,13 +148,15 @@ def test_choose_strategy(m, kn, activations, platform, expected):
         (32, "nk", "int8", "cpu", "kernel"),
         (128, "nk", "int8", "cpu", "kernel"),
         (129, "nk", "int8", "cpu", "int8_dot"),
-        (16, "kn", "float32", "cpu", "split_int8"),  # 4096 x 4096: repacking costs
+        (16, "kn", "float32", "cpu", "kernel"),
+        (65, "kn", "float32", "cpu", "split_int8"),
         (1, "kn", "float32", "cpu", "kernel"),
         (1, "kn", "int8", "cpu", "kernel"),
         (3, "kn", "float32", "cpu", "kernel"),  # 9 int8 rows: integer products
-        (4, "kn", "float32", "cpu", "split_int8"),
+        (4, "kn", "float32", "cpu", "kernel"),  # 12 int8 rows: the GEMM
         (9, "kn", "int8", "cpu", "kernel"),
-        (10, "kn", "int8", "cpu", "int8_dot"),
+        (10, "kn", "int8", "cpu", "kernel"),  # the GEMM
+        (129, "kn", "int8", "cpu", "int8_dot"),
         (1, "nk", "float32", "gpu", "dequantize"),
     ],
 )
@@ -174,12 +178,13 @@ def test_w8a8_with_a_short_k_takes_the_gemm_at_every_row_count():
     )
 
 
-def test_the_kn_gemm_takes_small_weights():
+def test_the_kn_gemm_takes_small_and_large_weights():
     for activations in ("float32", "int8"):
-        got = _kernels.choose_strategy(
-            64, 1024, 1024, activations, "cpu", "kn", kernels=True
-        )
-        assert got == "kernel"
+        for size in (1024, 4096):  # kn packs its panels a block of K at a time
+            got = _kernels.choose_strategy(
+                64, size, size, activations, "cpu", "kn", kernels=True
+            )
+            assert got == "kernel"
 
 
 @pytest.mark.parametrize(
