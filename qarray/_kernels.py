@@ -199,6 +199,12 @@ KERNEL_MAX_ROWS = {"float32": 64, "int8": 128}
 # near L1; at K = 1024 it measured 1.05-1.24x of XLA's int8 dot from 256 to
 # 2048 rows, at K = 4096 0.86-0.89x from 256 rows)
 KERNEL_SHORT_K = 2048
+# layout kn packs its weights on every call: with more than KN_LARGE_WEIGHTS
+# of them that costs weight-only's GEMM (three int8 parts a row) its lead
+# past KN_LARGE_MAX_ROWS rows (4096 x 4096: 1.55x of split_int8 at 4 rows,
+# 0.97x at 16)
+KN_LARGE_WEIGHTS = 2**21
+KN_LARGE_MAX_ROWS = 8
 
 
 def kernel_wins(m: int, k: int, n: int, activations: str, layout: str) -> bool:
@@ -209,6 +215,8 @@ def kernel_wins(m: int, k: int, n: int, activations: str, layout: str) -> bool:
     too_many = m > KERNEL_MAX_ROWS[activations]
     if activations == "int8" and k <= KERNEL_SHORT_K:
         too_many = False
+    if layout == "kn" and activations == "float32" and k * n > KN_LARGE_WEIGHTS:
+        too_many = m > KN_LARGE_MAX_ROWS
     return int8_rows >= KERNEL_GEMM_ROWS and not too_many
 
 

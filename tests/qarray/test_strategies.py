@@ -148,8 +148,8 @@ def test_choose_strategy(m, kn, activations, platform, expected):
         (32, "nk", "int8", "cpu", "kernel"),
         (128, "nk", "int8", "cpu", "kernel"),
         (129, "nk", "int8", "cpu", "int8_dot"),
-        (16, "kn", "float32", "cpu", "kernel"),
-        (65, "kn", "float32", "cpu", "split_int8"),
+        (8, "kn", "float32", "cpu", "kernel"),
+        (16, "kn", "float32", "cpu", "split_int8"),  # 4096 x 4096: packing costs
         (1, "kn", "float32", "cpu", "kernel"),
         (1, "kn", "int8", "cpu", "kernel"),
         (3, "kn", "float32", "cpu", "kernel"),  # 9 int8 rows: integer products
@@ -179,12 +179,11 @@ def test_w8a8_with_a_short_k_takes_the_gemm_at_every_row_count():
 
 
 def test_the_kn_gemm_takes_small_and_large_weights():
-    for activations in ("float32", "int8"):
-        for size in (1024, 4096):  # kn packs its panels a block of K at a time
-            got = _kernels.choose_strategy(
-                64, size, size, activations, "cpu", "kn", kernels=True
-            )
-            assert got == "kernel"
+    for activations, size in (("float32", 1024), ("int8", 1024), ("int8", 4096)):
+        got = _kernels.choose_strategy(
+            64, size, size, activations, "cpu", "kn", kernels=True
+        )
+        assert got == "kernel"
 
 
 @pytest.mark.parametrize(
