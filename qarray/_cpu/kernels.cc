@@ -363,28 +363,56 @@ QARRAY_AVX512 void PackPanelKn(const int8_t* q, int64_t k, int64_t n, int64_t n0
 }
 
 // MR rows of u8 xq (ks bytes apart) times the panel's 32 channels from c
-// (two blocks of 16), `cols` of them real, into y (ldy apart), scaled
+// (two blocks of 16): the integer products, the u8 shift's correction taken off
+template <int MR>
+QARRAY_AVX512 inline void PanelProducts(const uint8_t* xq, int64_t ks, const Panel& panel,
+                                        int64_t c, __m512i (&acc)[MR][2]) {
+  const int64_t k4 = panel.k4;
+  const int8_t* w0 = panel.w.data() + (c / 16) * k4 * 64;
+  const int8_t* w1 = w0 + k4 * 64;
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+  DotSteps<MR>(acc, xq, ks, w0, w1, k4);
+  const __m512i c0 = _mm512_loadu_si512(panel.corr.data() + c);
+  const __m512i c1 = _mm512_loadu_si512(panel.corr.data() + c + 16);
+  for (int r = 0; r < MR; ++r) {
+    acc[r][0] = _mm512_sub_epi32(acc[r][0], c0);
+    acc[r][1] = _mm512_sub_epi32(acc[r][1], c1);
+  }
+}
+
+// PanelProducts, `cols` of the 32 real, into y (ldy apart), scaled
 template <int MR>
 QARRAY_AVX512 void GemmTile(const uint8_t* xq, int64_t ks, const float* sx,
                             const Panel& panel, int64_t c, int64_t cols,
                             const float* scale, float* y, int64_t ldy) {
-  const int64_t k4 = panel.k4;
-  const int8_t* w0 = panel.w.data() + (c / 16) * k4 * 64;
-  const int8_t* w1 = w0 + k4 * 64;
   __m512i acc[MR][2];
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
-  DotSteps<MR>(acc, xq, ks, w0, w1, k4);
+  PanelProducts<MR>(xq, ks, panel, c, acc);
   const ColumnMasks m(cols);
-  const __m512i c0 = _mm512_loadu_si512(panel.corr.data() + c);
-  const __m512i c1 = _mm512_loadu_si512(panel.corr.data() + c + 16);
   const __m512 s0 = _mm512_maskz_loadu_ps(m.lo, scale);
   const __m512 s1 = _mm512_maskz_loadu_ps(m.hi, scale + 16);
   for (int r = 0; r < MR; ++r) {
     const __m512 x = _mm512_set1_ps(sx[r]);
-    const __m512 y0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][0], c0));
-    const __m512 y1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][1], c1));
+    const __m512 y0 = _mm512_cvtepi32_ps(acc[r][0]);
+    const __m512 y1 = _mm512_cvtepi32_ps(acc[r][1]);
     _mm512_mask_storeu_ps(y + r * ldy, m.lo, _mm512_mul_ps(_mm512_mul_ps(y0, x), s0));
     _mm512_mask_storeu_ps(y + r * ldy + 16, m.hi, _mm512_mul_ps(_mm512_mul_ps(y1, x), s1));
+  }
+}
+
+// PanelProducts, `cols` of the 32 real, added into sums (ld apart): one block
+// of K of layout kn's GEMM
+template <int MR>
+QARRAY_AVX512 void GemmTileSums(const uint8_t* xq, int64_t ks, const Panel& panel,
+                                int64_t c, int64_t cols, int32_t* sums, int64_t ld) {
+  __m512i acc[MR][2];
+  PanelProducts<MR>(xq, ks, panel, c, acc);
+  const ColumnMasks m(cols);
+  for (int r = 0; r < MR; ++r) {
+    int32_t* at = sums + r * ld;
+    _mm512_mask_storeu_epi32(
+        at, m.lo, _mm512_add_epi32(_mm512_maskz_loadu_epi32(m.lo, at), acc[r][0]));
+    _mm512_mask_storeu_epi32(
+        at + 16, m.hi, _mm512_add_epi32(_mm512_maskz_loadu_epi32(m.hi, at + 16), acc[r][1]));
   }
 }
 
@@ -530,30 +558,6 @@ QARRAY_AVX512 void GemmPanel(const Problem& p, int64_t n0, int64_t n1, int64_t r
   for (; row + kGemmMR <= r1; row += kGemmMR)
     rows(std::integral_constant<int, kGemmMR>{}, row);
   for (; row < r1; ++row) rows(std::integral_constant<int, 1>{}, row);
-}
-
-// MR rows' integer products with the panel's 32 channels from c, minus the
-// u8 shift's correction, added into sums (ld apart): one block of K
-template <int MR>
-QARRAY_AVX512 void GemmTileSums(const uint8_t* xq, int64_t ks, const Panel& panel,
-                                int64_t c, int64_t cols, int32_t* sums, int64_t ld) {
-  const int64_t k4 = panel.k4;
-  const int8_t* w0 = panel.w.data() + (c / 16) * k4 * 64;
-  const int8_t* w1 = w0 + k4 * 64;
-  __m512i acc[MR][2];
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
-  DotSteps<MR>(acc, xq, ks, w0, w1, k4);
-  const ColumnMasks m(cols);
-  const __m512i c0 = _mm512_loadu_si512(panel.corr.data() + c);
-  const __m512i c1 = _mm512_loadu_si512(panel.corr.data() + c + 16);
-  for (int r = 0; r < MR; ++r) {
-    int32_t* at = sums + r * ld;
-    const __m512i s0 = _mm512_maskz_loadu_epi32(m.lo, at);
-    const __m512i s1 = _mm512_maskz_loadu_epi32(m.hi, at + 16);
-    _mm512_mask_storeu_epi32(at, m.lo, _mm512_add_epi32(s0, _mm512_sub_epi32(acc[r][0], c0)));
-    _mm512_mask_storeu_epi32(at + 16, m.hi,
-                             _mm512_add_epi32(s1, _mm512_sub_epi32(acc[r][1], c1)));
-  }
 }
 
 // Layout kn over channels [n0, n1): the panel's rows of q are N apart, so it
