@@ -22,6 +22,7 @@ from tesseract_core.runtime import Array, Differentiable, Float32, jax_recipes
 
 import qarray.nn as qnn
 from qarray.tesseract import (
+    Rows,
     Runtime,
     checked_vectors,
     declared_shape,
@@ -165,8 +166,13 @@ class InputSchema(BaseModel):
     )
     return_w_q: bool = Field(
         default=False,
-        description="Return the quantized weights of the layers given as dense w "
-        "(they cost wire bytes on every call).",
+        description="Return the per-layer outputs with the quantized weights of "
+        "the layers given as dense w (they cost wire bytes on every call).",
+    )
+    return_weight_error: bool = Field(
+        default=False,
+        description="Return the per-layer outputs (each layer's weight_error). "
+        "Without it or return_w_q, the output's layers is null.",
     )
     lora: list[Adapter | None] | None = Field(
         default=None,
@@ -315,7 +321,10 @@ class OutputSchema(BaseModel):
     y: Differentiable[Array[..., Float32]] = Field(
         description="The network's output, float32 (*batch, ..., N_last)."
     )
-    layers: list[LayerOut] = Field(description="Per layer diagnostics, in order.")
+    layers: list[LayerOut] | None = Field(
+        description="Per layer diagnostics, in order, when return_weight_error or "
+        "return_w_q asks for them; else null."
+    )
 
 
 # --- the computation: the request's network, or the resident one
@@ -371,10 +380,14 @@ def _outputs(inputs: dict, resident: qnn.Network | None) -> dict:
     """inputs (as InputSchema.model_dump()) -> outputs (as OutputSchema)."""
     network = _network(inputs, resident)
     y, per_layer = network.run(inputs["x"], return_w_q=inputs["return_w_q"])
-    return {"y": y, "layers": per_layer}
+    asked = inputs["return_w_q"] or inputs["return_weight_error"]
+    return {"y": y, "layers": per_layer if asked else None}
 
 
 _compiled_outputs = jit_request(_outputs)
+# concurrent requests on the resident model merge along x's rows (RUNTIME's
+# batcher: QARRAY_MAX_BATCH_ROWS, QARRAY_BATCH_WAIT_MS)
+BATCHES = Rows(RUNTIME.batcher, _outputs, ["x"], lambda: (RUNTIME.resident,))
 
 
 def apply_jit(inputs: dict) -> dict:
@@ -395,11 +408,33 @@ def _as_dict(inputs: InputSchema) -> dict:
     return out
 
 
+def _mergeable(inputs: InputSchema, request: dict) -> dict | None:
+    """The request, if it may merge with others (``Rows.job``): the resident
+    model on rows of x, adapters (if any) one per request, no per-layer
+    outputs; else None (it computes alone)."""
+    if inputs.layers is not None or inputs.x.ndim < 2:
+        return None
+    if inputs.return_w_q or inputs.return_weight_error:
+        return None
+    if inputs.lora is not None and (
+        RUNTIME.mesh is not None
+        or any(e is not None and e.a.ndim + e.b.ndim > 4 for e in inputs.lora)
+    ):
+        return None
+    return request
+
+
 def apply(inputs: InputSchema) -> OutputSchema:
-    """The network's output y and per-layer diagnostics."""
-    if RUNTIME.cache.arriving(inputs.cache_pays()):
-        return RUNTIME.cache.apply(_outputs, _as_dict(inputs), (RUNTIME.resident,))
-    return apply_jit(_as_dict(inputs))
+    """The network's output y (and per-layer diagnostics when asked)."""
+    request = _as_dict(inputs)
+    store = RUNTIME.cache.arriving(inputs.cache_pays())
+
+    def alone():
+        if store:
+            return RUNTIME.cache.apply(_outputs, request, (RUNTIME.resident,))
+        return apply_jit(request)
+
+    return BATCHES.run(BATCHES.job("apply", _mergeable(inputs, request), alone))
 
 
 def abstract_eval(abstract_inputs):
@@ -448,7 +483,18 @@ def jacobian_vector_product(
     tangents = checked_vectors(
         "tangent_vector", tangent_vector, lambda p: (p, inputs.lookup(p).shape)
     )
-    return jax_recipes.jax_jvp(apply_jit, inputs, jvp_inputs, jvp_outputs, tangents)
+    request = _as_dict(inputs)
+    job = BATCHES.job(
+        "jvp",
+        _mergeable(inputs, request),
+        lambda: jax_recipes.jax_jvp(
+            apply_jit, inputs, jvp_inputs, jvp_outputs, tangents
+        ),
+        paths=jvp_inputs,
+        outputs=jvp_outputs,
+        vectors=tangents,
+    )
+    return BATCHES.run(job)
 
 
 def vector_jacobian_product(
@@ -461,7 +507,18 @@ def vector_jacobian_product(
         "cotangent_vector", cotangent_vector, lambda p: ("y", y)
     )
     full = {"y": cotangents.get("y", np.zeros(y, np.float32))}
-    cached = RUNTIME.cache.vjp(_outputs, _as_dict(inputs), full, vjp_inputs)
+    request = _as_dict(inputs)
+    cached = RUNTIME.cache.vjp(_outputs, request, full, vjp_inputs)
     if cached is not None:
         return cached
-    return jax_recipes.jax_vjp(apply_jit, inputs, vjp_inputs, vjp_outputs, cotangents)
+    job = BATCHES.job(
+        "vjp",
+        _mergeable(inputs, request),
+        lambda: jax_recipes.jax_vjp(
+            apply_jit, inputs, vjp_inputs, vjp_outputs, cotangents
+        ),
+        paths=vjp_inputs,
+        outputs=full,
+        vectors=full,
+    )
+    return BATCHES.run(job)

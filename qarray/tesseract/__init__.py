@@ -5,6 +5,8 @@
   cache of one API module (``RUNTIME = Runtime.from_env()``);
 - ``Limits``: request size limits as schema validators and endpoint checks;
 - ``ResidualCache``: apply's pullback kept for the VJP that follows;
+- ``Batcher``, ``Rows``: concurrent requests on a resident model merged
+  along their rows into one compiled call (dynamic batching);
 - ``ModelTesseract``: any equinox model, quantized and resident, as a
   Tesseract with all five endpoints (a user's ``tesseract_api.py`` in a few
   lines: ``examples/cnn_surrogate/``);
@@ -19,6 +21,8 @@ Needs tesseract-core's runtime (``pip install qarray[tesseract]``); ``import
 qarray`` does not import this package.
 """
 
+from ._batching import Batcher as Batcher
+from ._batching import Rows as Rows
 from ._cache import ResidualCache as ResidualCache
 from ._guard import RequestGuard as RequestGuard
 from ._guard import binref_problem as binref_problem

@@ -9,6 +9,7 @@ from typing import Any
 import jax
 
 from ..nn import Network
+from ._batching import Batcher
 from ._cache import ResidualCache
 from ._limits import Limits
 from ._mesh import make_mesh
@@ -18,13 +19,15 @@ from ._settings import Settings
 
 @dataclass(frozen=True)
 class Runtime:
-    """Everything a Tesseract's endpoints hold besides the request: built
+    """Everything a Tesseract's endpoints hold besides the request (the
+    batcher every computation goes through included): built
     once per API module at import (``RUNTIME = Runtime.from_env()``), so a
     bad setting or model file stops start-up with a message naming it."""
 
     settings: Settings
     limits: Limits
     cache: ResidualCache
+    batcher: Batcher
     mesh: jax.sharding.Mesh | None = None
     resident: Network | Any | None = None
 
@@ -53,4 +56,7 @@ class Runtime:
             settings.vjp_cache_min_flops,
             settings.vjp_cache_min_intensity,
         )
-        return cls(settings, Limits(settings), cache, mesh, resident)
+        batcher = Batcher(
+            settings.max_batch_rows, settings.batch_wait_ms, settings.max_concurrency
+        )
+        return cls(settings, Limits(settings), cache, batcher, mesh, resident)

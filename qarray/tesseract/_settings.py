@@ -74,10 +74,27 @@ class Settings:
     max_concurrency: int = _setting(
         "QARRAY_MAX_CONCURRENCY",
         lambda: os.cpu_count() or 1,
-        "Requests computing at once per process; the others wait, their bytes "
-        "counted in flight.",
+        "Computations at once per process (a merged batch counts once); the "
+        "other requests wait, their bytes counted in flight.",
         minimum=1,
         shown="the CPU count",
+    )
+    max_batch_rows: int = _setting(
+        "QARRAY_MAX_BATCH_ROWS",
+        64,
+        "Rows of x that concurrent requests on a resident model merge into one "
+        "compiled call at most (dynamic batching: apply, vector_jacobian_product, "
+        "jacobian_vector_product with the same shapes and paths); 1 turns "
+        "batching off. A request with more rows runs alone.",
+        minimum=1,
+    )
+    batch_wait_ms: int = _setting(
+        "QARRAY_BATCH_WAIT_MS",
+        0,
+        "Longest a batch waits for more requests before it computes, in ms. 0: "
+        "it takes what queued while the previous batch computed, and a request "
+        "alone on an idle server never waits.",
+        minimum=0,
     )
     vjp_cache_size: int = _setting(
         "QARRAY_VJP_CACHE_SIZE",
