@@ -472,7 +472,9 @@ def jacobian(inputs: InputSchema, jac_inputs: set[str], jac_outputs: set[str]):
             LIMITS.check_elements(what, passes * math.prod(input_shape))
     except ValueError as error:
         raise unprocessable(f"{error}{advice}") from None
-    return jax_recipes.jax_jacobian(apply_jit, inputs, jac_inputs, jac_outputs)
+    return RUNTIME.batcher.call(
+        lambda: jax_recipes.jax_jacobian(apply_jit, inputs, jac_inputs, jac_outputs)
+    )
 
 
 def jacobian_vector_product(

@@ -28,6 +28,7 @@ TESSERACT = ModelTesseract(
     forward,
     model_file=Path(__file__).with_name("surrogate.safetensors"),
     lora_rank=4,
+    batch_inputs=["log_k"],  # concurrent requests merge along B
 )
 RUNTIME = TESSERACT.runtime  # qarray-serve reads the settings here
 Fields = Differentiable[Array[(None, GRID, GRID), Float32]]

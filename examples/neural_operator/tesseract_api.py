@@ -29,6 +29,7 @@ TESSERACT = ModelTesseract(
     FNO(jax.random.key(0)),
     forward,
     model_file=Path(__file__).with_name("fno.safetensors"),
+    batch_inputs=["log_k"],  # concurrent requests merge along B
 )
 RUNTIME = TESSERACT.runtime  # qarray-serve reads the settings here
 Fields = Differentiable[Array[(None, GRID, GRID), Float32]]

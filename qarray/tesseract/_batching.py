@@ -93,6 +93,10 @@ class Batcher:
             raise job.error
         return job.result
 
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """``fn()``, a computation that never merges, in its turn."""
+        return self.run(Job(None, 1, fn))
+
     def _take(self) -> list[Job]:
         """The next batch, out of the queue (lock held)."""
         if self.wait_s > 0 and self._rows_like_head() < self.max_rows:

@@ -17,6 +17,7 @@ step (a training loop) and repeated ones.
 from __future__ import annotations
 
 import functools
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -154,6 +155,7 @@ class ResidualCache:
         self.min_flops = min_flops
         self.min_intensity = min_intensity
         self._entries: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()  # endpoints run on several threads
         # applies since the last VJP request: past ``size`` of them the traffic
         # is inference, and storing pullbacks only costs (residual buffers on
         # every apply: make bench, suite e2e, resident rows); the next VJP
@@ -165,9 +167,10 @@ class ResidualCache:
 
     def resize(self, size: int) -> None:
         """Keep at most ``size`` entries from now on (0: off, and emptied)."""
-        self.size = size
-        while len(self._entries) > size:
-            self._entries.popitem(last=False)
+        with self._lock:
+            self.size = size
+            while len(self._entries) > size:
+                self._entries.popitem(last=False)
 
     def pays(self, flops: int, elements: int, linear: bool) -> bool:
         """Whether apply should store its pullback.
@@ -193,7 +196,8 @@ class ResidualCache:
     def arriving(self, store: bool) -> bool:
         """Counts an apply (``pays`` counts applies since the last VJP) and
         gives back ``store``, whether ``apply`` (else a plain call) serves it."""
-        self._applies_without_vjp += 1
+        with self._lock:
+            self._applies_without_vjp += 1
         return store
 
     def apply(self, fn: Callable, inputs: dict, constants=(), outputs=("y",)) -> dict:
@@ -203,10 +207,11 @@ class ResidualCache:
             arrays, tuple(constants), fn=fn, static=static, outputs=tuple(outputs)
         )
         key = _HostKey(fn, arrays, static)
-        self._entries[key] = _Entry(pullback)
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.size:
-            self._entries.popitem(last=False)
+        with self._lock:
+            self._entries[key] = _Entry(pullback)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
         return out
 
     def vjp(self, fn: Callable, inputs: dict, cotangents: dict, paths) -> dict | None:
@@ -217,6 +222,14 @@ class ResidualCache:
         if not self._entries:
             return None
         key = _HostKey(fn, *split_request(inputs))
+        with self._lock:
+            entry = self._take(key)
+        if entry is None:
+            return None
+        return _run_pullback(entry.pullback, cotangents, tuple(sorted(paths)))
+
+    def _take(self, key: _HostKey) -> _Entry | None:
+        """The entry under ``key``, marked read (lock held)."""
         entry = self._entries.get(key)
         if entry is None:
             return None
@@ -235,4 +248,4 @@ class ResidualCache:
             del self._entries[stored]
         entry.read = True
         self._entries.move_to_end(key)
-        return _run_pullback(entry.pullback, cotangents, tuple(sorted(paths)))
+        return entry

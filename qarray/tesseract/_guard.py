@@ -16,9 +16,11 @@ and sheds load with 503 + ``Retry-After`` instead of running out of memory:
 
 - request bytes in flight in this process (bodies being read, waiting or
   computing) are bounded by ``QARRAY_MAX_INFLIGHT_BYTES``: a request whose
-  Content-Length would pass it is refused before its body is read;
-- at most ``QARRAY_MAX_CONCURRENCY`` requests compute at once; the others
-  wait, their bytes counted in flight.
+  Content-Length would pass it is refused before its body is read.
+
+How many compute at once is the batcher's (``QARRAY_MAX_CONCURRENCY``
+batches, each of many requests: ``qarray.tesseract._batching``), not the
+guard's: a per-request bound here would cap every batch at it.
 
 Validation errors (422) name the field and the problem but do not echo the
 input back, and list at most ``MAX_LISTED_ERRORS`` problems with their count,
@@ -149,7 +151,6 @@ class RequestGuard:
         self.max_elements = settings.max_elements
         self.max_inflight = settings.max_inflight_bytes
         self.inflight = 0  # request bytes held by this process right now
-        self.computing = asyncio.Semaphore(settings.max_concurrency)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -212,9 +213,8 @@ class RequestGuard:
                     return message
                 return await receive()  # e.g. the client disconnecting
 
-            # computations wait their turn here, their bytes still counted
-            async with self.computing:
-                return await self.app(scope, replay, send)
+            # the bytes stay counted while the request waits and computes
+            return await self.app(scope, replay, send)
         finally:
             held.release()
 

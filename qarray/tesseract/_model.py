@@ -25,6 +25,11 @@ declared array with ``TESSERACT.limits.array``, and on every output and
 Jacobian), the residual cache (apply keeps its pullback for the VJP that
 follows), ``abstract_eval``, and every client error a 422 naming the field.
 
+``batch_inputs=("log_k",)`` declares those inputs' leading axis a batch of
+independent examples (and every output's): concurrent requests then merge
+along it into one compiled call (``qarray.tesseract.Rows``; requests with
+adapters as per-example adapters), up to ``QARRAY_MAX_BATCH_ROWS`` rows.
+
 ``lora_rank=r`` exposes LoRA adapters on the resident model as inputs: the
 API's InputSchema declares ``lora: TESSERACT.Lora = None``, a list of one
 ``{a, b}`` (or null) per stored quantized Linear and Conv of the model (tree
@@ -39,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -53,6 +58,7 @@ from tesseract_core.runtime import Array, Differentiable, Float32, jax_recipes
 from ..checkpoint import ModelFileError, load_quantized
 from ..nn import with_adapters
 from ..nn._lora import adapter_shapes
+from ._batching import Rows
 from ._jit import jit_request, merge_request, split_request
 from ._limits import require_finite
 from ._paths import lookup_path
@@ -69,8 +75,10 @@ class ModelTesseract:
     learned or fitted in training, such as output scales, as array leaves);
     ``forward(model, inputs)``: the outputs (a dict of
     arrays) for a request's inputs (the InputSchema as a dict of NumPy
-    arrays and other values), traced under ``jax.jit``; ``quantize_options``:
-    passed to ``qarray.nn.quantize`` (``where``, ``activations``).
+    arrays and other values), traced under ``jax.jit``; ``batch_inputs``:
+    the inputs whose leading axis indexes independent examples (module doc);
+    ``quantize_options``: passed to ``qarray.nn.quantize`` (``where``,
+    ``activations``).
     """
 
     def __init__(
@@ -82,6 +90,7 @@ class ModelTesseract:
         environ: Mapping[str, str] | None = None,
         lora_rank: int | None = None,
         lora_alpha: float | None = None,
+        batch_inputs: Sequence[str] = (),
         **quantize_options,
     ):
         settings = Settings.from_env(environ)
@@ -115,6 +124,10 @@ class ModelTesseract:
         self.model = self.runtime.resident
         self.forward = forward
         self._compiled = jit_request(self._run)
+        self.batch_inputs = tuple(batch_inputs)
+        self.batches = Rows(
+            self.runtime.batcher, self._run_rows, self.batch_inputs, self._constants
+        )
         self._shapes: dict = {}
         self.lora_shapes: list[tuple[tuple, tuple]] = []
         if lora_rank is not None:
@@ -189,6 +202,32 @@ class ModelTesseract:
             model = with_adapters(model, pairs, alpha=self.lora_alpha)
         return self.forward(model, inputs)
 
+    def _constants(self) -> tuple:
+        return (self.model,)
+
+    def _run_rows(self, inputs: dict, model) -> dict:
+        """``_run`` on merged rows: adapters gathered one per row (``Rows``)
+        apply to their own row, each row its own call of ``forward``."""
+        if not any(e is not None for e in inputs.get("lora") or ()):
+            return self._run(inputs, model)
+
+        def one(row):
+            row = dict(row)
+            for name in self.batch_inputs:
+                row[name] = jax.tree.map(lambda a: a[None], row[name])
+            return jax.tree.map(lambda a: a[0], self._run(row, model))
+
+        return eqx.filter_vmap(one)(inputs)
+
+    def _mergeable(self, request: dict) -> dict | None:
+        """The request if it may merge with others: batch inputs declared and
+        given."""
+        if not self.batch_inputs:
+            return None
+        if any(request.get(name) is None for name in self.batch_inputs):
+            return None
+        return request
+
     def apply_jit(self, inputs: dict) -> dict:
         """What tesseract-core's jax_recipes differentiate."""
         return self._compiled(inputs, self.model)
@@ -239,11 +278,18 @@ class ModelTesseract:
         cache, request = self.runtime.cache, inputs.model_dump()
         outputs = self._float_outputs(self.output_shapes(request))
         # a model is taken as nonlinear: its pullback pays for itself
-        if cache.arriving(
+        store = cache.arriving(
             cache.pays(self.limits.settings.vjp_cache_min_flops, 1, False)
-        ):
-            return cache.apply(self._run, request, (self.model,), outputs)
-        return self.apply_jit(request)
+        )
+
+        def alone():
+            if store:
+                return cache.apply(self._run, request, (self.model,), outputs)
+            return self.apply_jit(request)
+
+        return self.batches.run(
+            self.batches.job("apply", self._mergeable(request), alone)
+        )
 
     def abstract_eval(self, abstract_inputs) -> dict:
         """Output shapes and dtypes from input shapes and dtypes."""
@@ -267,7 +313,11 @@ class ModelTesseract:
                         f"{error}: use vector_jacobian_product or "
                         "jacobian_vector_product"
                     ) from None
-        return jax_recipes.jax_jacobian(self.apply_jit, inputs, jac_inputs, jac_outputs)
+        return self.runtime.batcher.call(
+            lambda: jax_recipes.jax_jacobian(
+                self.apply_jit, inputs, jac_inputs, jac_outputs
+            )
+        )
 
     def jacobian_vector_product(
         self, inputs: BaseModel, jvp_inputs, jvp_outputs, tangent_vector
@@ -275,9 +325,19 @@ class ModelTesseract:
         """Tangents of jvp_outputs for tangents of jvp_inputs."""
         shapes = self._given(inputs, jvp_inputs, "jvp_inputs")
         tangents = checked_vectors("tangent_vector", tangent_vector, _known(shapes))
-        return jax_recipes.jax_jvp(
-            self.apply_jit, inputs, jvp_inputs, jvp_outputs, tangents
+        request = inputs.model_dump()
+        self.output_shapes(request)  # a 422 for inputs the model cannot take
+        job = self.batches.job(
+            "jvp",
+            self._mergeable(request),
+            lambda: jax_recipes.jax_jvp(
+                self.apply_jit, inputs, jvp_inputs, jvp_outputs, tangents
+            ),
+            paths=jvp_inputs,
+            outputs=jvp_outputs,
+            vectors=tangents,
         )
+        return self.batches.run(job)
 
     def vector_jacobian_product(
         self, inputs: BaseModel, vjp_inputs, vjp_outputs, cotangent_vector
@@ -297,9 +357,17 @@ class ModelTesseract:
         cached = self.runtime.cache.vjp(self._run, request, full, vjp_inputs)
         if cached is not None:
             return cached
-        return jax_recipes.jax_vjp(
-            self.apply_jit, inputs, vjp_inputs, vjp_outputs, cotangents
+        job = self.batches.job(
+            "vjp",
+            self._mergeable(request),
+            lambda: jax_recipes.jax_vjp(
+                self.apply_jit, inputs, vjp_inputs, vjp_outputs, cotangents
+            ),
+            paths=vjp_inputs,
+            outputs=full,
+            vectors=full,
         )
+        return self.batches.run(job)
 
 
 def _known(shapes: dict):

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ._guard import RequestGuard, validation_error_response
 from ._settings import Settings, SettingsError
+from ._workarounds import endpoints_off_event_loop
 
 # glibc's malloc gives a freed block of more than its (dynamic) threshold back
 # to the system, so every big buffer of the next request (the body, its str,
@@ -117,6 +118,14 @@ def create_app():
     app = create_rest_api(api)
     runtime = getattr(api, "RUNTIME", None)
     settings = runtime.settings if runtime is not None else Settings.from_env()
+    # endpoints on worker threads: the event loop reads and validates requests
+    # while others compute. A Runtime's batcher bounds the computations (a
+    # batch counts once), so its requests may all wait in it; elsewhere the
+    # threads are the bound
+    threads = settings.max_concurrency
+    if runtime is not None:
+        threads *= settings.max_batch_rows
+    endpoints_off_event_loop(app, threads)
     # after the API module loaded (a resident model's float32 file is read and
     # freed there): what it let go of goes back to the system as before
     keep_freed_memory()

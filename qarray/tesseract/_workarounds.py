@@ -35,6 +35,7 @@ import sys
 from pathlib import Path
 
 from tesseract_core.runtime import schema_generation
+from tesseract_core.runtime import serve as _serve
 
 CHECKED_AGAINST = "1.15.0"
 
@@ -95,3 +96,53 @@ def guarded_interpreter(
     )
     os.chmod(script, 0o755)
     return link
+
+
+COMPUTE_ROUTES = (
+    "/apply",
+    "/jacobian",
+    "/jacobian_vector_product",
+    "/vector_jacobian_product",
+)
+
+
+def endpoints_off_event_loop(app, threads: int) -> bool:
+    """Workaround 3 (module doc): ``app``'s computational routes call their
+    endpoints on at most ``threads`` worker threads at once; False where the
+    upstream handlers stay (GPU transport, profiling)."""
+    import uuid
+
+    import anyio
+    from fastapi.routing import APIRoute
+    from tesseract_core.runtime.config import get_config
+
+    config = get_config()
+    if config.gpu_transport != "none" or config.profiling:
+        return False
+    limiter = anyio.CapacityLimiter(threads)
+    for route in list(app.router.routes):
+        if not isinstance(route, APIRoute) or route.path not in COMPUTE_ROUTES:
+            continue
+        upstream = route.endpoint
+        endpoint = upstream.__wrapped__  # create_endpoints' function
+
+        async def handler(
+            *args, accept, run_id, exports_done, endpoint=endpoint, **kwargs
+        ):
+            encoding = _serve.negotiate_encoding(accept)
+            rundir = f"run_{run_id or uuid.uuid4()}"
+            output_path = get_config().output_path
+
+            def compute():
+                result = endpoint(*args, **kwargs)
+                return _serve.create_response(
+                    result, encoding, base_dir=output_path, binref_dir=rundir
+                )
+
+            return await anyio.to_thread.run_sync(compute, limiter=limiter)
+
+        handler.__signature__ = upstream.__signature__
+        handler.__name__, handler.__doc__ = upstream.__name__, upstream.__doc__
+        app.router.routes.remove(route)
+        app.add_api_route(route.path, handler, methods=sorted(route.methods))
+    return True
