@@ -17,9 +17,9 @@ once: the concurrency bound counts batches, not requests.
 the arrays under ``row_fields`` carry one example per leading row and are
 concatenated; every other array (a request's LoRA adapters) is stacked, one
 per request, and given to each row by an index (``fn`` must take per-row
-leading axes on them: the contract's batch axes). Rows are padded to a power
-of two (at most ``max_rows``) by repeating the last row, so batching compiles
-a few sizes, and padded rows get zero cotangents and tangents. A merged
+leading axes on them: the contract's batch axes). Rows are padded to a few
+sizes (``_bucket``) by repeating the last row, so batching compiles a few
+sizes, and padded rows get zero cotangents and tangents. A merged
 call that fails falls back to each job alone, so one request never fails
 another.
 """
@@ -322,8 +322,11 @@ class Rows:
 
 
 def _bucket(n: int) -> int:
-    """The compiled size for ``n``: the next power of two."""
-    return 1 << max(n - 1, 0).bit_length()
+    """The compiled size for ``n``: the next power of two up to 8, then the
+    next multiple of 8 (padding costs as much per row as a real one)."""
+    if n <= 8:
+        return 1 << max(n - 1, 0).bit_length()
+    return -(-n // 8) * 8
 
 
 def _pad(a: np.ndarray, size: int, zeros: bool = False) -> np.ndarray:

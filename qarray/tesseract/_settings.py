@@ -73,11 +73,12 @@ class Settings:
     )
     max_concurrency: int = _setting(
         "QARRAY_MAX_CONCURRENCY",
-        lambda: os.cpu_count() or 1,
+        1,
         "Computations at once per process (a merged batch counts once); the "
-        "other requests wait, their bytes counted in flight.",
+        "other requests wait, their bytes counted in flight. Each computation "
+        "uses every core (XLA's threads): one at a time measured best on CPU "
+        "(`make bench`, suite load).",
         minimum=1,
-        shown="the CPU count",
     )
     max_batch_rows: int = _setting(
         "QARRAY_MAX_BATCH_ROWS",
