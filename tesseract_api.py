@@ -510,7 +510,9 @@ def vector_jacobian_product(
     )
     full = {"y": cotangents.get("y", np.zeros(y, np.float32))}
     request = _as_dict(inputs)
-    cached = RUNTIME.cache.vjp(_outputs, request, full, vjp_inputs)
+    cached = RUNTIME.batcher.call(
+        lambda: RUNTIME.cache.vjp(_outputs, request, full, vjp_inputs)
+    )
     if cached is not None:
         return cached
     job = BATCHES.job(

@@ -156,6 +156,25 @@ def write_docs(report: dict, path: Path) -> None:
 
         lines += ["", "## Where the time goes", "", "ms per request, ours / dense:"]
         lines += ["", bench_e2e.table(rows)]
+    load = [row for row in rows if row.get("suite") == "load"]
+    if load:
+        from benchmarks import bench_load
+
+        bench_load.plot(load, DOCS / "load.png")
+        lines += [
+            "",
+            "## Serving under load",
+            "",
+            "Suite `load`: one worker each, every client a thread on its own "
+            "keep-alive connection, medians of the runs (ratio spread in "
+            "brackets). Ours batches concurrent requests (`QARRAY_MAX_BATCH_ROWS`, "
+            "`QARRAY_BATCH_WAIT_MS`); the stock server computes one request at a "
+            "time.",
+            "",
+            bench_load.table(load),
+            "",
+            "![Throughput against concurrent clients](load.png)",
+        ]
     peers = HERE / "peers_results.json"
     if peers.is_file():  # make bench-peers
         report_peers = json.loads(peers.read_text())
@@ -196,7 +215,7 @@ def main():
     parser.add_argument(
         "--only",
         default="kernels,int4,matmul,conv,cache,http,scaling,e2e,served,calibration,"
-        "lora",
+        "lora,load",
     )
     parser.add_argument("--out", default=str(HERE / "results.json"))
     parser.add_argument("--plot", default=str(HERE / "results.png"))
@@ -220,6 +239,7 @@ def main():
         bench_http,
         bench_int4,
         bench_kernels,
+        bench_load,
         bench_lora,
         bench_matmul,
         bench_scaling,
@@ -239,6 +259,9 @@ def main():
         "served": lambda: bench_served.run(reps=5 if args.quick else 21),
         "calibration": bench_calibration.run,
         "lora": lambda: bench_lora.run(reps=5 if args.quick else 11),
+        "load": lambda: bench_load.run(
+            runs=1 if args.quick else 3, seconds=2.0 if args.quick else 4.0
+        ),
     }
     rows = []
     started = time.time()

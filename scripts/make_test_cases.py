@@ -63,7 +63,9 @@ def f32(a):
 
 
 def apply_outputs(inputs):
-    """What apply returns: y and, per layer, weight_error and (asked) w_q."""
+    """What apply returns: y and, when asked, per layer weight_error and w_q."""
+    if not (inputs.get("return_w_q") or inputs.get("return_weight_error")):
+        return {"y": f32(net.forward(inputs)), "layers": None}
     layers = []
     for layer in inputs["layers"]:
         if "w" not in layer:
@@ -201,6 +203,7 @@ def main(out: Path):
     nk = net.three_layer(
         rng, "nk", kinds=("w_q", "w", "w_q"), activations=("gelu", "sigmoid", "silu")
     )
+    nk["return_weight_error"] = True
     while True:  # deterministic: the same rng draws again until no near-ties
         int8 = net.three_layer(
             rng,

@@ -433,7 +433,8 @@ def good_request(drawn, endpoint, rng, wrt="all", fault=False):
     spec, inputs, excused = drawn.spec, drawn.inputs, drawn.excused
     paths = net.diff_paths(inputs) if wrt == "all" else ["x"]
     if endpoint == "apply":
-        payload = {"inputs": drawn.encoded}
+        # the per-layer outputs are checked too: asked for
+        payload = {"inputs": {**drawn.encoded, "return_weight_error": True}}
 
         def check(out):
             want = net.forward(inputs)

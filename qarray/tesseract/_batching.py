@@ -26,6 +26,7 @@ another.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -62,13 +63,22 @@ class Batcher:
     ``max_rows``: rows of one merged call at most (1: every job alone);
     ``wait_ms``: how long a leader waits for more rows before computing
     (0: it takes what queued while the previous batch computed);
-    ``max_running``: batches computing at once.
+    ``max_running``: batches computing at once; ``context()``: a context
+    manager every computation runs in (e.g. ``jax.set_mesh(mesh)``, which
+    holds for the thread that sets it only).
     """
 
-    def __init__(self, max_rows: int, wait_ms: float = 0.0, max_running: int = 1):
+    def __init__(
+        self,
+        max_rows: int,
+        wait_ms: float = 0.0,
+        max_running: int = 1,
+        context: Callable[[], Any] = contextlib.nullcontext,
+    ):
         self.max_rows = max_rows
         self.wait_s = wait_ms / 1000
         self.max_running = max_running
+        self.context = context
         self._cond = threading.Condition()
         self._queue: list[Job] = []
         self._running = 0
@@ -135,12 +145,13 @@ class Batcher:
         self._cond.release()
         merged = None
         try:
-            if len(batch) > 1:
-                try:
-                    merged = [(r, None) for r in batch[0].together(batch)]
-                except Exception:  # each alone: one request's error stays its own
-                    pass
-            answers = merged or [_alone(job) for job in batch]
+            with self.context():
+                if len(batch) > 1:
+                    try:
+                        merged = [(r, None) for r in batch[0].together(batch)]
+                    except Exception:  # each alone: one's error stays its own
+                        pass
+                answers = merged or [_alone(job) for job in batch]
         finally:
             self._cond.acquire()
             self._running -= 1

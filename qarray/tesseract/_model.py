@@ -354,7 +354,9 @@ class ModelTesseract:
             name: cotangents.get(name, np.zeros(out[name].shape, np.float32))
             for name in self._float_outputs(out)
         }
-        cached = self.runtime.cache.vjp(self._run, request, full, vjp_inputs)
+        cached = self.runtime.batcher.call(
+            lambda: self.runtime.cache.vjp(self._run, request, full, vjp_inputs)
+        )
         if cached is not None:
             return cached
         job = self.batches.job(

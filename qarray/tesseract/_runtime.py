@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +58,10 @@ class Runtime:
             settings.vjp_cache_min_intensity,
         )
         batcher = Batcher(
-            settings.max_batch_rows, settings.batch_wait_ms, settings.max_concurrency
+            settings.max_batch_rows,
+            settings.batch_wait_ms,
+            settings.max_concurrency,
+            # the mesh is the setting thread's: computations run on others
+            contextlib.nullcontext if mesh is None else lambda: jax.set_mesh(mesh),
         )
         return cls(settings, Limits(settings), cache, batcher, mesh, resident)

@@ -14,14 +14,22 @@ without internet access.
 Each worker keeps up to 256 MiB of freed heap mapped for the next request
 (glibc's malloc, ``keep_freed_memory``): page faults on fresh memory cost more
 than the rest of a big request on the VMs this was measured on.
+
+With ``--num-workers N`` each worker takes its own 1/N of the cores this
+process may run on (``os.sched_setaffinity``, before JAX starts: XLA sizes
+its thread pool by the cores it may use), so N workers run N pools of
+cores/N threads instead of N pools of all the cores competing for them
+(``claim_cores``; docs/deployment.md has the measurements).
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import signal
 import sys
+import tempfile
 import threading
 from importlib import resources
 from pathlib import Path
@@ -65,6 +73,40 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to do
         pass
+
+
+# set by main for its workers: a folder of one lock file per worker slot
+_WORKER_SLOTS = "QARRAY_SERVE_WORKER_SLOTS"
+_held_slot = None  # the open lock file of this worker's slot
+
+
+def claim_cores(slots: str | None = None) -> set[int] | None:
+    """This worker's share of the cores (module doc): the first free slot of
+    ``slots`` (a folder ``main`` made, its name ``<folder>:<workers>``),
+    held by a lock until the process ends (a restarted worker takes the slot
+    its predecessor left). None where there is no folder (one worker) or
+    affinity cannot be set."""
+    global _held_slot
+    slots = os.environ.get(_WORKER_SLOTS) if slots is None else slots
+    if not slots or not hasattr(os, "sched_setaffinity"):
+        return None
+    folder, workers = slots.rsplit(":", 1)
+    workers = int(workers)
+    cores = sorted(os.sched_getaffinity(0))
+    for slot in range(workers):
+        handle = open(os.path.join(folder, f"slot-{slot}"), "w")  # noqa: SIM115
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.close()
+            continue
+        _held_slot = handle
+        share = max(1, len(cores) // workers)
+        start = (slot * share) % len(cores)
+        mine = set(cores[start : start + share])
+        os.sched_setaffinity(0, mine)
+        return mine
+    return None
 
 
 # the page's assets, served from fastapi_offline's static folder
@@ -114,6 +156,7 @@ def create_app():
     from tesseract_core.runtime.core import get_tesseract_api
     from tesseract_core.runtime.serve import create_rest_api
 
+    claim_cores()  # before the API module starts JAX
     api = get_tesseract_api()
     app = create_rest_api(api)
     runtime = getattr(api, "RUNTIME", None)
@@ -189,6 +232,9 @@ def main(argv=None) -> int | None:
 
     if args.parent_pipe_fd is not None:
         _stop_when_closed(args.parent_pipe_fd)
+    if args.num_workers > 1:  # each worker its share of the cores
+        slots = tempfile.mkdtemp(prefix="qarray-serve-workers-")
+        os.environ[_WORKER_SLOTS] = f"{slots}:{args.num_workers}"
 
     import uvicorn
 

@@ -119,7 +119,13 @@ def endpoints_off_event_loop(app, threads: int) -> bool:
     config = get_config()
     if config.gpu_transport != "none" or config.profiling:
         return False
-    limiter = anyio.CapacityLimiter(threads)
+    limiters = []  # made in the event loop, by the first request
+
+    def limiter():
+        if not limiters:
+            limiters.append(anyio.CapacityLimiter(threads))
+        return limiters[0]
+
     for route in list(app.router.routes):
         if not isinstance(route, APIRoute) or route.path not in COMPUTE_ROUTES:
             continue
@@ -139,7 +145,7 @@ def endpoints_off_event_loop(app, threads: int) -> bool:
                     result, encoding, base_dir=output_path, binref_dir=rundir
                 )
 
-            return await anyio.to_thread.run_sync(compute, limiter=limiter)
+            return await anyio.to_thread.run_sync(compute, limiter=limiter())
 
         handler.__signature__ = upstream.__signature__
         handler.__name__, handler.__doc__ = upstream.__name__, upstream.__doc__

@@ -104,8 +104,8 @@ def test_manifest_wiring():
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_sigterm_lets_in_flight_requests_finish(tmp_path, rng, workers):
-    """One slow apply in flight per worker when SIGTERM arrives: each is
-    answered, correctly, after the signal; then the server exits."""
+    """Slow applies in flight (as many as workers) when SIGTERM arrives: each
+    is answered, correctly, after the signal; then the server exits."""
     started = tmp_path / "started"
     started.touch()
     env = {"QARRAY_TEST_STARTED": str(started), "QARRAY_TEST_APPLY_SECONDS": "2"}
@@ -127,8 +127,8 @@ def test_sigterm_lets_in_flight_requests_finish(tmp_path, rng, workers):
         for i in range(workers):
             threads.append(threading.Thread(target=call, args=(i,)))
             threads[-1].start()
-            # the worker computing it blocks its event loop in the sleep, so
-            # the next connection is accepted by another worker
+            # each in flight before the next is sent (a worker's event loop
+            # stays free while its endpoint runs: either worker may take it)
             deadline = time.monotonic() + 60
             while len(started.read_text().split()) <= i:
                 assert time.monotonic() < deadline, "the apply never started"
@@ -139,7 +139,7 @@ def test_sigterm_lets_in_flight_requests_finish(tmp_path, rng, workers):
             thread.join(timeout=60)
         code = proc.wait(timeout=60)
 
-    assert len(set(started.read_text().split())) == workers  # one per worker
+    assert len(started.read_text().split()) == workers  # all were in flight
     for i in range(workers):
         answered, response = answers[i]
         assert response.status_code == 200, response.text[:2000]

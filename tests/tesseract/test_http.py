@@ -310,6 +310,7 @@ def test_tesseract_jax_vmap_takes_one_request(
         request = _jax_network(base)
         request["x"] = x
         request["layers"][0]["w"] = w0
+        request["return_weight_error"] = True  # every output carries the batch
         return apply_tesseract(tess, request, vmap_method=vmap_method)
 
     in_axes = {"x": (0, None), "weights": (None, 0), "both": (0, 0)}[over]

@@ -117,9 +117,14 @@ def _pad(a, batch, core):
     return a.reshape(*a.shape[:lead], *(1,) * (len(batch) - lead), *a.shape[lead:])
 
 
-def test_w_q_not_returned_unless_asked(tess, rng):
-    out = tess.apply(net.three_layer(rng))
+def test_per_layer_outputs_only_when_asked(tess, rng):
+    inputs = net.three_layer(rng)
+    assert tess.apply(inputs)["layers"] is None
+    out = tess.apply({**inputs, "return_weight_error": True})
     assert all(layer["w_q"] is None for layer in out["layers"])
+    for got, layer in zip(out["layers"], inputs["layers"], strict=True):
+        want = net.weight_error(layer["w"]) if "w" in layer else 0.0
+        assert float(got["weight_error"]) == pytest.approx(want, rel=1e-4, abs=1e-7)
 
 
 def test_quantized_weights_round_trip_through_w_q(tess, rng):

@@ -415,15 +415,15 @@ def _request(url, session, i):
     kind = ("apply", "vjp", "jvp")[i % 3]
     rng = np.random.default_rng(10_000 + i)
 
-    def post(endpoint, **fields):
+    def post(endpoint, inputs=payload, **fields):
         out = session.post(
-            f"{url}/{endpoint}", json={"inputs": payload, **fields}, timeout=60
+            f"{url}/{endpoint}", json={"inputs": inputs, **fields}, timeout=60
         )
         out.raise_for_status()
         return _decode(out.json())
 
     if kind == "apply":
-        got = post("apply")
+        got = post("apply", {**payload, "return_weight_error": True})
         assert len(got["layers"]) == 3
         assert got["layers"][1]["weight_error"].shape == net.batch_shape(inputs)
         want = {"y": net.forward(inputs)}

@@ -81,7 +81,7 @@ def test_resident_apply_and_gradients_for_x(resident_tess, model, rng):
     _, layers = model
     x = net.normal(rng, (4, 6))
     inputs = {"x": x, "layers": layers}
-    out = resident_tess.apply({"x": x})
+    out = resident_tess.apply({"x": x, "return_weight_error": True})
     np.testing.assert_allclose(out["y"], net.forward(inputs), rtol=RTOL, atol=ATOL)
     assert len(out["layers"]) == 3
     # the dense layer reports the error of its quantization at load; the file's

@@ -13,11 +13,19 @@ def test_defaults_and_overrides():
     assert settings.max_elements == 2**25
     assert settings.vjp_cache_size == 8
     assert settings.model is None and settings.mesh is None
-    assert settings.max_concurrency == (os.cpu_count() or 1)
+    assert settings.max_concurrency == 1  # a computation uses every core
+    assert (settings.max_batch_rows, settings.batch_wait_ms) == (64, 0)
     given = Settings.from_env(
-        {"QARRAY_MAX_LAYERS": " 4 ", "QARRAY_MODEL": "m.safetensors", "QARRAY_MESH": ""}
+        {
+            "QARRAY_MAX_LAYERS": " 4 ",
+            "QARRAY_MODEL": "m.safetensors",
+            "QARRAY_MESH": "",
+            "QARRAY_MAX_BATCH_ROWS": "1",
+            "QARRAY_BATCH_WAIT_MS": "5",
+        }
     )
     assert (given.max_layers, given.model, given.mesh) == (4, "m.safetensors", None)
+    assert (given.max_batch_rows, given.batch_wait_ms) == (1, 5)
 
 
 @pytest.mark.parametrize(
@@ -26,6 +34,8 @@ def test_defaults_and_overrides():
         ({"QARRAY_MAX_ELEMENTS": "many"}, "QARRAY_MAX_ELEMENTS must be an integer"),
         ({"QARRAY_MAX_LAYERS": "0"}, "QARRAY_MAX_LAYERS must be >= 1, got 0"),
         ({"QARRAY_VJP_CACHE_SIZE": "-1"}, "QARRAY_VJP_CACHE_SIZE must be >= 0"),
+        ({"QARRAY_MAX_BATCH_ROWS": "0"}, "QARRAY_MAX_BATCH_ROWS must be >= 1, got 0"),
+        ({"QARRAY_BATCH_WAIT_MS": "-1"}, "QARRAY_BATCH_WAIT_MS must be >= 0"),
     ],
 )
 def test_bad_values_name_the_variable(env, message):

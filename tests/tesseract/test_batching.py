@@ -1,0 +1,416 @@
+"""Dynamic batching (qarray.tesseract._batching): the batcher's scheduling,
+and concurrent requests on a resident model merged into one call, each
+answer equal to the request's answer alone and to the NumPy network."""
+
+import importlib.util
+import os
+import sys
+import threading
+import time
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+import requests
+
+from qarray.checkpoint import save_model, save_tree
+from qarray.tesseract import Batcher, ModelTesseract
+from qarray.tesseract._batching import Job
+from tests.tesseract import network as net
+from tests.tesseract.server import ROOT, b64, decode, serve
+
+RTOL = ATOL = 2e-4
+
+
+# --- the batcher alone, with jobs whose answers say how they were computed
+
+
+def _jobs(batcher, count, key="k", rows=1):
+    calls = []
+
+    def job(i):
+        return Job(
+            key,
+            rows,
+            alone=lambda: calls.append(("alone", i)) or ("alone", i),
+            together=lambda jobs: (
+                calls.append(("together", [j.payload for j in jobs]))
+                or [("together", j.payload) for j in jobs]
+            ),
+            payload=i,
+        )
+
+    return [job(i) for i in range(count)], calls
+
+
+def _run_all(batcher, jobs):
+    results = [None] * len(jobs)
+
+    def go(i):
+        results[i] = batcher.run(jobs[i])
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    return threads, results
+
+
+def _busy(batcher):
+    """A computation holding the batcher's only slot until released."""
+    release, started = threading.Event(), threading.Event()
+
+    def hold():
+        started.set()
+        release.wait(30)
+
+    thread = threading.Thread(target=batcher.call, args=(hold,))
+    thread.start()
+    assert started.wait(30)
+    return release, thread
+
+
+def _wait_queued(batcher, count):
+    deadline = time.monotonic() + 30
+    while len(batcher._queue) < count:
+        assert time.monotonic() < deadline, "jobs never queued"
+        time.sleep(0.001)
+
+
+def test_batcher_merges_what_queued_while_busy():
+    batcher = Batcher(max_rows=3, max_running=1)
+    release, holder = _busy(batcher)
+    jobs, calls = _jobs(batcher, 5)
+    threads, results = _run_all(batcher, jobs)
+    _wait_queued(batcher, 5)
+    release.set()
+    for t in [holder, *threads]:
+        t.join(30)
+    # in arrival order, at most max_rows rows a call: 3, then the other 2
+    merged = [c[1] for c in calls if c[0] == "together"]
+    assert sorted(map(sorted, merged)) == [[0, 1, 2], [3, 4]] or sorted(
+        map(len, merged)
+    ) == [2, 3]
+    assert sorted(results) == [("together", i) for i in range(5)]
+    assert batcher.batches == 2 and batcher.merged_jobs == 5
+
+
+def test_batcher_keeps_keys_apart_and_never_merges_none():
+    batcher = Batcher(max_rows=8, max_running=1)
+    release, holder = _busy(batcher)
+    a, _ = _jobs(batcher, 2, key="a")
+    b, _ = _jobs(batcher, 2, key="b")
+    lone, _ = _jobs(batcher, 2, key=None)
+    jobs = [a[0], b[0], lone[0], a[1], b[1], lone[1]]
+    threads, results = _run_all(batcher, jobs)
+    _wait_queued(batcher, 6)
+    release.set()
+    for t in [holder, *threads]:
+        t.join(30)
+    assert [r[0] for r in results] == [
+        "together", "together", "alone", "together", "together", "alone",
+    ]  # fmt: skip
+    assert batcher.batches == 2
+
+
+def test_batcher_lone_job_computes_alone_without_waiting():
+    batcher = Batcher(max_rows=64, wait_ms=0)
+    jobs, calls = _jobs(batcher, 1)
+    assert batcher.run(jobs[0]) == ("alone", 0)
+    assert calls == [("alone", 0)]
+
+
+def test_batcher_waits_for_more_rows_then_goes():
+    # a leader waits up to wait_ms for rows: a job that comes within it joins
+    batcher = Batcher(max_rows=4, wait_ms=3000)
+    jobs, calls = _jobs(batcher, 2)
+    threads, results = _run_all(batcher, jobs[:1])
+    _wait_queued(batcher, 1)
+    threads += _run_all(batcher, jobs[1:])[0]
+    for t in threads:
+        t.join(30)
+    assert [c[0] for c in calls] == ["together"]
+    # and stops waiting once max_rows rows are there (a 60 s wait would hang)
+    batcher = Batcher(max_rows=2, wait_ms=60_000)
+    jobs, calls = _jobs(batcher, 2)
+    threads, _ = _run_all(batcher, jobs)
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert [c[0] for c in calls] == ["together"]
+
+
+def test_batcher_failed_merge_answers_each_alone_with_its_own_error():
+    batcher = Batcher(max_rows=8, max_running=1)
+    release, holder = _busy(batcher)
+
+    def alone(i):
+        if i == 1:
+            raise ValueError("request 1 is bad")
+        return i
+
+    def together(jobs):
+        raise RuntimeError("the merged call failed")
+
+    jobs = [Job("k", 1, (lambda i=i: alone(i)), together) for i in range(3)]
+    errors = {}
+
+    def go(i):
+        try:
+            errors[i] = batcher.run(jobs[i])
+        except ValueError as error:
+            errors[i] = str(error)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    _wait_queued(batcher, 3)
+    release.set()
+    for t in [holder, *threads]:
+        t.join(30)
+    assert errors == {0: 0, 1: "request 1 is bad", 2: 2}
+    assert batcher.fallbacks == 1 and batcher.batches == 0
+
+
+# --- the resident network: merged requests against alone and NumPy
+
+
+def _load_api(name, environ):
+    """tesseract_api.py as a fresh module under ``environ``."""
+    saved = {k: os.environ.get(k) for k in environ}
+    os.environ.update(environ)
+    try:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "tesseract_api.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def resident(tmp_path_factory):
+    rng = np.random.default_rng(3)
+    layers = [
+        net.make_layer(rng, 6, 5, "nk", "w", True, "gelu"),
+        net.make_layer(rng, 5, 4, "kn", "w_q", True, "relu"),
+        net.make_layer(rng, 4, 3, "nk", "w_q", False, "none"),
+    ]
+    path = tmp_path_factory.mktemp("batching") / "model.safetensors"
+    save_model(path, layers)
+    api = _load_api("batching_api", {"QARRAY_MODEL": str(path)})
+    return api, layers, path
+
+
+def _merged(batcher, calls):
+    """Each call's answer, the calls queued together behind a busy batcher
+    so that they merge; asserts they merged into one batch."""
+    before = batcher.batches
+    release, holder = _busy(batcher)
+    results, errors = [None] * len(calls), []
+
+    def go(i):
+        try:
+            results[i] = calls[i]()
+        except Exception as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    _wait_queued(batcher, len(calls))
+    release.set()
+    for t in [holder, *threads]:
+        t.join(60)
+    assert not errors, errors
+    assert batcher.batches == before + 1, "the requests did not merge"
+    return results
+
+
+def _requests(rng, rows=(1, 3, 2, 1)):
+    xs = [net.normal(rng, (n, 6)) for n in rows]
+    lora = [
+        [
+            {"a": net.normal(rng, (2, 6)), "b": net.normal(rng, (5, 2)), "alpha": 3.0},
+            None,
+            {"a": net.normal(rng, (2, 4)), "b": net.normal(rng, (3, 2)), "alpha": None},
+        ]
+        for _ in rows
+    ]
+    return xs, lora
+
+
+def test_merged_applies_equal_each_alone_and_numpy(resident, rng):
+    api, layers, _ = resident
+    xs, lora = _requests(rng)
+    for adapters in (None, lora):
+        calls = [
+            (lambda i=i: api.apply(api.InputSchema(
+                x=xs[i], lora=None if adapters is None else adapters[i])))
+            for i in range(len(xs))
+        ]  # fmt: skip
+        merged = _merged(api.RUNTIME.batcher, calls)
+        for i, out in enumerate(merged):
+            assert out["layers"] is None  # per-layer outputs only when asked
+            alone = calls[i]()  # nothing else queued: computed alone
+            np.testing.assert_allclose(out["y"], alone["y"], rtol=1e-5, atol=1e-5)
+            want, _ = net.forward_one(
+                xs[i], layers, lora=None if adapters is None else adapters[i]
+            )
+            np.testing.assert_allclose(out["y"], want, rtol=RTOL, atol=ATOL)
+
+
+def test_merged_vjps_and_jvps_equal_each_alone_and_numpy(resident, rng):
+    api, layers, _ = resident
+    xs, lora = _requests(rng)
+    gs = [net.normal(rng, (x.shape[0], 3)) for x in xs]
+    paths = {"x", "lora.[0].a", "lora.[0].b", "lora.[2].a"}
+    vjps = [
+        (lambda i=i: api.vector_jacobian_product(
+            api.InputSchema(x=xs[i], lora=lora[i]), paths, {"y"}, {"y": gs[i]}))
+        for i in range(len(xs))
+    ]  # fmt: skip
+    for i, out in enumerate(_merged(api.RUNTIME.batcher, vjps)):
+        want = net.vjp_one(xs[i], layers, gs[i], lora=lora[i])
+        alone = vjps[i]()
+        assert set(out) == paths
+        for path in paths:
+            np.testing.assert_allclose(out[path], alone[path], rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(out[path], want[path], rtol=RTOL, atol=ATOL)
+    tangents = [net.normal(rng, x.shape) for x in xs]
+    jvps = [
+        (lambda i=i: api.jacobian_vector_product(
+            api.InputSchema(x=xs[i]), {"x"}, {"y"}, {"x": tangents[i]}))
+        for i in range(len(xs))
+    ]  # fmt: skip
+    eps = 1e-3
+    for i, out in enumerate(_merged(api.RUNTIME.batcher, jvps)):
+        alone = jvps[i]()
+        np.testing.assert_allclose(out["y"], alone["y"], rtol=1e-4, atol=1e-4)
+        # the straight-through JVP is the dense network's: central differences
+        hi, _ = net.forward_one(xs[i] + eps * tangents[i], layers)
+        lo, _ = net.forward_one(xs[i] - eps * tangents[i], layers)
+        np.testing.assert_allclose(out["y"], (hi - lo) / (2 * eps), rtol=2e-2, atol=2e-2)
+
+
+def test_requests_that_cannot_merge_compute_alone(resident, rng):
+    api, layers, _ = resident
+    x = net.normal(rng, (2, 6))
+    calls = [
+        lambda: api.apply(api.InputSchema(x=x, return_weight_error=True)),
+        lambda: api.apply(api.InputSchema(x=x[0])),  # one example, no rows
+        lambda: api.apply(api.InputSchema(x=x, layers=layers)),  # its own weights
+    ]
+    before = api.RUNTIME.batcher.batches
+    release, holder = _busy(api.RUNTIME.batcher)
+    threads, results = [], [None] * 3
+    for i, call in enumerate(calls):
+        threads.append(threading.Thread(target=lambda i=i, c=call: results.__setitem__(i, c())))
+        threads[-1].start()
+    _wait_queued(api.RUNTIME.batcher, 3)
+    release.set()
+    for t in [holder, *threads]:
+        t.join(60)
+    assert api.RUNTIME.batcher.batches == before
+    want, _ = net.forward_one(x, layers)
+    np.testing.assert_allclose(results[0]["y"], want, rtol=RTOL, atol=ATOL)
+    assert len(results[0]["layers"]) == 3
+    np.testing.assert_allclose(results[1]["y"], want[0], rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(results[2]["y"], want, rtol=RTOL, atol=ATOL)
+
+
+# --- ModelTesseract with batch inputs
+
+
+class _Mlp(eqx.Module):
+    """Three Linear layers (ModelTesseract's models keep functions static)."""
+
+    layers: tuple
+
+    def __init__(self, key):
+        keys = jax.random.split(key, 3)
+        widths = [(8, 16), (16, 16), (16, 3)]
+        self.layers = tuple(
+            eqx.nn.Linear(i, o, key=k) for (i, o), k in zip(widths, keys, strict=True)
+        )
+
+    def __call__(self, x):
+        for layer in self.layers[:-1]:
+            x = jax.nn.relu(layer(x))
+        return self.layers[-1](x)
+
+
+def _forward(model, inputs):
+    return {"y": jax.vmap(model)(inputs["x"])}
+
+
+def test_model_tesseract_merges_rows_with_per_request_adapters(tmp_path, rng):
+    path = tmp_path / "mlp.safetensors"
+    save_tree(path, _Mlp(jax.random.key(1)))
+    tess = ModelTesseract(
+        _Mlp(jax.random.key(0)),
+        _forward,
+        model_file=path,
+        environ={},
+        lora_rank=2,
+        batch_inputs=["x"],
+    )
+
+    class Inputs(dict):  # what the endpoints read of a validated request
+        def model_dump(self):
+            return dict(self)
+
+    xs = [net.normal(rng, (n, 8)) for n in (2, 1, 3)]
+    adapters = [
+        [
+            None if s is None else {"a": net.normal(rng, s[0]), "b": net.normal(rng, s[1])}
+            for s in [tess.lora_shapes[0], None, tess.lora_shapes[2]]
+        ]
+        for _ in xs
+    ]
+    calls = [
+        (lambda i=i: tess.apply(Inputs(x=xs[i], lora=adapters[i])))
+        for i in range(len(xs))
+    ]
+    merged = _merged(tess.runtime.batcher, calls)
+    for i, out in enumerate(merged):
+        np.testing.assert_allclose(out["y"], calls[i]()["y"], rtol=1e-5, atol=1e-5)
+
+
+# --- served: a bad request inside a busy batch
+
+
+def test_served_batch_isolates_a_bad_request(tmp_path, resident, rng):
+    _, layers, path = resident
+    env = {"QARRAY_MODEL": str(path), "QARRAY_BATCH_WAIT_MS": "300"}
+    xs = [net.normal(rng, (n, 6)) for n in (1, 2, 1, 3, 1, 1)]
+    bad = net.normal(rng, (1, 7))  # the model takes 6 features
+    with serve(tmp_path, env=env) as url:
+        answers = [None] * (len(xs) + 1)
+
+        def post(i, x):
+            answers[i] = requests.post(
+                f"{url}/apply", json={"inputs": {"x": b64(x)}}, timeout=120
+            )
+
+        threads = [
+            threading.Thread(target=post, args=(i, x))
+            for i, x in enumerate([*xs, bad])
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert answers[-1].status_code == 422
+    assert "x" in answers[-1].text and len(answers[-1].content) < 2000
+    for x, answer in zip(xs, answers, strict=False):
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        assert body["layers"] is None
+        want, _ = net.forward_one(x, layers)
+        np.testing.assert_allclose(decode(body["y"]), want, rtol=RTOL, atol=ATOL)
