@@ -36,7 +36,7 @@ from pathlib import Path
 
 from ._guard import RequestGuard, validation_error_response
 from ._settings import Settings, SettingsError
-from ._workarounds import endpoints_off_event_loop
+from ._workarounds import endpoints_off_event_loop, install_nodelay_listener
 
 # glibc's malloc gives a freed block of more than its (dynamic) threshold back
 # to the system, so every big buffer of the next request (the body, its str,
@@ -235,6 +235,7 @@ def main(argv=None) -> int | None:
     if args.num_workers > 1:  # each worker its share of the cores
         slots = tempfile.mkdtemp(prefix="qarray-serve-workers-")
         os.environ[_WORKER_SLOTS] = f"{slots}:{args.num_workers}"
+        install_nodelay_listener()
 
     import uvicorn
 
