@@ -63,7 +63,10 @@ def _array(a: np.ndarray) -> dict:
         "object_type": "array",
         "shape": list(a.shape),
         "dtype": str(a.dtype),
-        "data": {"buffer": base64.b64encode(a.tobytes()).decode(), "encoding": "base64"},
+        "data": {
+            "buffer": base64.b64encode(a.tobytes()).decode(),
+            "encoding": "base64",
+        },
     }
 
 
@@ -270,7 +273,9 @@ def run(runs=3, seconds=4.0, warm=1.5, clients=CLIENTS) -> list[dict]:
                     def body(i, kind=kind, rows_=rows_, rng=rng, width=width):
                         return _body(rng, kind, rows_, width, width)
 
-                    results = _levels(urls, body, endpoint, clients, runs, seconds, warm)
+                    results = _levels(
+                        urls, body, endpoint, clients, runs, seconds, warm
+                    )
                     rows += _rows(
                         name, kind, rows_, width, results, targets, BASELINE, clients
                     )
@@ -308,7 +313,9 @@ def plot(rows, path: Path) -> None:
     series: dict[str, list[dict]] = {}
     for r in rows:
         if "rps" in r:
-            series.setdefault(r["row"].removeprefix("load: ").rsplit(",", 2)[0], []).append(r)
+            series.setdefault(
+                r["row"].removeprefix("load: ").rsplit(",", 2)[0], []
+            ).append(r)
     fig, axes = plt.subplots(
         1, len(series), figsize=(3.2 * len(series), 3.2), squeeze=False
     )

@@ -262,7 +262,12 @@ class Rows:
         ((n,),) = rows
         paths, outputs = tuple(sorted(paths)), tuple(sorted(outputs))
         plan = _Plan(
-            self.fn, static, row_leaf, kind, tuple(where[p] for p in paths), paths,
+            self.fn,
+            static,
+            row_leaf,
+            kind,
+            tuple(where[p] for p in paths),
+            paths,
             outputs,
         )
         vectors = vectors or {}
@@ -301,8 +306,11 @@ class Rows:
         merged = []
         for j, is_row in enumerate(plan.row_leaf):
             parts = [r.arrays[j] for r in requests]
-            merged.append(_pad(np.concatenate(parts), size) if is_row else
-                          _pad(np.stack(parts), count))
+            merged.append(
+                _pad(np.concatenate(parts), size)
+                if is_row
+                else _pad(np.stack(parts), count)
+            )
         vectors = []
         for j in range(len(requests[0].vectors)):
             parts = [r.vectors[j] for r in requests]

@@ -29,7 +29,6 @@ so an error body stays small whatever the request.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from pathlib import Path

@@ -94,7 +94,7 @@ def claim_cores(slots: str | None = None) -> set[int] | None:
     workers = int(workers)
     cores = sorted(os.sched_getaffinity(0))
     for slot in range(workers):
-        handle = open(os.path.join(folder, f"slot-{slot}"), "w")  # noqa: SIM115
+        handle = open(os.path.join(folder, f"slot-{slot}"), "w")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -56,7 +56,6 @@ import socket
 import sys
 from pathlib import Path
 
-
 from tesseract_core.runtime import schema_generation
 from tesseract_core.runtime import serve as _serve
 

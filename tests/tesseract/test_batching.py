@@ -122,9 +122,9 @@ def test_batcher_lone_job_computes_alone_without_waiting():
 
 def test_batcher_waits_for_more_rows_then_goes():
     # a leader waits up to wait_ms for rows: a job that comes within it joins
-    batcher = Batcher(max_rows=4, wait_ms=3000)
+    batcher = Batcher(max_rows=4, wait_ms=1000)
     jobs, calls = _jobs(batcher, 2)
-    threads, results = _run_all(batcher, jobs[:1])
+    threads, _ = _run_all(batcher, jobs[:1])
     _wait_queued(batcher, 1)
     threads += _run_all(batcher, jobs[1:])[0]
     for t in threads:
@@ -250,8 +250,8 @@ def test_merged_applies_equal_each_alone_and_numpy(resident, rng):
     xs, lora = _requests(rng)
     for adapters in (None, lora):
         calls = [
-            (lambda i=i: api.apply(api.InputSchema(
-                x=xs[i], lora=None if adapters is None else adapters[i])))
+            (lambda i=i, a=adapters: api.apply(api.InputSchema(
+                x=xs[i], lora=None if a is None else a[i])))
             for i in range(len(xs))
         ]  # fmt: skip
         merged = _merged(api.RUNTIME.batcher, calls)
@@ -295,7 +295,9 @@ def test_merged_vjps_and_jvps_equal_each_alone_and_numpy(resident, rng):
         # the straight-through JVP is the dense network's: central differences
         hi, _ = net.forward_one(xs[i] + eps * tangents[i], layers)
         lo, _ = net.forward_one(xs[i] - eps * tangents[i], layers)
-        np.testing.assert_allclose(out["y"], (hi - lo) / (2 * eps), rtol=2e-2, atol=2e-2)
+        np.testing.assert_allclose(
+            out["y"], (hi - lo) / (2 * eps), rtol=2e-2, atol=2e-2
+        )
 
 
 def test_requests_that_cannot_merge_compute_alone(resident, rng):
@@ -310,7 +312,9 @@ def test_requests_that_cannot_merge_compute_alone(resident, rng):
     release, holder = _busy(api.RUNTIME.batcher)
     threads, results = [], [None] * 3
     for i, call in enumerate(calls):
-        threads.append(threading.Thread(target=lambda i=i, c=call: results.__setitem__(i, c())))
+        threads.append(
+            threading.Thread(target=lambda i=i, c=call: results.__setitem__(i, c()))
+        )
         threads[-1].start()
     _wait_queued(api.RUNTIME.batcher, 3)
     release.set()
@@ -368,7 +372,9 @@ def test_model_tesseract_merges_rows_with_per_request_adapters(tmp_path, rng):
     xs = [net.normal(rng, (n, 8)) for n in (2, 1, 3)]
     adapters = [
         [
-            None if s is None else {"a": net.normal(rng, s[0]), "b": net.normal(rng, s[1])}
+            None
+            if s is None
+            else {"a": net.normal(rng, s[0]), "b": net.normal(rng, s[1])}
             for s in [tess.lora_shapes[0], None, tess.lora_shapes[2]]
         ]
         for _ in xs
@@ -399,8 +405,7 @@ def test_served_batch_isolates_a_bad_request(tmp_path, resident, rng):
             )
 
         threads = [
-            threading.Thread(target=post, args=(i, x))
-            for i, x in enumerate([*xs, bad])
+            threading.Thread(target=post, args=(i, x)) for i, x in enumerate([*xs, bad])
         ]
         for t in threads:
             t.start()

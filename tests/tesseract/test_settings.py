@@ -1,7 +1,6 @@
 """qarray.tesseract.Settings: every QARRAY_* variable read and checked once."""
 
 import dataclasses
-import os
 
 import pytest
 

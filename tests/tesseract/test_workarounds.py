@@ -82,3 +82,145 @@ def test_installed_check_leaves_other_schemas_to_upstream():
     """A schema without check_gradient_path gets tesseract-core's check only."""
     inputs = SimpleNamespace(a=np.ones(3))
     assert _workarounds.checked_input_path("a", info(inputs)) == "a"
+
+
+# --- 3: endpoints off the event loop
+
+
+def _app_routes(app):
+    from fastapi.routing import APIRoute
+
+    return {r.path: r for r in app.router.routes if isinstance(r, APIRoute)}
+
+
+def test_upstream_handler_runs_endpoints_inside_start_run(api):
+    """tesseract-core's handler is a coroutine wrapping the endpoint function
+    (which ``endpoints_off_event_loop`` calls through ``__wrapped__``), and
+    its source runs it under ``start_run``, whose stdio redirection holds a
+    process-wide lock."""
+    import inspect
+
+    from tesseract_core.runtime import mpa
+    from tesseract_core.runtime.serve import create_rest_api
+
+    routes = _app_routes(create_rest_api(api))
+    upstream = routes["/apply"].endpoint
+    assert inspect.iscoroutinefunction(upstream)
+    assert upstream.__wrapped__.__name__ == "apply"
+    assert "start_run" in inspect.getsource(create_rest_api)
+    assert "_STDIO_REDIRECT_LOCK" in inspect.getsource(mpa.redirect_stdio)
+
+
+async def _post(app, path, payload):
+    """(status, JSON body) of one POST through an ASGI app."""
+    import json
+
+    body = json.dumps(payload).encode()
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+        "method": "POST", "path": path, "raw_path": path.encode(),
+        "query_string": b"", "root_path": "", "scheme": "http",
+        "headers": [(b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode())],
+        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+    }  # fmt: skip
+    sent, messages = [], [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    await app(scope, receive, send)
+    status = sent[0]["status"]
+    return status, json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+
+
+def _request_body(inputs):
+    from tests.tesseract.server import b64
+
+    def encode(tree):
+        if isinstance(tree, dict):
+            return {k: encode(v) for k, v in tree.items()}
+        if isinstance(tree, list):
+            return [encode(v) for v in tree]
+        return b64(tree) if isinstance(tree, np.ndarray) else tree
+
+    return {"inputs": encode(inputs)}
+
+
+def test_endpoints_off_event_loop_answer_like_upstream(api, rng):
+    """The replaced routes answer exactly as tesseract-core's (a 422 too),
+    and two requests are inside endpoints at once (upstream: one)."""
+    import asyncio
+    import threading
+
+    from tesseract_core.runtime.serve import create_rest_api
+
+    stock, ours = create_rest_api(api), create_rest_api(api)
+    assert _workarounds.endpoints_off_event_loop(ours, threads=4)
+    assert set(_app_routes(stock)) == set(_app_routes(ours))
+    inputs = net.three_layer(rng)
+    body = _request_body(inputs)
+    bad = _request_body({**inputs, "x": inputs["x"][:, :2]})
+
+    async def compare():
+        want, got = (
+            await _post(stock, "/apply", body),
+            await _post(ours, "/apply", body),
+        )
+        assert got[0] == want[0] == 200 and got[1] == want[1]
+        assert (await _post(ours, "/apply", bad))[0] == 422
+
+    asyncio.run(compare())
+    inside = threading.Barrier(2, timeout=30)  # broken if the calls serialize
+    original = api.apply
+
+    def apply_meeting(inputs):
+        inside.wait()
+        return original(inputs)
+
+    api.apply = apply_meeting
+    try:
+        app = create_rest_api(api)
+        _workarounds.endpoints_off_event_loop(app, threads=4)
+
+        async def both():
+            return await asyncio.gather(*(_post(app, "/apply", body) for _ in "ab"))
+
+        answers = asyncio.run(both())
+    finally:
+        api.apply = original
+    assert [status for status, _ in answers] == [200, 200]
+
+
+# --- 4: TCP_NODELAY on uvicorn's multi-worker socket
+
+
+def test_uvicorn_binds_a_protocol_zero_socket_and_nodelay_fixes_it():
+    import socket
+
+    import uvicorn
+    from uvicorn.config import Config
+
+    assert uvicorn.__version__ == "0.54.0"
+    upstream = Config.bind_socket
+    try:
+        config = Config("x:app", host="127.0.0.1", port=0, workers=2)
+        sock = upstream(config)
+        # asyncio sets TCP_NODELAY only where proto == IPPROTO_TCP
+        assert sock.proto == 0
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 0
+        sock.close()
+        _workarounds.install_nodelay_listener()
+        _workarounds.install_nodelay_listener()  # idempotent
+        sock = Config("x:app", host="127.0.0.1", port=0, workers=2).bind_socket()
+        sock.listen()
+        client = socket.create_connection(sock.getsockname())
+        accepted, _ = sock.accept()
+        assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        for s in (client, accepted, sock):
+            s.close()
+    finally:
+        Config.bind_socket = upstream
