@@ -55,6 +55,9 @@ MODELS = (
     ("3 relu layers 2048 wide", 3, 2048, [("apply", 1, {}), ("apply", 16, {})]),
     ("2 relu layers 1024 wide", 2, 1024, [("vjp", 1, {1: 1.0, 4: 1.0})]),
 )
+# a level is warm once a warm-up run's p99 is within WARM_TAIL x its p50
+# (no compile in it), after at most WARM_ROUNDS runs
+WARM_ROUNDS, WARM_TAIL = 4, 4.0
 P99_TARGET = ("4 relu layers 4096 wide", "apply", 1, 16, 150.0)  # ms
 
 
@@ -135,7 +138,10 @@ def _levels(servers: dict, make_body, endpoint, clients, runs, seconds, warm):
         for c in clients:
             for name, url in servers.items():
                 bodies = [make_body(i) for i in range(c)]
-                measure(url, bodies, endpoint, warm)  # batch sizes compiled
+                for _ in range(WARM_ROUNDS):  # until the batch sizes are compiled
+                    warmed = measure(url, bodies, endpoint, warm)
+                    if warmed["p99"] < WARM_TAIL * warmed["p50"]:
+                        break
                 out[name][c].append(measure(url, bodies, endpoint, seconds))
     return out
 
