@@ -26,7 +26,7 @@ import numpy as np
 import qarray as qa
 from benchmarks._timing import interleaved
 from benchmarks.peer_shapes import last_level_cache_bytes
-from qarray import _ffi, _kernels
+from qarray import _ffi, _kernels, _numerics
 
 SHAPES = [
     (1, 4096, 4096),
@@ -151,20 +151,20 @@ QUANTIZE_SHAPE, QUANTIZE_TARGET = (4096, 4096), 20.0
 
 def quantize_rows(reps=21, shape=QUANTIZE_SHAPE):
     """``qarray.quantize`` (its CPU kernel where it runs) against the XLA
-    formulation (``_kernels.quantize_rows``), each on distinct copies of the
+    formulation (``_numerics.quantize_rows``), each on distinct copies of the
     input beyond the cache: GB/s of float32 read, and the ratio."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
     xs = rotating([x + i for i in range(copies_beyond_cache(x.nbytes))])
     ours = jax.jit(lambda x: qa.unpack(qa.quantize(x)))
-    xla = jax.jit(_kernels.quantize_rows)
+    xla = jax.jit(_numerics.quantize_rows)
     times = interleaved({"ours": lambda: ours(xs()), "xla": lambda: xla(xs())}, reps)
     gbs = {k: x.nbytes / t / 1e9 for k, t in times.items()}
     return [
         {
             "row": f"quantize, GB/s of float32 input ({_ffi.status()})",
             "shape": shape,
-            "baseline": "the XLA formulation (_kernels.quantize_rows): "
+            "baseline": "the XLA formulation (_numerics.quantize_rows): "
             f"{gbs['xla']:.1f} GB/s",
             "ratio": gbs["ours"],
             "target": QUANTIZE_TARGET,

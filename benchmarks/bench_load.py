@@ -262,6 +262,42 @@ def _fno_rows(tmp, clients, runs, seconds, warm):
     )
 
 
+def workers_rows(tmp, clients=(1, 16, 64), runs=1, seconds=4.0, warm=1.5):
+    """``--num-workers 2`` (each pinned to half the cores) against one worker,
+    both ours, on the 4-layer model's one-row applies: the deployment page's
+    recommendation."""
+    name, depth, width, _ = MODELS[0]
+    ours_file, _ = _model_files(tmp, depth, width)
+    env = {"QARRAY_MODEL": str(ours_file)}
+    rng = np.random.default_rng(2)
+    urls = {}
+    with contextlib.ExitStack() as stack:
+        for label, workers in (("ours", 2), ("baseline", 1)):
+            folder = Path(tempfile.mkdtemp(dir=tmp))
+            urls[label] = stack.enter_context(
+                serve(folder, OURS, env=env, workers=workers)
+            )
+        results = _levels(
+            urls,
+            lambda i: _body(rng, "apply", 1, width, width),
+            "apply",
+            clients,
+            runs,
+            seconds,
+            warm,
+        )
+    return _rows(
+        f"{name}, 2 workers",
+        "apply",
+        1,
+        width,
+        results,
+        {},
+        "ours with one worker (batching on both cores)",
+        clients,
+    )
+
+
 def run(runs=3, seconds=4.0, warm=1.5, clients=CLIENTS) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -286,6 +322,7 @@ def run(runs=3, seconds=4.0, warm=1.5, clients=CLIENTS) -> list[dict]:
                         name, kind, rows_, width, results, targets, BASELINE, clients
                     )
         rows += _fno_rows(tmp, clients, runs, seconds, warm)
+        rows += workers_rows(tmp, runs=runs, seconds=seconds, warm=warm)
     return rows
 
 
@@ -322,20 +359,33 @@ def plot(rows, path: Path) -> None:
             series.setdefault(
                 r["row"].removeprefix("load: ").rsplit(",", 2)[0], []
             ).append(r)
+    columns = 4
+    rows_ = -(-len(series) // columns)
     fig, axes = plt.subplots(
-        1, len(series), figsize=(3.2 * len(series), 3.2), squeeze=False
+        rows_, columns, figsize=(3.4 * columns, 3.0 * rows_), squeeze=False
     )
-    for ax, (name, points) in zip(axes[0], series.items(), strict=True):
+    for ax in axes.flat[len(series) :]:
+        ax.set_visible(False)
+    for ax, (name, points) in zip(axes.flat, series.items(), strict=False):
         points.sort(key=lambda r: r["clients"])
         c = [p["clients"] for p in points]
-        ax.plot(c, [p["rps"] for p in points], "o-", label="qarray (batched)")
-        ax.plot(c, [p["baseline_rps"] for p in points], "s--", label="baseline")
+        ours, base = (
+            ("2 workers", "1 worker")
+            if "workers" in name
+            else (
+                "qarray (batched)",
+                "baseline",
+            )
+        )
+        ax.plot(c, [p["rps"] for p in points], "o-", label=ours)
+        ax.plot(c, [p["baseline_rps"] for p in points], "s--", label=base)
+        ax.legend(fontsize=7)
         ax.set_xscale("log", base=2)
         ax.set_xticks(c, [str(v) for v in c])
         ax.set_title(name, fontsize=8)
         ax.set_xlabel("clients")
-    axes[0, 0].set_ylabel("requests / s")
-    axes[0, 0].legend(fontsize=7)
+    for row in axes:
+        row[0].set_ylabel("requests / s")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

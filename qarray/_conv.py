@@ -32,7 +32,7 @@ from jax.experimental.hijax import (
     linearize_from_jvp,
 )
 
-from . import _ffi, _kernels
+from . import _ffi, _kernels, _numerics
 from ._ops import (
     ACTIVATION_PRECISIONS,
     _explicit_spec,
@@ -272,7 +272,7 @@ class ConvQ(HiPrim):
 
     def expand(self, x, qw):
         if self.in_avals[1].bits == 4:  # weight-only: each group times its scale
-            w = _kernels.dequantize_groups(qw.qvalue, qw.scale)
+            w = _numerics.dequantize_groups(qw.qvalue, qw.scale)
             return self._conv(x, self._dense_w(w))
         return self.forward(x, qw.qvalue, qw.scale)
 
@@ -295,7 +295,7 @@ class ConvQ(HiPrim):
             return self._conv(x, w.astype(FLOAT32)) * scale
         # one scale per example: a row of all its channels and positions
         lead = x.shape[: x.ndim - nsp - 1]
-        xq, sx = _kernels.quantize_rows(x.reshape(*lead, -1))
+        xq, sx = _numerics.quantize_rows(x.reshape(*lead, -1))
         xq, sx = xq.reshape(x.shape), sx.reshape(*lead, 1, *(1,) * nsp)
         if strategy == "int8_conv":
             sums = self._conv(xq, w, preferred=jnp.int32).astype(FLOAT32)

@@ -111,7 +111,7 @@ def product_int4(x, packed, scale, *, int8: bool = False):
 
 
 def quantize_rows(x):
-    """x f32[m, k] -> (int8[m, k], f32[m]): ``_kernels.quantize_rows``'s
+    """x f32[m, k] -> (int8[m, k], f32[m]): ``_numerics.quantize_rows``'s
     numerics (the division correctly rounded), each row read once."""
     m, k = x.shape
     results = (

@@ -76,8 +76,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _ffi
-
-QMAX = 127.0
+from ._numerics import dequantize_groups, dequantize_rows, quantize_rows
 
 # lhs[m, k] . rhs[k, n]: contract lhs's columns with rhs's rows (matmul_q)
 _ROWS_BY_COLS = (((1,), (0,)), ((), ()))
@@ -93,25 +92,6 @@ CHUNK_ROWS = 128
 SPLIT_LEVELS = 3
 
 
-def quantize_rows(x):
-    """Symmetric per-row absmax quantization.
-
-    x: f32[..., n] -> (qvalue int8[..., n], scale f32[...]) with
-    ``scale = max|row| / 127`` and ``qvalue = round_half_even(x / scale)``
-    clipped to [-127, 127]. (XLA:CPU's vectorised float32 division is within
-    1 ulp, not always correctly rounded: so is ``scale``.)
-    """
-    scale = jnp.max(jnp.abs(x), axis=-1, initial=0.0) / QMAX
-    # an all-zero row has scale 0: divide by 1 instead, so its qvalues are 0
-    # rather than NaN (NaN -> int8 casts are platform-defined)
-    divisor = jnp.where(scale > 0, scale, 1.0)[..., None]
-    scaled = jnp.round(x / divisor)
-    # NaN entries (only reachable by calling the library with NaN) become 0
-    scaled = jnp.where(jnp.isnan(scaled), 0.0, scaled)
-    qvalue = jnp.clip(scaled, -QMAX, QMAX).astype(jnp.int8)
-    return qvalue, scale
-
-
 def quantize(x):
     """``quantize_rows(x)`` through qarray's CPU kernel where it runs (each
     row read from memory once, where XLA reads x twice: make bench, suite
@@ -125,54 +105,6 @@ def quantize(x):
         return qvalue.reshape(x.shape), scale.reshape(lead)
 
     return lax.platform_dependent(cpu=kernel, default=lambda: quantize_rows(x))
-
-
-def dequantize_rows(qvalue, scale):
-    """int8[..., n], f32[...] -> f32[..., n]: ``qvalue * scale[..., None]``."""
-    return qvalue.astype(jnp.float32) * scale[..., None]
-
-
-QMAX4 = 7.0
-
-
-def quantize_groups(x, group_size: int):
-    """Symmetric absmax int4 per group of ``group_size`` entries of a row,
-    packed: x f32[..., n] -> (uint8[..., n / 2], scale f32[..., n / G]).
-
-    ``scale = max|group| / 7``, values ``round_half_even(x / scale)`` in
-    [-7, 7] (an all-zero group: scale 0, values 0), two per byte as 4-bit
-    two's complement, the low nibble holding the even index.
-    """
-    *lead, n = x.shape
-    groups = x.reshape(*lead, n // group_size, group_size)
-    scale = jnp.max(jnp.abs(groups), axis=-1, initial=0.0) / QMAX4
-    divisor = jnp.where(scale > 0, scale, 1.0)[..., None]
-    scaled = jnp.round(groups / divisor)
-    scaled = jnp.where(jnp.isnan(scaled), 0.0, scaled)
-    values = jnp.clip(scaled, -QMAX4, QMAX4).astype(jnp.int8).reshape(*lead, n)
-    return pack_nibbles(values), scale
-
-
-def pack_nibbles(values):
-    """int8[..., n] in [-8, 7] -> uint8[..., n / 2]: low nibble = even index."""
-    nibbles = values.astype(jnp.uint8) & 0xF
-    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
-
-
-def unpack_nibbles(packed):
-    """uint8[..., n / 2] -> int8[..., n]: each nibble as 4-bit two's complement."""
-    low = ((packed & 0xF) ^ 8).astype(jnp.int8) - 8
-    high = ((packed >> 4) ^ 8).astype(jnp.int8) - 8
-    return jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], -1)
-
-
-def dequantize_groups(packed, scale):
-    """uint8[..., n / 2], f32[..., n / G] -> f32[..., n]: each value times
-    its group's scale."""
-    values = unpack_nibbles(packed).astype(jnp.float32)
-    *lead, n = values.shape
-    groups = values.reshape(*lead, scale.shape[-1], -1) * scale[..., None]
-    return groups.reshape(*lead, n)
 
 
 # weight-only products with at most this many weights take "dequantize" on

@@ -25,7 +25,7 @@ from jax.experimental.hijax import (
 )
 from jax.sharding import AxisType
 
-from . import _kernels
+from . import _kernels, _numerics
 from ._qarray import (
     FLOAT32,
     INT8,
@@ -186,7 +186,7 @@ class Quantize(HiPrim):
 
     def expand(self, x):
         if self.bits == 4:
-            return QArray(*_kernels.quantize_groups(x, self.group_size))
+            return QArray(*_numerics.quantize_groups(x, self.group_size))
         return QArray(*_kernels.quantize(x))
 
     # straight-through estimator: the identity for tangents and cotangents
@@ -224,8 +224,8 @@ class Dequantize(HiPrim):
 
     def expand(self, q):
         if self.in_avals[0].bits == 4:
-            return _kernels.dequantize_groups(q.qvalue, q.scale)
-        return _kernels.dequantize_rows(q.qvalue, q.scale)
+            return _numerics.dequantize_groups(q.qvalue, q.scale)
+        return _numerics.dequantize_rows(q.qvalue, q.scale)
 
     # straight-through estimator: the identity for tangents and cotangents
     def jvp(self, primals, tangents):
@@ -514,8 +514,8 @@ class Pack(HiPrim):
 
     def _represented(self, qvalue, scale):
         if self.bits == 4:
-            return _kernels.dequantize_groups(qvalue, scale)
-        return _kernels.dequantize_rows(qvalue, scale)
+            return _numerics.dequantize_groups(qvalue, scale)
+        return _numerics.dequantize_rows(qvalue, scale)
 
     def jvp(self, primals, tangents):
         (qvalue, scale), (_, t_scale) = primals, tangents
@@ -532,7 +532,7 @@ class Pack(HiPrim):
     def vjp_bwd_retval(self, qvalue, g):
         g = instantiate_zeros(g)
         if self.bits == 4:
-            values = _kernels.unpack_nibbles(qvalue).astype(jnp.float32)
+            values = _numerics.unpack_nibbles(qvalue).astype(jnp.float32)
             *lead, n = values.shape
             groups = (g * values).reshape(*lead, n // self.group_size, self.group_size)
             return None, jnp.sum(groups, axis=-1)

@@ -32,6 +32,11 @@ pytree paths: ``save_tree``, ``load_tree``, ``load_quantized`` and
 Needs the ``safetensors`` package (installed with ``qarray[tesseract]``).
 """
 
+# the NumPy quantizers model files are written with (qarray._numerics)
+from .._numerics import quantize_groups_np as quantize_groups  # noqa: F401
+from .._numerics import quantize_rows_np as quantize_rows  # noqa: F401
+from .._numerics import relative_error4_np as relative_error4  # noqa: F401
+from .._numerics import relative_error_np as relative_error  # noqa: F401
 from ._cli import convert_main as main  # noqa: F401 (qarray-serve convert)
 from ._convert import convert_state_dict as convert_state_dict
 from ._convert import parse_layers as parse_layers
@@ -41,10 +46,6 @@ from ._network_file import load_model as load_model
 from ._network_file import load_network as load_network
 from ._network_file import save_model as save_model
 from ._network_file import save_network as save_network
-from ._rows import quantize_groups as quantize_groups
-from ._rows import quantize_rows as quantize_rows
-from ._rows import relative_error as relative_error
-from ._rows import relative_error4 as relative_error4
 from ._tree import convert_tree as convert_tree
 from ._tree import fold_batchnorm as fold_batchnorm
 from ._tree import leaf_paths as leaf_paths

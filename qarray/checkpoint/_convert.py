@@ -7,10 +7,15 @@ from pathlib import Path
 
 import numpy as np
 
+from .._numerics import (
+    quantize_groups_np,
+    quantize_rows_np,
+    relative_error4_np,
+    relative_error_np,
+)
 from ..nn import ACTIVATIONS, PRECISIONS
 from ._errors import ModelFileError
 from ._network_file import _layers, save_model
-from ._rows import quantize_groups, quantize_rows, relative_error, relative_error4
 
 
 def convert_state_dict(
@@ -79,13 +84,13 @@ def convert_state_dict(
                     f"{src}: {name}.weight {weight.shape} has {weight.shape[1]} "
                     f"inputs, which --group-size {group_size} does not divide"
                 )
-            qvalue, scale = quantize_groups(weight, group_size)
-            errors.append(relative_error4(weight, qvalue, scale))
+            qvalue, scale = quantize_groups_np(weight, group_size)
+            errors.append(relative_error4_np(weight, qvalue, scale))
             layer["w_q"] = {"qvalue": qvalue, "scale": scale}
             layer["group_size"] = group_size
         else:
-            qvalue, scale = quantize_rows(weight)
-            errors.append(relative_error(weight, qvalue, scale))
+            qvalue, scale = quantize_rows_np(weight)
+            errors.append(relative_error_np(weight, qvalue, scale))
             layer["w_q"] = {"qvalue": qvalue, "scale": scale}
         bias = wanted.get(f"{name}.bias")
         if bias is not None:

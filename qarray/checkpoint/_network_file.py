@@ -11,9 +11,14 @@ from pathlib import Path
 
 import numpy as np
 
+from .._numerics import (
+    quantize_groups_np,
+    quantize_rows_np,
+    relative_error4_np,
+    relative_error_np,
+)
 from ..nn import ACTIVATIONS, LAYOUTS, PRECISIONS, Linear, Network
 from ._errors import ModelFileError
-from ._rows import quantize_groups, quantize_rows, relative_error, relative_error4
 
 _ACTIVATION_NAMES = tuple(ACTIVATIONS)
 
@@ -208,8 +213,9 @@ def _layer(path, prefix: str, parts: dict, metadata: dict) -> ModelLayer:
 def load_network(path: str | Path) -> Network:
     """The network in a model file, checked (ModelFileError names the tensor),
     as stored int8 layers: dense ``w`` tensors are quantized here (NumPy, by
-    row chunks: see ``quantize_rows``) and keep their quantization error as
-    ``stored_error``. Arrays stay on the host (NumPy) until placed."""
+    row chunks: ``qarray._numerics.quantize_rows_np``) and keep their
+    quantization error as ``stored_error``. Arrays stay on the host (NumPy)
+    until placed."""
     stored, layers = load_model(path), []
     for layer in stored:
         options = {"precision": layer.precision, "layout": layer.layout}
@@ -220,11 +226,11 @@ def load_network(path: str | Path) -> Network:
             continue
         if layer.w is not None:  # only the payload and the scales stay
             if layer.precision == "int4":
-                qvalue, scale = quantize_groups(layer.w, layer.group_size)
-                error = relative_error4(layer.w, qvalue, scale)
+                qvalue, scale = quantize_groups_np(layer.w, layer.group_size)
+                error = relative_error4_np(layer.w, qvalue, scale)
             else:
-                qvalue, scale = quantize_rows(layer.w)
-                error = relative_error(layer.w, qvalue, scale)
+                qvalue, scale = quantize_rows_np(layer.w)
+                error = relative_error_np(layer.w, qvalue, scale)
         else:
             qvalue, scale, error = layer.qvalue, layer.scale, None
         layers.append(

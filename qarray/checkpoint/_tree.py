@@ -19,11 +19,11 @@ import equinox as eqx
 import jax
 import numpy as np
 
+from .._numerics import quantize_rows_np, relative_error_np
 from ..nn import Conv, Embedding, Linear, SpectralConv
 from ..nn import quantize as quantize_model
 from ..nn._quantize import _replace
 from ._errors import ModelFileError
-from ._rows import quantize_rows, relative_error
 
 FORMAT = "qarray-tree"
 
@@ -254,7 +254,7 @@ def convert_tree(
             f"convert --tree writes int8 or float32 weights, got {precision!r} "
             "(int4 layers: qarray-serve plan)"
         )
-    quantizer = quantizer or quantize_rows
+    quantizer = quantizer or quantize_rows_np
     tensors = _read(src)
     for layer, bn in fold:
         stats = {
@@ -290,7 +290,7 @@ def convert_tree(
         if leaf == "weight" and value.ndim >= 2 and precision != "float32":
             w = value.astype(np.float32).reshape(value.shape[0], -1)
             qvalue, scale = quantizer(w)
-            errors[name] = relative_error(w, qvalue, scale)
+            errors[name] = relative_error_np(w, qvalue, scale)
             out[f"{name}.qvalue"], out[f"{name}.scale"] = qvalue, scale
         elif value.dtype.kind == "f":
             out[key] = value.astype(np.float32)

@@ -15,6 +15,7 @@ equinox models.
 from ._accuracy import apply_plan as apply_plan
 from ._accuracy import evaluate as evaluate
 from ._accuracy import plan as plan
+from ._config import QuantConfig as QuantConfig
 from ._conv import Conv as Conv
 from ._conv import ConvTranspose as ConvTranspose
 from ._embedding import Embedding as Embedding

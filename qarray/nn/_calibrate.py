@@ -27,10 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._kernels import pack_nibbles
+from .._numerics import QMAX, pack_nibbles
 from .._ops import dequantize
 from ._conv import Conv
-from ._gptq import QMAX8, gptq
+from ._gptq import gptq
 from ._linear import Linear
 from ._scales import (
     awq_scale,
@@ -124,12 +124,14 @@ def _gptq_parts(w, features, s_cols, stored, damp, act_order):
 class Calibration:
     """How ``calibrated`` chooses a layer: ``method`` ("gptq", "awq" or
     "rtn": the rounding), ``smoothquant`` (alpha, or None), ``static``
-    (False, "tensor" or "channel": the activation ranges), GPTQ's ``damp``
-    and ``act_order``."""
+    (False, "tensor" or "channel": the activation ranges) and ``clip`` (how a
+    static range is chosen: "mse" or "absmax", ``static_scale``), GPTQ's
+    ``damp`` and ``act_order``."""
 
     method: str = "gptq"
     smoothquant: float | None = None
     static: bool | str = False
+    clip: str = "mse"
     damp: float = 0.01
     act_order: bool = False
 
@@ -182,12 +184,12 @@ def _choose(layer, stored, inputs, calibration: Calibration):
     error = float(np.linalg.norm(w - back) / max(np.linalg.norm(w), 1e-30))
     chosen = dataclasses.replace(chosen, stored_error=error)
     activation_scale = None
-    if calibration.static:  # the absmax of x / s over the calibration inputs
+    if calibration.static:  # from x / s over the calibration inputs
         shape = [1] * inputs.ndim
         shape[_channel_axis(layer)] = -1
         divisor = 1.0 if s is None else s.reshape(shape)
         seen = np.abs(np.asarray(inputs, np.float64) / divisor)
-        activation_scale = np.float32(max(seen.max(initial=0.0), 1e-30) / QMAX8)
+        activation_scale = static_scale(seen, calibration.clip)
     if s is not None or activation_scale is not None:
         chosen = chosen.with_input_scales(
             None if s is None else jnp.asarray(s, jnp.float32),
@@ -195,6 +197,32 @@ def _choose(layer, stored, inputs, calibration: Calibration):
         )
     dense = jnp.asarray(back.reshape(layer.weight.shape), jnp.float32)
     return chosen, dense
+
+
+# clipping ratios of the absmax that "mse" tries (absmax itself included),
+# and the most values it measures them on (a strided sample past that)
+CLIP_RATIOS = np.linspace(0.2, 1.0, 81)
+CLIP_SAMPLE = 2**20
+
+
+def static_scale(magnitudes: np.ndarray, clip: str = "mse") -> np.float32:
+    """A static int8 activation scale for activations of these magnitudes:
+    "absmax": ``max / 127`` (no value clipped; the rarest outlier sets the
+    step of every value); "mse": ``r * max / 127`` for the ratio r in
+    ``CLIP_RATIOS`` with the least squared quantization error on them
+    (values past the range clip to it: what TensorRT's and torch.ao's MSE
+    calibrators minimise)."""
+    flat = np.ravel(magnitudes)
+    top = max(float(flat.max(initial=0.0)), 1e-30)
+    if clip == "absmax" or flat.size == 0:
+        return np.float32(top / QMAX)
+    flat = flat[:: max(1, flat.size // CLIP_SAMPLE)].astype(np.float64)
+    errors = []
+    for ratio in CLIP_RATIOS:
+        step = ratio * top / QMAX
+        q = np.minimum(np.round(flat / step), QMAX) * step
+        errors.append(float(np.sum((flat - q) ** 2)))
+    return np.float32(CLIP_RATIOS[int(np.argmin(errors))] * top / QMAX)
 
 
 def calibrated(model, data, quantize_layer: Callable, calibration=None):

@@ -19,7 +19,7 @@ from ._linear import (
     _require,
     check_modes,
     checked_group_size,
-    relative_error,
+    quantization_error,
     stored_parts,
     stored_width,
 )
@@ -282,7 +282,7 @@ class Conv(InputScales, eqx.Module):
             return jnp.float32(self.stored_error or 0.0)
         w = jnp.asarray(self.weight)
         qw = self.quantized() if qw is None else qw
-        return relative_error(w.reshape(w.shape[0], -1), qw)
+        return quantization_error(w.reshape(w.shape[0], -1), qw)
 
     def frozen(self) -> Conv:
         """The stored layer (int8, or int4 packed) a trainable one quantizes

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from .._ops import dequantize, pack, quantize, unpack
-from ._linear import check_modes, checked_group_size, checked_parts, relative_error
+from ._linear import check_modes, checked_group_size, checked_parts, quantization_error
 
 
 class Embedding(eqx.Module):
@@ -120,7 +120,7 @@ class Embedding(eqx.Module):
         if not self.trainable:
             return jnp.float32(self.stored_error or 0.0)
         weight = jnp.asarray(self.weight)
-        return relative_error(weight, self._quantized(weight))
+        return quantization_error(weight, self._quantized(weight))
 
 
 @eqx.filter_jit
@@ -128,4 +128,4 @@ def _stored_table(table: Embedding):
     weight = jnp.asarray(table.weight)
     qw = table._quantized(weight)
     qvalue, scale = unpack(qw)
-    return qvalue, scale, relative_error(weight, qw)
+    return qvalue, scale, quantization_error(weight, qw)

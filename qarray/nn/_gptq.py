@@ -28,9 +28,8 @@ import jax.scipy.linalg
 import numpy as np
 from jax import lax
 
-from .._kernels import QMAX4
+from .._numerics import QMAX, QMAX4
 
-QMAX8 = 127
 BLOCK = 128  # columns per lazy update
 
 
@@ -142,7 +141,7 @@ def gptq(
     w = np.array(w, np.float64)
     h = np.asarray(h, np.float64)
     out, k = w.shape
-    qmax = QMAX8 if bits == 8 else int(QMAX4)
+    qmax = int(QMAX) if bits == 8 else int(QMAX4)
     dead = np.diag(h) == 0
     w[:, dead] = 0.0
     order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(k)

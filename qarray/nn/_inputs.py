@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-QMAX8 = 127
+from .._numerics import QMAX
 
 
 def check_input_scales(
@@ -47,7 +47,7 @@ def check_input_scales(
 def static_int8(x, scale):
     """``x`` on the int8 grid of ``scale``: ``clip(round(x / scale), -127,
     127) * scale``, with a straight-through gradient (the identity)."""
-    q = jnp.clip(jnp.round(x / scale), -QMAX8, QMAX8) * scale
+    q = jnp.clip(jnp.round(x / scale), -QMAX, QMAX) * scale
     return x + lax.stop_gradient(q - x)
 
 

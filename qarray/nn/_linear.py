@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .._numerics import relative_error
 from .._ops import (
     ACTIVATION_PRECISIONS,
     DEFAULT_GROUP_SIZE,
@@ -129,12 +130,10 @@ def stored_width(owner: str, qvalue, scale, precision: str, group_size) -> int:
     return qvalue.shape[-1]
 
 
-def relative_error(w, qw):
+def quantization_error(w, qw):
     """``||w - dequantize(qw)|| / ||w||`` (0 for zero weights), without a
     derivative: a diagnostic."""
-    norm = jnp.linalg.norm(w)
-    error = jnp.linalg.norm(w - dequantize(qw)) / jnp.where(norm > 0, norm, 1)
-    return lax.stop_gradient(error)
+    return lax.stop_gradient(relative_error(w, dequantize(qw)))
 
 
 @eqx.filter_jit
@@ -366,7 +365,7 @@ class Linear(InputScales, eqx.Module):
         if self.precision == "float32":
             return jnp.float32(0.0)
         qw = self.quantized() if qw is None else qw
-        return relative_error(jnp.asarray(self.weight), qw)
+        return quantization_error(jnp.asarray(self.weight), qw)
 
     def frozen(self) -> Linear:
         """The stored int8 layer a trainable one quantizes to (itself if

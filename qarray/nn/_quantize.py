@@ -3,6 +3,7 @@ model, in the manner of torchao's ``quantize_`` and qwix's ``quantize_model``.""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -10,7 +11,8 @@ import equinox as eqx
 import jax
 
 from .._ops import DEFAULT_GROUP_SIZE
-from ._calibrate import METHODS, Calibration, calibrated
+from ._calibrate import Calibration, calibrated
+from ._config import QuantConfig
 from ._conv import Conv, ConvTranspose
 from ._embedding import Embedding
 from ._linear import Linear
@@ -29,19 +31,18 @@ def _replace(model, kind, convert: Callable):
 
 def quantize(
     model,
+    config: QuantConfig | None = None,
     *,
     where: Callable[[eqx.Module], bool] | None = None,
     trainable: bool = False,
-    activations: str = "float32",
-    precision: str = "int8",
-    group_size: int | None = None,
-    method: str = "rtn",
     data=None,
-    smoothquant: float | None = None,
-    static: bool | str = False,
+    **options,
 ):
-    """A copy of ``model`` with every ``eqx.nn.Linear``, ``eqx.nn.Conv``
-    (``Conv1d``, ``Conv2d``, ``Conv3d``), ``eqx.nn.ConvTranspose`` (1-3d)
+    """A copy of ``model`` quantized as ``config`` (a ``QuantConfig``; its
+    fields may be given as keywords instead, or to change some of it:
+    ``quantize(model, precision="int4")``), with every ``eqx.nn.Linear``,
+    ``eqx.nn.Conv`` (``Conv1d``, ``Conv2d``, ``Conv3d``),
+    ``eqx.nn.ConvTranspose`` (1-3d)
     and ``eqx.nn.Embedding`` that ``where(layer)`` accepts (default: all)
     replaced by a ``qarray.nn.Linear`` (weights ``(out, in)``: layout "nk",
     one scale per output channel), ``qarray.nn.Conv``,
@@ -98,9 +99,10 @@ def quantize(
     weights), except that a channel scale is chosen once (AWQ, SmoothQuant
     or ``static="channel"``).
     """
-    calibration = _calibration(
-        method, data, trainable, activations, smoothquant, static
-    )
+    config = as_config(config, options)
+    precision, activations = config.precision, config.activations
+    group_size = config.group_size
+    calibration = _calibration(config, data, trainable)
 
     def convert(layer):
         if where is not None and not where(layer):
@@ -172,38 +174,30 @@ def quantize(
     return _replace(model, kinds, convert)
 
 
-def _calibration(method, data, trainable, activations, smoothquant, static):
-    """``quantize``'s calibration options checked: a ``Calibration``, or None
-    for round-to-nearest with dynamic activations (no data needed)."""
-    if method not in METHODS:
-        raise ValueError(f"quantize: method must be one of {METHODS}, got {method!r}.")
-    if static not in (False, True, "tensor", "channel"):
-        raise ValueError(
-            f"quantize: static must be False, True, 'tensor' or 'channel', got "
-            f"{static!r}."
-        )
-    static = "tensor" if static is True else static
-    if smoothquant is not None and not 0 <= smoothquant <= 1:
-        raise ValueError(
-            f"quantize: smoothquant must be in [0, 1], got {smoothquant!r}."
-        )
-    w8a8 = [f"smoothquant={smoothquant!r}"] if smoothquant is not None else []
-    w8a8 += [f"static={static!r}"] if static else []
-    asked = ([f"method={method!r}"] if method != "rtn" else []) + w8a8
-    if not asked:
+def as_config(config: QuantConfig | None, options: dict) -> QuantConfig:
+    """``config`` with the keyword ``options`` (QuantConfig's fields) applied:
+    the keywords are shorthand for it (an unknown one is a TypeError)."""
+    try:
+        if config is None:
+            return QuantConfig(**options)
+        return config.replace(**options) if options else config
+    except TypeError as error:
+        if "unexpected keyword" not in str(error):
+            raise
+        known = ", ".join(f.name for f in dataclasses.fields(QuantConfig))
+        raise TypeError(
+            f"quantize: unknown option {error}; QuantConfig's are {known}"
+        ) from None
+
+
+def _calibration(config: QuantConfig, data, trainable: bool):
+    """The calibration ``config`` asks for (a ``Calibration``), or None for
+    round-to-nearest with dynamic activations (no data needed)."""
+    if not config.calibrated:
         return None
-    if w8a8 and activations != "int8":
-        raise ValueError(
-            f"quantize: {' and '.join(w8a8)} calibrate int8 activations: needs "
-            f"activations='int8', got {activations!r}."
-        )
-    choosers = [a for a in asked if a in ("method='awq'", "static='channel'")]
-    choosers += [a for a in w8a8 if a.startswith("smoothquant")]
-    if len(choosers) > 1:
-        raise ValueError(
-            f"quantize: {' and '.join(choosers)} each choose a scale per input "
-            "channel: take one."
-        )
+    asked = [f"method={config.method!r}"] * (config.method != "rtn")
+    asked += [f"smoothquant={config.smoothquant!r}"] * (config.smoothquant is not None)
+    asked += [f"static={config.static!r}"] * bool(config.static)
     if data is None:
         raise ValueError(
             f"quantize: {', '.join(asked)} needs data=X, calibration inputs."
@@ -212,7 +206,12 @@ def _calibration(method, data, trainable, activations, smoothquant, static):
         raise ValueError(
             f"quantize: {', '.join(asked)} chooses stored weights: trainable=False."
         )
-    return Calibration(method=method, smoothquant=smoothquant, static=static)
+    return Calibration(
+        method=config.method,
+        smoothquant=config.smoothquant,
+        static=config.static_mode or False,
+        clip=config.clip,
+    )
 
 
 def fits_int4_width(weight, group_size: int | None = None) -> bool:

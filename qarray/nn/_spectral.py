@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._ops import DEFAULT_GROUP_SIZE, dequantize, pack, quantize, unpack
-from ._linear import PRECISIONS, relative_error, stored_width
+from ._linear import PRECISIONS, quantization_error, stored_width
 
 
 def kept_frequencies(n: int, m: int, last: bool) -> np.ndarray:
@@ -238,11 +238,11 @@ class SpectralConv(eqx.Module):
         if not self.trainable:
             return jnp.float32(self.stored_error or 0.0)
         rows = self._rows(jnp.asarray(self.weight))
-        return relative_error(rows, self.quantized())
+        return quantization_error(rows, self.quantized())
 
 
 @eqx.filter_jit
 def _stored_rows(layer: SpectralConv):
     qw = layer.quantized()
     qvalue, scale = unpack(qw)
-    return qvalue, scale, relative_error(layer._rows(jnp.asarray(layer.weight)), qw)
+    return qvalue, scale, quantization_error(layer._rows(jnp.asarray(layer.weight)), qw)

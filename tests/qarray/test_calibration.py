@@ -3,6 +3,8 @@ smoothquant=alpha, static=...) against NumPy: the scales chosen, the stored
 weights, the layers' outputs and gradients, model files, and what they buy
 on a model with outlier input channels."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -85,20 +87,37 @@ def test_smoothquant_scales_and_outputs(rng):
     np.testing.assert_allclose(jax.vmap(got)(x), want, rtol=1e-4, atol=1e-4)
 
 
+def brute_force_clip(magnitudes, ratios):
+    """The activation scale r * max / 127 whose int8 grid (values past it
+    clipped) has the least squared error on ``magnitudes``, r searched over
+    ``ratios`` one by one in float64."""
+    v = np.ravel(magnitudes).astype(np.float64)
+    top = v.max()
+    best, best_error = None, np.inf
+    for r in ratios:
+        step = r * top / 127
+        error = np.sum((v - np.clip(np.round(v / step), -127, 127) * step) ** 2)
+        if error < best_error:
+            best, best_error = step, error
+    return best
+
+
+@pytest.mark.parametrize("clip", ["absmax", "mse"])
 @pytest.mark.parametrize("static", [True, "channel"])
-def test_static_activation_scales(rng, static):
-    """Two layers: each one's activation scale is the absmax of the inputs
-    that reach it on the data (the second's through the first as quantized,
-    weight-only) / 127, per tensor (True) or per channel ("channel": the
-    ranges as a channel scale, max|x_c| / max_c max|x_c|); the product is of
-    x / s rounded to that fixed grid."""
+def test_static_activation_scales(rng, static, clip):
+    """Two layers: each one's activation scale is chosen on the inputs that
+    reach it on the data (the second's through the first as quantized,
+    weight-only), per tensor (True) or per channel ("channel": the ranges as
+    a channel scale, max|x_c| / max_c max|x_c|): "absmax" max|x / s| / 127,
+    "mse" the clipped grid of least squared error (brute force); the
+    product is of x / s rounded to that fixed grid."""
     k1, k2 = jax.random.split(jax.random.key(2))
     model = eqx.nn.Sequential(
         [eqx.nn.Linear(16, 12, key=k1), eqx.nn.Lambda(jax.nn.relu),
          eqx.nn.Linear(12, 4, key=k2)]
     )  # fmt: skip
     x = outlier_inputs(rng, 80, 16)
-    got = qnn.quantize(model, activations="int8", static=static, data=x)
+    got = qnn.quantize(model, activations="int8", static=static, clip=clip, data=x)
     first, second = got.layers[0], got.layers[2]
     h = x.astype(np.float64)
     for float_layer, layer in ((model.layers[0], first), (model.layers[2], second)):
@@ -111,7 +130,10 @@ def test_static_activation_scales(rng, static):
         else:
             s = np.ones(w.shape[1])
             assert layer.channel_scale is None
-        a = np.abs(h / s).max() / 127
+        if clip == "absmax":
+            a = np.abs(h / s).max() / 127
+        else:
+            a = brute_force_clip(np.abs(h / s), np.linspace(0.2, 1.0, 81))
         assert float(layer.activation_scale) == pytest.approx(a, rel=1e-5)
         assert layer.activations == "int8"
         qvalue, scale = ref.quantize((w * s).astype(np.float32))
@@ -218,6 +240,75 @@ def test_evaluate_and_plan_with_awq(rng):
     assert np.linalg.norm(got - y) / np.linalg.norm(y) == pytest.approx(
         awq["model"]["output_rel_l2"], rel=1e-3
     )
+
+
+def test_static_mse_clip_on_outlier_channels(rng):
+    """Static per-tensor W8A8 on inputs with rare outlier channels: the MSE
+    clip keeps the output error within 1.5x dynamic per-row quantization's,
+    where the absmax rule does not (NumPy computes the errors)."""
+    model = Outliers(jax.random.key(0))
+    calibration = outlier_inputs(rng, 256, 64, channels=(3, 17), factor=50.0)
+    held_out = outlier_inputs(rng, 256, 64, channels=(3, 17), factor=50.0)
+    y = np.asarray(jax.vmap(model)(held_out), np.float64)
+
+    def error(**options):
+        got = qnn.quantize(model, activations="int8", **options)
+        out = np.asarray(jax.vmap(got)(held_out), np.float64)
+        return np.linalg.norm(out - y) / np.linalg.norm(y)
+
+    dynamic = error()
+    mse = error(static=True, data=calibration)
+    absmax = error(static=True, clip="absmax", data=calibration)
+    assert mse <= 1.5 * dynamic, (mse, dynamic, absmax)
+    assert mse < absmax, (mse, absmax)
+
+
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        ({"precision": "int2"}, ValueError, "precision must be one of"),
+        ({"precision": 8}, TypeError, "precision must be a string"),
+        ({"activations": "int4"}, ValueError, "activations must be one of"),
+        ({"method": "hqq"}, ValueError, "method must be one of"),
+        ({"clip": "percentile"}, ValueError, "clip must be one of"),
+        ({"group_size": 7}, ValueError, "group_size must be even"),
+        ({"group_size": 8.0}, TypeError, "group_size must be an int"),
+        ({"smoothquant": "half"}, TypeError, "smoothquant must be a number"),
+        ({"smoothquant": 2.0, "activations": "int8"}, ValueError, r"in \[0, 1\]"),
+        ({"static": "row", "activations": "int8"}, ValueError, "static must be"),
+        ({"static": 1, "activations": "int8"}, ValueError, "static must be"),
+        ({"static": True}, ValueError, "needs activations='int8'"),
+        (
+            {"method": "awq", "static": "channel", "activations": "int8"},
+            ValueError,
+            "each choose a scale per input channel",
+        ),
+    ],
+)
+def test_quant_config_pins_an_error_per_configuration(options, error, message):
+    with pytest.raises(error, match=message):
+        qnn.QuantConfig(**options)
+
+
+def test_quant_config_is_what_the_keywords_build(rng):
+    dense = eqx.nn.Linear(16, 8, key=jax.random.key(1))
+    x = outlier_inputs(rng, 64, 16)
+    config = qnn.QuantConfig(precision="int4", group_size=8, method="awq")
+    by_config = qnn.quantize(dense, config, data=x)
+    by_keywords = qnn.quantize(dense, precision="int4", group_size=8, method="awq",
+                               data=x)  # fmt: skip
+    for a, b in zip(
+        jax.tree.leaves(by_config), jax.tree.leaves(by_keywords), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # keywords change a config; the result is checked again
+    assert qnn.quantize(dense, config, method="rtn").channel_scale is None
+    with pytest.raises(ValueError, match="group_size must be even"):
+        qnn.quantize(dense, config, group_size=3)
+    with pytest.raises(TypeError, match="unknown option"):
+        qnn.quantize(dense, bits=4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.precision = "int8"
 
 
 def test_clear_errors(rng):

@@ -286,3 +286,74 @@ def test_errors_at_trace_time(call, error, message, jit):
     run = (lambda: jax.jit(call).trace()) if jit else call
     with pytest.raises(error, match=re.escape(message)):
         run()
+
+
+# --- qarray._numerics: the jnp and NumPy forms of each rule agree, and with
+# the independent reference
+
+
+def _awkward_rows(rng):
+    """Gaussian rows, a zero row, a row with NaN, exact ties at +-k.5 steps."""
+    x = rng.standard_normal((6, 32)).astype(np.float32)
+    x[1] = 0.0
+    x[2, 3] = np.nan
+    x[3] = np.arange(32, dtype=np.float32) - 15.5  # max 16.5: ties after scaling
+    x[4, :2] = (127.0, -0.5)
+    return x
+
+
+def test_numerics_row_quantizers_agree(rng):
+    from qarray import _numerics as nm
+
+    x = _awkward_rows(rng)
+    q_np, s_np = nm.quantize_rows_np(x)
+    q_jnp, s_jnp = jax.jit(nm.quantize_rows)(x)
+    finite = np.isfinite(x).all(axis=1)
+    want_q, want_s = ref.quantize(x[finite])
+    np.testing.assert_array_equal(q_np[finite], want_q)
+    np.testing.assert_allclose(s_np[finite], want_s, rtol=1e-7)
+    # XLA's division is within 1 ulp: a tie may round one step apart
+    assert np.abs(q_np.astype(int) - np.asarray(q_jnp, int)).max() <= 1
+    assert (q_np[1] == 0).all() and s_np[1] == 0  # all-zero row, no NaN
+    assert q_np[2, 3] == 0 and np.asarray(q_jnp)[2, 3] == 0  # NaN -> 0
+    np.testing.assert_allclose(s_np[finite], np.asarray(s_jnp)[finite], rtol=1e-7)
+
+
+def test_numerics_group_quantizers_and_nibbles_agree(rng):
+    from qarray import _numerics as nm
+
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    x[2] = 0.0
+    packed_np, scale_np = nm.quantize_groups_np(x, 16)
+    packed_jnp, scale_jnp = jax.jit(nm.quantize_groups, static_argnums=1)(x, 16)
+    np.testing.assert_array_equal(packed_np, np.asarray(packed_jnp))
+    np.testing.assert_allclose(scale_np, np.asarray(scale_jnp), rtol=1e-7)
+    # values: the independent rule, recovered from the nibbles
+    values = np.asarray(nm.unpack_nibbles(packed_np)).reshape(5, 4, 16)
+    groups = x.reshape(5, 4, 16)
+    scale = np.abs(groups).max(axis=-1) / 7
+    want = np.clip(np.round(groups / np.where(scale > 0, scale, 1)[..., None]), -7, 7)
+    np.testing.assert_array_equal(values, want)
+    all_values = np.arange(-8, 8, dtype=np.int8).reshape(2, 8)
+    np.testing.assert_array_equal(
+        np.asarray(nm.unpack_nibbles(nm.pack_nibbles(all_values))), all_values
+    )
+
+
+def test_numerics_relative_errors_agree(rng):
+    from qarray import _numerics as nm
+
+    w = rng.standard_normal((8, 32)).astype(np.float32)
+    q, s = nm.quantize_rows_np(w)
+    deq = q.astype(np.float64) * s[:, None]
+    want = np.linalg.norm(w - deq) / np.linalg.norm(w)
+    assert nm.relative_error_np(w, q, s) == pytest.approx(want, rel=1e-9)
+    assert float(nm.relative_error(w, deq.astype(np.float32))) == pytest.approx(
+        want, rel=1e-5
+    )
+    packed, scale = nm.quantize_groups_np(w, 8)
+    deq4 = np.asarray(nm.dequantize_groups(packed, scale), np.float64)
+    want4 = np.linalg.norm(w - deq4) / np.linalg.norm(w)
+    assert nm.relative_error4_np(w, packed, scale) == pytest.approx(want4, rel=1e-6)
+    zero = np.zeros((2, 8), np.float32)
+    assert nm.relative_error_np(zero, *nm.quantize_rows_np(zero)) == 0.0

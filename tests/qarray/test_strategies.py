@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import qarray as qa
-from qarray import _ffi, _kernels
+from qarray import _ffi, _kernels, _numerics
 from tests import reference as ref
 
 
@@ -341,7 +341,7 @@ def test_quantize_kernel_rounds_near_ties_like_division(rng):
     large = (rng.standard_normal((2048, k)) * 3).astype(np.float32)
     for x in (rows, np.concatenate([rows, large])):
         qvalue, scale = jax.jit(_ffi.quantize_rows)(x)
-        np.testing.assert_array_equal(scale, jax.jit(_kernels.quantize_rows)(x)[1])
+        np.testing.assert_array_equal(scale, jax.jit(_numerics.quantize_rows)(x)[1])
         divisor = np.where(scale > 0, scale, np.float32(1))[:, None]
         # XLA's threads treat subnormal inputs as zero, the XLA formulation too
         normal = np.where(np.abs(x) < np.finfo(np.float32).tiny, 0, x)
@@ -374,7 +374,7 @@ def test_quantize_kernel_matches_numpy_and_xla(rng, shape):
     rows[1:2, 0] = np.nan  # NaN scale, the NaN entry 0
     rows[2:3, -1] = np.inf
     qvalue, scale = jax.jit(_ffi.quantize_rows)(rows)
-    want_q, want_s = jax.jit(_kernels.quantize_rows)(rows)
+    want_q, want_s = jax.jit(_numerics.quantize_rows)(rows)
     has_nan = np.isnan(rows).any(axis=-1)
     np.testing.assert_array_equal(np.asarray(scale)[~has_nan], want_s[~has_nan])
     np.testing.assert_array_equal(np.asarray(qvalue)[~has_nan], want_q[~has_nan])

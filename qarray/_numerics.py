@@ -1,0 +1,158 @@
+"""qarray's numerics, defined once: the int8 row quantizer, the int4 group
+quantizer and its nibble packing, dequantizing, and the relative weight
+error, each in jnp (traced: the primitives, ``qarray.nn``) and in NumPy
+(model files: no compilation, and correctly rounded division).
+
+int8, per row: ``scale = max|row| / QMAX``, ``qvalue = round_half_even(x /
+scale)`` clipped to ``[-QMAX, QMAX]``; an all-zero row has scale 0 and
+qvalues 0 (the division is guarded: NaN -> int8 casts are
+platform-defined), and NaN entries quantize to 0.
+
+int4, per group of ``G`` entries of a row: the same with ``QMAX4``, values
+in ``[-7, 7]`` packed two a byte as 4-bit two's complement, the low nibble
+holding the even index.
+
+The C++ kernels' row quantizer (``qarray/_cpu/kernels.cc``, ``QuantizeRow``)
+computes the same values; ``tests/qarray/test_numerics.py`` holds them to
+these.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+QMAX = 127.0  # int8 values in [-QMAX, QMAX]
+QMAX4 = 7.0  # int4 values in [-QMAX4, QMAX4]
+CHUNK_ROWS = 256  # NumPy quantizers: rows at a time (temporaries stay small)
+
+
+# --- jnp (traced)
+
+
+def quantize_rows(x):
+    """x f32[..., n] -> (qvalue int8[..., n], scale f32[...]), per row
+    (module doc). XLA:CPU's vectorised float32 division is within 1 ulp, not
+    always correctly rounded: so is ``scale``."""
+    scale = jnp.max(jnp.abs(x), axis=-1, initial=0.0) / QMAX
+    divisor = jnp.where(scale > 0, scale, 1.0)[..., None]
+    scaled = jnp.round(x / divisor)
+    scaled = jnp.where(jnp.isnan(scaled), 0.0, scaled)
+    return jnp.clip(scaled, -QMAX, QMAX).astype(jnp.int8), scale
+
+
+def dequantize_rows(qvalue, scale):
+    """int8[..., n], f32[...] -> f32[..., n]: ``qvalue * scale[..., None]``."""
+    return qvalue.astype(jnp.float32) * scale[..., None]
+
+
+def quantize_groups(x, group_size: int):
+    """x f32[..., n] -> (uint8[..., n / 2], scale f32[..., n / G]): int4 per
+    group of ``group_size`` entries of a row, packed (module doc)."""
+    *lead, n = x.shape
+    groups = x.reshape(*lead, n // group_size, group_size)
+    scale = jnp.max(jnp.abs(groups), axis=-1, initial=0.0) / QMAX4
+    divisor = jnp.where(scale > 0, scale, 1.0)[..., None]
+    scaled = jnp.round(groups / divisor)
+    scaled = jnp.where(jnp.isnan(scaled), 0.0, scaled)
+    values = jnp.clip(scaled, -QMAX4, QMAX4).astype(jnp.int8).reshape(*lead, n)
+    return pack_nibbles(values), scale
+
+
+def pack_nibbles(values):
+    """int8[..., n] in [-8, 7] -> uint8[..., n / 2]: low nibble = even index
+    (jnp or NumPy arrays alike)."""
+    nibbles = (values.astype(np.int16) & 0xF).astype(np.uint8)
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed):
+    """uint8[..., n / 2] -> int8[..., n]: each nibble as 4-bit two's complement."""
+    low = ((packed & 0xF) ^ 8).astype(jnp.int8) - 8
+    high = ((packed >> 4) ^ 8).astype(jnp.int8) - 8
+    return jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], -1)
+
+
+def dequantize_groups(packed, scale):
+    """uint8[..., n / 2], f32[..., n / G] -> f32[..., n]: each value times
+    its group's scale."""
+    values = unpack_nibbles(packed).astype(jnp.float32)
+    *lead, n = values.shape
+    groups = values.reshape(*lead, scale.shape[-1], -1) * scale[..., None]
+    return groups.reshape(*lead, n)
+
+
+def relative_error(w, w_hat):
+    """``||w - w_hat|| / ||w||`` (0 for zero ``w``)."""
+    norm = jnp.linalg.norm(w)
+    return jnp.linalg.norm(w - w_hat) / jnp.where(norm > 0, norm, 1)
+
+
+# --- NumPy (model files), by row chunks
+
+
+def quantize_rows_np(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``quantize_rows`` in NumPy, ``CHUNK_ROWS`` rows at a time: model files
+    need no compilation (whose memory a server would keep), and NumPy's
+    division is correctly rounded where XLA's may be 1 ulp off (a row entry
+    exactly on a rounding tie can differ by one step between the two)."""
+    qvalues, scales = [], []
+    for rows in _row_chunks(np.asarray(w)):
+        rows = rows.astype(np.float32, copy=False)
+        scale = (np.max(np.abs(rows), axis=-1, initial=0) / np.float32(QMAX)).astype(
+            np.float32
+        )
+        divisor = np.where(scale > 0, scale, np.float32(1))[:, None]
+        scaled = np.nan_to_num(np.round(rows / divisor), nan=0.0)
+        qvalues.append(np.clip(scaled, -QMAX, QMAX).astype(np.int8))
+        scales.append(scale)
+    return np.concatenate(qvalues), np.concatenate(scales)
+
+
+def quantize_groups_np(w: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``quantize_groups`` in NumPy (2-D ``w``): ``(packed uint8 (N, K / 2),
+    scale (N, K / G))``."""
+    packed, scales = [], []
+    for rows in _row_chunks(np.asarray(w)):
+        groups = rows.astype(np.float32).reshape(rows.shape[0], -1, group_size)
+        scale = (np.max(np.abs(groups), axis=-1, initial=0) / np.float32(QMAX4)).astype(
+            np.float32
+        )
+        divisor = np.where(scale > 0, scale, np.float32(1))[..., None]
+        scaled = np.nan_to_num(np.round(groups / divisor), nan=0.0)
+        values = np.clip(scaled, -QMAX4, QMAX4).astype(np.int8)
+        packed.append(pack_nibbles(values.reshape(rows.shape[0], -1)))
+        scales.append(scale)
+    return np.concatenate(packed), np.concatenate(scales)
+
+
+def relative_error_np(w: np.ndarray, qvalue: np.ndarray, scale: np.ndarray) -> float:
+    """``||w - qvalue * scale|| / ||w||`` in float64 (0 for zero w), int8
+    weights with one scale per row."""
+    err2 = norm2 = 0.0
+    for rows, q, s in zip(
+        _row_chunks(w), _row_chunks(qvalue), _row_chunks(scale), strict=True
+    ):
+        rows = rows.astype(np.float64)
+        deq = q.astype(np.float64) * s.astype(np.float64)[:, None]
+        err2 += float(np.sum((rows - deq) ** 2))
+        norm2 += float(np.sum(rows**2))
+    return 0.0 if norm2 == 0 else (err2 / norm2) ** 0.5
+
+
+def relative_error4_np(w: np.ndarray, packed: np.ndarray, scale: np.ndarray) -> float:
+    """``||w - W|| / ||w||`` for int4 weights W (packed, one scale per group)."""
+    low = (packed & 0xF).astype(np.int16)
+    high = (packed >> 4).astype(np.int16)
+    values = np.stack([low, high], -1).reshape(packed.shape[0], -1)
+    values = np.where(values > 7, values - 16, values).astype(np.float64)
+    groups = values.reshape(*scale.shape, -1) * scale.astype(np.float64)[..., None]
+    w64 = np.asarray(w, np.float64)
+    norm = np.linalg.norm(w64)
+    if norm == 0:
+        return 0.0
+    return float(np.linalg.norm(w64 - groups.reshape(w.shape)) / norm)
+
+
+def _row_chunks(a: np.ndarray, rows: int = CHUNK_ROWS):
+    return (a[i : i + rows] for i in range(0, max(a.shape[0], 1), rows))
