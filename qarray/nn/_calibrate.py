@@ -189,7 +189,13 @@ def _choose(layer, stored, inputs, calibration: Calibration):
         shape[_channel_axis(layer)] = -1
         divisor = 1.0 if s is None else s.reshape(shape)
         seen = np.abs(np.asarray(inputs, np.float64) / divisor)
-        activation_scale = static_scale(seen, calibration.clip)
+        # an input channel's rounding error reaches the output through its
+        # columns of the (scaled) weights: their squared norm weighs it
+        weighted = (w * s_cols) ** 2
+        per_channel = weighted.reshape(w.shape[0], seen.shape[_channel_axis(layer)], -1)
+        importance = per_channel.sum(axis=(0, 2))
+        seen = np.moveaxis(seen, _channel_axis(layer), -1)
+        activation_scale = static_scale(seen, calibration.clip, importance)
     if s is not None or activation_scale is not None:
         chosen = chosen.with_input_scales(
             None if s is None else jnp.asarray(s, jnp.float32),
@@ -199,29 +205,34 @@ def _choose(layer, stored, inputs, calibration: Calibration):
     return chosen, dense
 
 
-# clipping ratios of the absmax that "mse" tries (absmax itself included),
-# and the most values it measures them on (a strided sample past that)
-CLIP_RATIOS = np.linspace(0.2, 1.0, 81)
+# clipping ratios of the absmax that "mse" tries, geometric from 1/100 (a
+# spike 100x the bulk) to 1 (absmax itself), and the most values it measures
+# them on (a strided sample past that)
+CLIP_RATIOS = np.geomspace(0.01, 1.0, 121)
 CLIP_SAMPLE = 2**20
 
 
-def static_scale(magnitudes: np.ndarray, clip: str = "mse") -> np.float32:
-    """A static int8 activation scale for activations of these magnitudes:
-    "absmax": ``max / 127`` (no value clipped; the rarest outlier sets the
-    step of every value); "mse": ``r * max / 127`` for the ratio r in
-    ``CLIP_RATIOS`` with the least squared quantization error on them
-    (values past the range clip to it: what TensorRT's and torch.ao's MSE
-    calibrators minimise)."""
-    flat = np.ravel(magnitudes)
-    top = max(float(flat.max(initial=0.0)), 1e-30)
-    if clip == "absmax" or flat.size == 0:
+def static_scale(
+    magnitudes: np.ndarray, clip: str = "mse", importance: np.ndarray | None = None
+) -> np.float32:
+    """A static int8 activation scale for activations of these magnitudes
+    ``(..., C)``: "absmax": ``max / 127`` (no value clipped; the rarest
+    outlier sets the step of every value); "mse": ``r * max / 127`` for the
+    ratio r in ``CLIP_RATIOS`` with the least squared quantization error on
+    them (values past the range clip to it: what TensorRT's and torch.ao's
+    MSE calibrators minimise), each channel's error weighed by
+    ``importance`` ``(C,)`` (default: equally)."""
+    top = max(float(np.max(magnitudes, initial=0.0)), 1e-30)
+    if clip == "absmax" or magnitudes.size == 0:
         return np.float32(top / QMAX)
-    flat = flat[:: max(1, flat.size // CLIP_SAMPLE)].astype(np.float64)
+    rows = magnitudes.reshape(-1, magnitudes.shape[-1])
+    rows = rows[:: max(1, rows.size // CLIP_SAMPLE)].astype(np.float64)
+    weight = np.ones(rows.shape[-1]) if importance is None else importance
     errors = []
     for ratio in CLIP_RATIOS:
         step = ratio * top / QMAX
-        q = np.minimum(np.round(flat / step), QMAX) * step
-        errors.append(float(np.sum((flat - q) ** 2)))
+        q = np.minimum(np.round(rows / step), QMAX) * step
+        errors.append(float(np.sum((rows - q) ** 2 * weight)))
     return np.float32(CLIP_RATIOS[int(np.argmin(errors))] * top / QMAX)
 
 

