@@ -40,7 +40,10 @@ def _array(a):
         "object_type": "array",
         "shape": list(a.shape),
         "dtype": "float32",
-        "data": {"buffer": base64.b64encode(a.tobytes()).decode(), "encoding": "base64"},
+        "data": {
+            "buffer": base64.b64encode(a.tobytes()).decode(),
+            "encoding": "base64",
+        },
     }
 
 
@@ -158,7 +161,9 @@ def run(clients: int, seconds: float) -> dict:
                         counts["refused" if response.status == 422 else "ok"] += 1
                     i += 1
 
-            threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+            threads = [
+                threading.Thread(target=client, args=(c,)) for c in range(clients)
+            ]
             started = time.monotonic()
             for t in threads:
                 t.start()
