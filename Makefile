@@ -8,7 +8,7 @@ PORT ?= 8000
 HOST ?= 127.0.0.1
 SCRATCH ?= $(or $(TMPDIR),/tmp)/qarray-serve
 
-.PHONY: setup test test-image lint serve bench bench-peers soak test-compat clean docs browser gpu-check
+.PHONY: setup test test-fast test-image lint serve bench bench-peers soak test-compat clean docs browser gpu-check
 
 setup: $(STAMP)
 
@@ -40,6 +40,15 @@ test: setup browser
 		echo "no XLA rerun: qarray's CPU kernels do not run here, the run above was XLA's"; \
 		$(PY) -c "import qarray._ffi as f; print('  qarray._ffi.status():', f.status())"; \
 	fi
+
+# the inner loop (about a minute on 2 cores): the numerics, the batcher and
+# the resident Tesseract in-process, settings and the upstream workarounds;
+# `make test` before a commit
+FAST_TESTS := tests/qarray/test_numerics.py tests/tesseract/test_settings.py \
+	tests/tesseract/test_workarounds.py tests/tesseract/test_inprocess.py \
+	tests/tesseract/test_batching.py
+test-fast: setup
+	$(PY) -m pytest -q -x $(FAST_TESTS)
 
 # headless Chromium for the /docs page test (installed when root on Debian)
 browser:
