@@ -21,7 +21,6 @@ way with batching on against itself with batching off
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import http.client
 import json
@@ -34,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import bench_e2e
-from tests.tesseract.server import ROOT, RUNTIME, serve
+from tests.tesseract.server import ROOT, RUNTIME, b64, serve
 
 OURS, DENSE = ROOT / "tesseract_api.py", ROOT / "benchmarks/dense_api.py"
 FNO = ROOT / "examples/neural_operator/tesseract_api.py"
@@ -61,27 +60,15 @@ WARM_ROUNDS, WARM_TAIL = 4, 4.0
 P99_TARGET = ("4 relu layers 4096 wide", "apply", 1, 16, 150.0)  # ms
 
 
-def _array(a: np.ndarray) -> dict:
-    return {
-        "object_type": "array",
-        "shape": list(a.shape),
-        "dtype": str(a.dtype),
-        "data": {
-            "buffer": base64.b64encode(a.tobytes()).decode(),
-            "encoding": "base64",
-        },
-    }
-
-
 def _body(rng, kind: str, rows: int, k: int, n: int, field: str = "x") -> bytes:
     x = rng.standard_normal((rows, *k) if isinstance(k, tuple) else (rows, k))
     x = x.astype(np.float32)
-    payload = {"inputs": {field: _array(x)}}
+    payload = {"inputs": {field: b64(x)}}
     if kind == "vjp":
         out = "y" if field == "x" else "u"
         g = rng.standard_normal((rows, n)).astype(np.float32)
         payload.update(
-            vjp_inputs=[field], vjp_outputs=[out], cotangent_vector={out: _array(g)}
+            vjp_inputs=[field], vjp_outputs=[out], cotangent_vector={out: b64(g)}
         )
     return json.dumps(payload).encode()
 

@@ -16,7 +16,6 @@ peak within 10% of the middle third's (the first compiles)). Exits 1 on any fail
 from __future__ import annotations
 
 import argparse
-import base64
 import http.client
 import json
 import tempfile
@@ -28,23 +27,10 @@ import numpy as np
 import psutil
 
 from tests.tesseract import network as net
-from tests.tesseract.server import decode, serve
+from tests.tesseract.server import b64, decode, serve
 
 WIDTHS = (256, 256, 128, 64)  # K0 -> ... -> N_last
 RTOL = ATOL = 2e-3  # the int8 network against float64 NumPy, a few steps deep
-
-
-def _array(a):
-    a = np.ascontiguousarray(a, np.float32)
-    return {
-        "object_type": "array",
-        "shape": list(a.shape),
-        "dtype": "float32",
-        "data": {
-            "buffer": base64.b64encode(a.tobytes()).decode(),
-            "encoding": "base64",
-        },
-    }
 
 
 def _layers(rng):
@@ -68,10 +54,10 @@ def _case(rng, i, layers):
     rows = 1 + i % 4
     x = rng.standard_normal((rows, WIDTHS[0])).astype(np.float32)
     if i % 10 == 9:  # a bad request: its own 422, nothing else
-        bad = {"inputs": {"x": _array(x[:, :-1])}}
+        bad = {"inputs": {"x": b64(x[:, :-1])}}
         return "apply", bad, lambda s, _: None if s == 422 else f"bad request got {s}"
     kind = ("apply", "vector_jacobian_product", "jacobian_vector_product")[i % 3]
-    body = {"inputs": {"x": _array(x)}}
+    body = {"inputs": {"x": b64(x)}}
     if kind == "apply":
         want = net.forward_one(x, layers)[0]
 
@@ -83,7 +69,7 @@ def _case(rng, i, layers):
         body |= {
             "vjp_inputs": ["x"],
             "vjp_outputs": ["y"],
-            "cotangent_vector": {"y": _array(g)},
+            "cotangent_vector": {"y": b64(g)},
         }
         want = net.vjp_one(x, layers, g)["x"]
 
@@ -95,7 +81,7 @@ def _case(rng, i, layers):
         body |= {
             "jvp_inputs": ["x"],
             "jvp_outputs": ["y"],
-            "tangent_vector": {"x": _array(t)},
+            "tangent_vector": {"x": b64(t)},
         }
         want = _jvp(x, layers, t)
 
