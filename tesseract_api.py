@@ -1,4 +1,4 @@
-"""qarray Tesseract: a quantized network (``qarray.nn.Network``) as endpoints.
+"""qarray Tesseract: a quantized network (``qarray.tesseract.Network``) as endpoints.
 
 Each layer is ``h -> activation(h @ W + bias)`` with ``W`` int8: dense ``w``
 quantized on every call (straight-through gradient) or quantized ``w_q``,
@@ -10,40 +10,24 @@ the serving machinery.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
-from collections.abc import Sequence
-from typing import Annotated, Any, ClassVar, Literal, Self
+from typing import Annotated, ClassVar, Literal
 
-import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from tesseract_core.runtime import Array, Differentiable, Float32, jax_recipes
+from pydantic import BaseModel, ConfigDict, Field
+from tesseract_core.runtime import Array, Differentiable, Float32
 
-import qarray.nn as qnn
-from qarray.tesseract import (
-    Rows,
-    Runtime,
-    checked_vectors,
-    declared_shape,
-    install_gradient_path_check,
-    jit_request,
-    lookup_path,
-    quantized_payload,
-    require_at_least,
-    require_finite,
-    unprocessable,
-)
+from qarray.tesseract import Endpoints, Network, Runtime
+from qarray.tesseract import internal as qt
 
 RUNTIME = Runtime.from_env()
 LIMITS = RUNTIME.limits
-install_gradient_path_check()  # InputSchema.check_gradient_path, at validation
+qt.install_gradient_path_check()  # InputSchema.check_gradient_path, at validation
 
 Float32Array = Annotated[Differentiable[Array[..., Float32]], LIMITS.array("float32")]
 Payload = Annotated[Array[..., None], LIMITS.array(("int8", "uint8"))]
-Layout = Literal[qnn.LAYOUTS]
-Precision = Literal[qnn.PRECISIONS]
-Activation = Literal[tuple(qnn.ACTIVATIONS)]
+Layout = Literal[qt.LAYOUTS]
+Precision = Literal[qt.PRECISIONS]
+Activation = Literal[tuple(qt.ACTIVATIONS)]
 
 
 class QuantizedWeights(BaseModel):
@@ -105,9 +89,6 @@ class Layer(BaseModel):
 
     exclusive: ClassVar = ("w", "w_q")  # lookup_path: which one a layer gave
 
-    def shapes(self) -> qnn.LayerShapes:
-        return qnn.layer_shapes({**dict(self), "w_q": self.w_q and dict(self.w_q)})
-
 
 class Adapter(BaseModel):
     """A layer's LoRA adapter: ``(alpha / rank) (h a^T) b^T`` added to the
@@ -126,28 +107,11 @@ class Adapter(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-def _check_size(shape: qnn.NetworkShape) -> None:
-    LIMITS.check_result("y", shape.y)
-    LIMITS.check_work(shape.rows, shape.widths)
+class InputSchema(qt.NetworkRequest):
+    """The request; its checks beyond the fields' types are the contract's
+    (``qarray.tesseract.internal.NetworkRequest``), on this module's runtime."""
 
-
-def _check_resident_fit(x: tuple[int, ...]) -> None:
-    try:
-        _check_size(qnn.network_shape(x, _resident_shapes()))
-    except ValueError as error:
-        raise ValueError(
-            f"x does not fit the resident model ({RUNTIME.settings.model}): {error}"
-        ) from None
-
-
-@functools.cache
-def _resident_shapes() -> tuple[qnn.LayerShapes, ...]:
-    # once per process: the resident model never changes, and reading an
-    # equinox module's fields costs more than a small request's product
-    return tuple(layer.shapes() for layer in RUNTIME.resident.layers)
-
-
-class InputSchema(BaseModel):
+    runtime: ClassVar[Runtime] = RUNTIME
     x: Float32Array = Field(
         description="Input activations, float32 (..., K0): any leading axes."
     )
@@ -186,113 +150,6 @@ class InputSchema(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _bound_before_decoding(cls, data: Any) -> Any:
-        """Bound the work from the declared shapes, before any array is decoded
-        (arrays whose declared shape is itself out of bounds are left to their
-        field's validator, which names them)."""
-        if not isinstance(data, dict):
-            return data
-        layers, x = data.get("layers"), declared_shape(data.get("x"))
-        if layers is None and RUNTIME.resident is not None and LIMITS.in_bounds(x):
-            _check_resident_fit(x)
-        if not isinstance(layers, list):
-            return data
-        LIMITS.check_layers(len(layers))
-        shapes = [qnn.layer_shapes(layer, declared_shape) for layer in layers]
-        if layers and None not in shapes and LIMITS.in_bounds(x):
-            arrays = [a for s in shapes for a in (s.weights, s.scale, s.bias)]
-            if all(a is None or LIMITS.in_bounds(a) for a in arrays):
-                _check_size(qnn.network_shape(x, shapes))
-        return data
-
-    @model_validator(mode="after")
-    def _check(self) -> Self:
-        if self.layers is None:
-            if RUNTIME.resident is None:
-                raise ValueError(
-                    "layers is required: no resident model is loaded (QARRAY_MODEL)"
-                )
-            require_finite("x", self.x)
-            _check_resident_fit(tuple(self.x.shape))
-            self._check_lora()
-            return self
-        for i, layer in enumerate(self.layers):
-            if (layer.w is None) == (layer.w_q is None):
-                got = "both" if layer.w is not None else "neither"
-                raise ValueError(
-                    f"layers.[{i}] must give exactly one of w and w_q, got {got}"
-                )
-        _check_size(self.network_shape())
-        require_finite("x", self.x)
-        for i, layer in enumerate(self.layers):
-            name = f"layers.[{i}]"
-            if self.quantize_activations and layer.precision == "int4":
-                raise ValueError(
-                    f"{name}.precision 'int4' is weight-only: quantize_activations "
-                    "needs 'int8' layers"
-                )
-            require_finite(f"{name}.w", layer.w)
-            require_finite(f"{name}.bias", layer.bias)
-            if layer.w_q is None:
-                continue
-            layer.w_q.qvalue = quantized_payload(
-                f"{name}.w_q.qvalue", layer.w_q.qvalue, layer.precision
-            )
-            require_finite(f"{name}.w_q.scale", layer.w_q.scale)
-            require_at_least(f"{name}.w_q.scale", layer.w_q.scale, 0)
-        self._check_lora(shapes_checked=True)  # network_shape above had them
-        return self
-
-    def _check_lora(self, shapes_checked: bool = False) -> None:
-        if self.lora is None:
-            return
-        if not shapes_checked:  # the adapters' shapes and batch axes
-            _check_size(self.network_shape())
-        for i, adapter in enumerate(self.lora):
-            if adapter is not None:
-                require_finite(f"lora.[{i}].a", adapter.a)
-                require_finite(f"lora.[{i}].b", adapter.b)
-
-    def layer_shapes(self) -> Sequence[qnn.LayerShapes]:
-        if self.layers is None:
-            return _resident_shapes()
-        return [layer.shapes() for layer in self.layers]
-
-    def network_shape(self) -> qnn.NetworkShape:
-        adapters = None
-        if self.lora is not None:
-            adapters = [
-                None if e is None else (tuple(e.a.shape), tuple(e.b.shape))
-                for e in self.lora
-            ]
-        return qnn.network_shape(tuple(self.x.shape), self.layer_shapes(), adapters)
-
-    def lookup(self, path: str) -> Any:
-        """The array at a differentiable path (``layers.[1].w_q.scale``), or a
-        ValueError naming the path when the request did not give it."""
-        if self.layers is None and path.startswith("layers."):
-            raise ValueError(
-                f"{path!r} names a layer of the resident model "
-                f"({RUNTIME.settings.model}), whose weights are not inputs: this "
-                "request gave no layers (differentiate with respect to x)"
-            )
-        return lookup_path(self, path)
-
-    check_gradient_path = lookup  # what the gradient endpoints' schemas call
-
-    def cache_pays(self) -> bool:
-        """Whether apply should keep its pullback (``ResidualCache.pays``)."""
-        if self.layers is None:
-            linear = all(a == "none" for a in RUNTIME.resident.activation)
-        else:
-            linear = all(layer.activation == "none" for layer in self.layers)
-        elements = self.x.size + sum(
-            math.prod(s.weights) + math.prod(s.bias or ()) for s in self.layer_shapes()
-        )
-        return RUNTIME.cache.pays(self.network_shape().flops, elements, linear)
-
 
 class QuantizedWeightsOut(BaseModel):
     qvalue: Array[..., None] = Field(
@@ -330,69 +187,19 @@ class OutputSchema(BaseModel):
 # --- the computation: the request's network, or the resident one
 
 
-def _adapters(inputs: dict) -> list[qnn.Adapter | None] | None:
-    if inputs["lora"] is None:
-        return None
-    return [
-        None
-        if entry is None
-        else qnn.Adapter(
-            entry["a"],
-            entry["b"],
-            float(entry["alpha"] or entry["a"].shape[-2]),
-        )
-        for entry in inputs["lora"]
-    ]
-
-
-def _network(inputs: dict, resident: qnn.Network | None) -> qnn.Network:
-    activations = "int8" if inputs["quantize_activations"] else "float32"
-    if inputs["layers"] is None:
-        network = resident.with_activations(activations)
-        return dataclasses.replace(network, adapters=_adapters(inputs))
-    layers = []
-    for layer in inputs["layers"]:
-        w_q = layer["w_q"] or {"qvalue": None, "scale": None}
-        qvalue = w_q["qvalue"]  # (abstract_eval: any integer dtype declared)
-        if qvalue is not None:
-            qvalue = qvalue.astype("uint8" if layer["precision"] == "int4" else "int8")
-        layers.append(
-            qnn.Linear(
-                layer["w"],
-                layer["bias"],
-                qvalue=qvalue,
-                scale=w_q["scale"],
-                layout=layer["layout"],
-                activations=activations,
-                precision=layer["precision"],
-                group_size=layer["group_size"],
-            )
-        )
-    return qnn.Network(
-        layers,
-        [layer["activation"] for layer in inputs["layers"]],
-        mesh_axes=None if RUNTIME.mesh is None else RUNTIME.mesh.axis_names,
-        adapters=_adapters(inputs),
-    )
-
-
-def _outputs(inputs: dict, resident: qnn.Network | None) -> dict:
+def _outputs(inputs: dict, resident: Network | None) -> dict:
     """inputs (as InputSchema.model_dump()) -> outputs (as OutputSchema)."""
-    network = _network(inputs, resident)
+    mesh_axes = None if RUNTIME.mesh is None else RUNTIME.mesh.axis_names
+    network = Network.from_request(inputs, resident, mesh_axes=mesh_axes)
     y, per_layer = network.run(inputs["x"], return_w_q=inputs["return_w_q"])
     asked = inputs["return_w_q"] or inputs["return_weight_error"]
     return {"y": y, "layers": per_layer if asked else None}
 
 
-_compiled_outputs = jit_request(_outputs)
-# concurrent requests on the resident model merge along x's rows (RUNTIME's
-# batcher: QARRAY_MAX_BATCH_ROWS, QARRAY_BATCH_WAIT_MS)
-BATCHES = Rows(RUNTIME.batcher, _outputs, ["x"], lambda: (RUNTIME.resident,))
-
-
-def apply_jit(inputs: dict) -> dict:
-    """What tesseract-core's jax_recipes differentiate: compiled, NumPy in."""
-    return _compiled_outputs(inputs, RUNTIME.resident)
+# compiled; concurrent requests on the resident model merge along x's rows
+# (RUNTIME's batcher: QARRAY_MAX_BATCH_ROWS, QARRAY_BATCH_WAIT_MS)
+ENDPOINTS = Endpoints(RUNTIME, _outputs, lambda: (RUNTIME.resident,), ["x"])
+apply_jit = ENDPOINTS.apply_jit  # what tesseract-core's jax_recipes differentiate
 
 
 def _as_dict(inputs: InputSchema) -> dict:
@@ -408,53 +215,37 @@ def _as_dict(inputs: InputSchema) -> dict:
     return out
 
 
-def _mergeable(inputs: InputSchema, request: dict) -> dict | None:
-    """The request, if it may merge with others (``Rows.job``): the resident
-    model on rows of x, adapters (if any) one per request, no per-layer
-    outputs; else None (it computes alone)."""
+def _mergeable(inputs: InputSchema) -> bool:
+    """Whether the request may merge with others (``Rows.job``): the
+    resident model on rows of x, adapters (if any) one per request, no
+    per-layer outputs."""
     if inputs.layers is not None or inputs.x.ndim < 2:
-        return None
+        return False
     if inputs.return_w_q or inputs.return_weight_error:
-        return None
-    if inputs.lora is not None and (
-        RUNTIME.mesh is not None
-        or any(e is not None and e.a.ndim + e.b.ndim > 4 for e in inputs.lora)
-    ):
-        return None
-    return request
+        return False
+    return inputs.lora is None or (
+        RUNTIME.mesh is None
+        and all(e is None or e.a.ndim + e.b.ndim <= 4 for e in inputs.lora)
+    )
 
 
 def apply(inputs: InputSchema) -> OutputSchema:
     """The network's output y (and per-layer diagnostics when asked)."""
-    request = _as_dict(inputs)
     store = RUNTIME.cache.arriving(inputs.cache_pays())
-
-    def alone():
-        if store:
-            return RUNTIME.cache.apply(_outputs, request, (RUNTIME.resident,))
-        return apply_jit(request)
-
-    return BATCHES.run(BATCHES.job("apply", _mergeable(inputs, request), alone))
+    return ENDPOINTS.apply(_as_dict(inputs), _mergeable(inputs), store)
 
 
 def abstract_eval(abstract_inputs):
     """Output shapes and dtypes from input shapes and dtypes, without computing."""
-    return jax_recipes.jax_abstract_eval(apply_jit, abstract_inputs)
+    return ENDPOINTS.abstract_eval(abstract_inputs)
 
 
-# --- gradient endpoints: request checks the schemas cannot express, then one
-# call into the recipes
+# --- gradient endpoints: request checks the schemas cannot express, then the
+# shared endpoints
 
 
 def _given(inputs: InputSchema, paths: set[str], field: str) -> dict[str, tuple]:
-    """Each path's array shape; a 422 naming the field for one not given."""
-    shapes = {}
-    for path in sorted(paths):
-        try:
-            shapes[path] = tuple(inputs.lookup(path).shape)
-        except ValueError as error:
-            raise unprocessable(f"{field}: {error}") from None
-    return shapes
+    return qt.given_paths(inputs, paths, field, InputSchema.lookup)
 
 
 def jacobian(inputs: InputSchema, jac_inputs: set[str], jac_outputs: set[str]):
@@ -471,10 +262,8 @@ def jacobian(inputs: InputSchema, jac_inputs: set[str], jac_outputs: set[str]):
             what = f"the Jacobian of y {y} with respect to {path} {input_shape}"
             LIMITS.check_elements(what, passes * math.prod(input_shape))
     except ValueError as error:
-        raise unprocessable(f"{error}{advice}") from None
-    return RUNTIME.batcher.call(
-        lambda: jax_recipes.jax_jacobian(apply_jit, inputs, jac_inputs, jac_outputs)
-    )
+        raise qt.unprocessable(f"{error}{advice}") from None
+    return ENDPOINTS.jacobian(inputs, jac_inputs, jac_outputs)
 
 
 def jacobian_vector_product(
@@ -482,21 +271,13 @@ def jacobian_vector_product(
 ):
     """Tangent of y for tangents of jvp_inputs (each shaped like its input)."""
     _given(inputs, jvp_inputs, "jvp_inputs")
-    tangents = checked_vectors(
+    tangents = qt.checked_vectors(
         "tangent_vector", tangent_vector, lambda p: (p, inputs.lookup(p).shape)
     )
-    request = _as_dict(inputs)
-    job = BATCHES.job(
-        "jvp",
-        _mergeable(inputs, request),
-        lambda: jax_recipes.jax_jvp(
-            apply_jit, inputs, jvp_inputs, jvp_outputs, tangents
-        ),
-        paths=jvp_inputs,
-        outputs=jvp_outputs,
-        vectors=tangents,
-    )
-    return BATCHES.run(job)
+    return ENDPOINTS.jacobian_vector_product(
+        inputs, _as_dict(inputs), _mergeable(inputs), jvp_inputs, jvp_outputs,
+        tangents,
+    )  # fmt: skip
 
 
 def vector_jacobian_product(
@@ -505,24 +286,10 @@ def vector_jacobian_product(
     """Cotangents of vjp_inputs for a cotangent of y (shaped like y)."""
     _given(inputs, vjp_inputs, "vjp_inputs")
     y = inputs.network_shape().y
-    cotangents = checked_vectors(
+    cotangents = qt.checked_vectors(
         "cotangent_vector", cotangent_vector, lambda p: ("y", y)
     )
-    full = {"y": cotangents.get("y", np.zeros(y, np.float32))}
-    request = _as_dict(inputs)
-    cached = RUNTIME.batcher.call(
-        lambda: RUNTIME.cache.vjp(_outputs, request, full, vjp_inputs)
-    )
-    if cached is not None:
-        return cached
-    job = BATCHES.job(
-        "vjp",
-        _mergeable(inputs, request),
-        lambda: jax_recipes.jax_vjp(
-            apply_jit, inputs, vjp_inputs, vjp_outputs, cotangents
-        ),
-        paths=vjp_inputs,
-        outputs=full,
-        vectors=full,
-    )
-    return BATCHES.run(job)
+    return ENDPOINTS.vector_jacobian_product(
+        inputs, _as_dict(inputs), _mergeable(inputs), vjp_inputs, vjp_outputs,
+        cotangents, {"y": y},
+    )  # fmt: skip

@@ -18,7 +18,7 @@ from tesseract_core.runtime import jax_recipes
 from tesseract_core.runtime.experimental import set_jax_vjp_cache_size
 
 from benchmarks._timing import interleaved
-from qarray.tesseract import ResidualCache
+from qarray.tesseract.internal import ResidualCache
 
 # (network, (M, K, N) with every layer N x N after the first), target for what
 # ships: with the cache on, apply + vjp is never slower than with it off, with

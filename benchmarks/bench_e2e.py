@@ -38,7 +38,7 @@ import numpy as np
 import requests
 
 from benchmarks._timing import interleaved
-from tests.tesseract.server import ROOT, RUNTIME, SERVE, b64, serve
+from support.server import ROOT, RUNTIME, SERVE, b64, serve
 
 # the baseline runs as a user would run it: stock tesseract-runtime serve
 PROGRAMS = {"ours": SERVE, "dense": RUNTIME}
@@ -306,7 +306,7 @@ def _resident_rows(tmp, apis, reps, breakdown_reps):
 
 
 def run(reps=31, breakdown_reps=5):
-    from qarray.tesseract import keep_freed_memory
+    from qarray.tesseract.internal import keep_freed_memory
 
     # this process (the clients, and the in-process breakdown) with the
     # servers' malloc settings: both sides of the wire, and each stage, then
@@ -365,7 +365,8 @@ def _guard_ms(data: bytes, reps: int) -> float:
     """The request guard taking a body in 256 KiB messages (asyncio's read
     size; uvicorn hands each on) and checking it, before an app that only
     reads it."""
-    from qarray.tesseract import RequestGuard, Settings
+    from qarray.tesseract import Settings
+    from qarray.tesseract.internal import RequestGuard
 
     async def app(scope, receive, send):
         await receive()

@@ -36,7 +36,7 @@ import numpy as np
 
 from benchmarks import bench_e2e
 from benchmarks._timing import interleaved
-from tests.tesseract.server import ROOT, RUNTIME, SERVE, serve
+from support.server import ROOT, RUNTIME, SERVE, serve
 
 TRANSPORTS = ("base64", "binref", "in-process")
 OURS, DENSE = ROOT / "tesseract_api.py", ROOT / "benchmarks/dense_api.py"
@@ -336,7 +336,7 @@ def _overhead_rows(transport, tmp, reps):
 def run(reps=21, transports=TRANSPORTS, breakdown_reps=5):
     import jax
 
-    from qarray.tesseract import keep_freed_memory
+    from qarray.tesseract.internal import keep_freed_memory
 
     jax.config.update("jax_platforms", "cpu")
     keep_freed_memory()  # the client with the servers' malloc settings

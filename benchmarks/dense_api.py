@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from pydantic import BaseModel, Field, model_validator
 from tesseract_core.runtime import Array, Differentiable, Float32, jax_recipes
 
-from qarray.nn import ACTIVATIONS  # the same nonlinearities, by the same names
+from qarray.tesseract.internal import ACTIVATIONS  # the same nonlinearities
 
 
 def _load_model(path: str) -> list[dict]:

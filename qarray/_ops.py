@@ -40,6 +40,13 @@ from ._qarray import (
 # what a product may do with its activations: keep them (weight-only) or
 # quantize them per row (int8 x int8)
 ACTIVATION_PRECISIONS = ("float32", "int8")
+# what a layer's weights are: int8 per row (the default), int4 per group of
+# ``group_size`` along K (layout "nk"), or float32 as given (not quantized)
+PRECISIONS = ("int8", "int4", "float32")
+# a dense layer's weights: "kn" stored (K, N), one scale per input row (the
+# hijax doc's layout, matmul_q); "nk" stored (N, K), one scale per output
+# channel (PyTorch's and eqx.nn.Linear's weight, linear_q)
+LAYOUTS = ("kn", "nk")
 
 
 def type_str(aval) -> str:

@@ -17,7 +17,7 @@ Layers are numbered from 0 without gaps and their widths chain. ``load_model``
 checks all of it and names the tensor at fault; ``convert_state_dict`` turns
 a PyTorch-style state dict (``fc1.weight`` ``(out, in)``, ``fc1.bias``, ...)
 into a model file of int8 "nk" layers with one scale per output channel.
-``load_network`` / ``save_network`` read and write a ``qarray.nn.Network``::
+``load_network`` / ``save_network`` read and write a ``qarray.tesseract.Network``::
 
     qarray-serve convert state_dict.safetensors model.safetensors \\
         --layers fc1:relu,fc2:none
@@ -37,7 +37,6 @@ from .._numerics import quantize_groups_np as quantize_groups  # noqa: F401
 from .._numerics import quantize_rows_np as quantize_rows  # noqa: F401
 from .._numerics import relative_error4_np as relative_error4  # noqa: F401
 from .._numerics import relative_error_np as relative_error  # noqa: F401
-from ._cli import convert_main as main  # noqa: F401 (qarray-serve convert)
 from ._convert import convert_state_dict as convert_state_dict
 from ._convert import parse_layers as parse_layers
 from ._errors import ModelFileError as ModelFileError

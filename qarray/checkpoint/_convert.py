@@ -13,7 +13,8 @@ from .._numerics import (
     relative_error4_np,
     relative_error_np,
 )
-from ..nn import ACTIVATIONS, PRECISIONS
+from .._ops import PRECISIONS
+from ..tesseract.internal import ACTIVATIONS
 from ._errors import ModelFileError
 from ._network_file import _layers, save_model
 

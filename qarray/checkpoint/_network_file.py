@@ -1,4 +1,4 @@
-"""The network's model file: a ``qarray.nn.Network`` in safetensors, laid
+"""The network's model file: a ``qarray.tesseract.Network`` in safetensors, laid
 out like the Tesseract's ``layers`` field (the layout: ``qarray.checkpoint``'s
 module doc). ``load_model`` checks all of it and names the tensor at fault.
 """
@@ -17,7 +17,10 @@ from .._numerics import (
     relative_error4_np,
     relative_error_np,
 )
-from ..nn import ACTIVATIONS, LAYOUTS, PRECISIONS, Linear, Network
+from .._ops import LAYOUTS, PRECISIONS
+from ..nn import Linear
+from ..tesseract import Network
+from ..tesseract.internal import ACTIVATIONS
 from ._errors import ModelFileError
 
 _ACTIVATION_NAMES = tuple(ACTIVATIONS)

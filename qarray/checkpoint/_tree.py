@@ -22,7 +22,6 @@ import numpy as np
 from .._numerics import quantize_rows_np, relative_error_np
 from ..nn import Conv, Embedding, Linear, SpectralConv
 from ..nn import quantize as quantize_model
-from ..nn._quantize import _replace
 from ._errors import ModelFileError
 
 FORMAT = "qarray-tree"
@@ -205,7 +204,13 @@ def _unknown_error(layer):
     """``layer`` (a quantized layer, or a cell of them) with no recorded
     weight error."""
     kinds = (Linear, Conv, Embedding, SpectralConv)
-    return _replace(layer, kinds, lambda n: dataclasses.replace(n, stored_error=None))
+    return jax.tree.map(
+        lambda n: (
+            dataclasses.replace(n, stored_error=None) if isinstance(n, kinds) else n
+        ),
+        layer,
+        is_leaf=lambda n: isinstance(n, kinds),
+    )
 
 
 def fold_batchnorm(weight, bias, bn: Mapping[str, np.ndarray], eps: float = 1e-5):

@@ -1,8 +1,8 @@
 """What quantization costs in accuracy, layer by layer, and a mixed-precision
 plan under an error budget (``qarray-serve evaluate`` / ``plan``).
 
-A model here is a float32 ``Network`` (its layers ``Linear`` with float
-weights) or any equinox model of ``eqx.nn.Linear`` / ``eqx.nn.Conv`` /
+A model here is any float32 equinox model of float32 ``qarray.nn.Linear`` or
+``eqx.nn.Linear`` / ``eqx.nn.Conv`` /
 ``eqx.nn.ConvTranspose`` / ``eqx.nn.Embedding`` / ``eqx.nn.GRUCell`` /
 ``eqx.nn.LSTMCell`` / float32 ``qarray.nn.SpectralConv`` layers (others stay
 float32; a cell is one layer: its input and hidden matrices take one
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 
 import equinox as eqx
 import jax
@@ -30,7 +29,6 @@ from ._calibrate import METHODS, Calibration, calibrated
 from ._conv import Conv, ConvTranspose
 from ._embedding import Embedding
 from ._linear import Linear
-from ._network import Network
 from ._quantize import fits_int4, fits_int4_width, freeze
 from ._quantize import quantize as quantize_model
 from ._spectral import SpectralConv
@@ -144,10 +142,11 @@ def _check_method(method: str, model, data, x):
         raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
     if method == "rtn":
         return None
-    if isinstance(model, Network):
+    if not any(_calibrated(n) for n in layers_of(model)):
         raise ValueError(
-            f"method={method!r} calibrates equinox models of eqx.nn layers; a "
-            "Network's layers are qarray.nn.Linear already: use method='rtn'."
+            f"method={method!r} calibrates eqx.nn.Linear and eqx.nn.Conv layers; "
+            "this model has none (a qarray.tesseract.Network: calibrate "
+            "network.to_equinox()), use method='rtn'."
         )
     return _inputs(x if data is None else data)
 
@@ -198,18 +197,12 @@ def _slots(model) -> list:
     return [n for n in jax.tree.leaves(model, is_leaf=is_slot) if is_slot(n)]
 
 
-def _forward(model) -> Callable:
-    if isinstance(model, Network):
-        return model
-    return jax.vmap(model)
-
-
 def _outputs_and_gradient(model, x, r):
     """y and the gradient of sum(y * r) with respect to x, one forward pass
     (no gradient, ``None``, for integer inputs)."""
     if jnp.issubdtype(x.dtype, jnp.integer):
-        return _forward(model)(x), None
-    y, pullback = jax.vjp(_forward(model), x)
+        return jax.vmap(model)(x), None
+    y, pullback = jax.vjp(jax.vmap(model), x)
     (g,) = pullback(r)
     return y, g
 
@@ -333,7 +326,7 @@ class _Measurer:
     def __init__(self, model, x, group_size: int, seed: int, calibration=None):
         self.model, self.x, self.group_size = model, _inputs(x), group_size
         self.calibration = calibration
-        shape = jax.eval_shape(_forward(model), self.x).shape
+        shape = jax.eval_shape(jax.vmap(model), self.x).shape
         rng = np.random.default_rng(seed)
         self.r = jnp.asarray(rng.standard_normal(shape), jnp.float32)
         # compiled: eagerly every quantize and convolution compiles on its own

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
+from .._ops import PRECISIONS
 from ._calibrate import METHODS
-from ._shapes import PRECISIONS
 
 ACTIVATION_MODES = ("float32", "int8")
 STATIC_MODES = (False, True, "tensor", "channel")
@@ -38,6 +39,11 @@ class QuantConfig:
     smoothquant: float | None = None
     static: bool | str = False
     clip: str = "mse"
+
+    # each field's choices, for command lines and schemas
+    precisions: ClassVar[tuple[str, ...]] = PRECISIONS
+    methods: ClassVar[tuple[str, ...]] = METHODS
+    clips: ClassVar[tuple[str, ...]] = CLIPS
 
     def __post_init__(self):
         _one_of("precision", self.precision, PRECISIONS)

@@ -15,6 +15,8 @@ from .._numerics import relative_error
 from .._ops import (
     ACTIVATION_PRECISIONS,
     DEFAULT_GROUP_SIZE,
+    LAYOUTS,
+    PRECISIONS,
     dequantize,
     linear_q,
     matmul_q,
@@ -23,7 +25,6 @@ from .._ops import (
     unpack,
 )
 from ._inputs import InputScales, check_input_scales
-from ._shapes import LAYOUTS, PRECISIONS, LayerShapes
 
 
 def _dtype_str(a) -> str:
@@ -174,7 +175,8 @@ class Linear(InputScales, eqx.Module):
     function takes JAX's Python dispatch path for hi types, which costs more
     than a small layer's product (``benchmarks/bench_matmul.py``), while a
     module of arrays goes through ``jax.jit`` / ``eqx.filter_jit`` like any
-    other. Leaves may carry leading batch axes when a ``Network`` maps them.
+    other. Leaves may carry leading batch axes when a network maps them
+    (``with_batch_rank``).
 
     Calibrated layers (``qnn.quantize(..., method="awq")``, ``smoothquant=``,
     ``static=True``) may carry ``channel_scale`` ``(K,)``: ``x`` is divided
@@ -296,18 +298,6 @@ class Linear(InputScales, eqx.Module):
     def out_features(self) -> int:
         shape = self._stored.shape
         return shape[-1] if self.layout == "kn" else shape[-2]
-
-    def shapes(self) -> LayerShapes:
-        """The layer's array shapes, for ``network_shape``."""
-        return LayerShapes(
-            tuple(self._stored.shape),
-            None if self.scale is None else tuple(self.scale.shape),
-            None if self.bias is None else tuple(self.bias.shape),
-            self.layout,
-            dense=self.trainable,
-            precision=self.precision,
-            group_size=self.group_size or DEFAULT_GROUP_SIZE,
-        )
 
     def quantized(self):
         """The weights as a QArray (``q8[K, N]`` or ``q8[N, K]``); traced code."""

@@ -12,8 +12,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._ops import DEFAULT_GROUP_SIZE, dequantize, pack, quantize, unpack
-from ._linear import PRECISIONS, quantization_error, stored_width
+from .._ops import (
+    DEFAULT_GROUP_SIZE,
+    PRECISIONS,
+    dequantize,
+    pack,
+    quantize,
+    unpack,
+)
+from ._linear import quantization_error, stored_width
 
 
 def kept_frequencies(n: int, m: int, last: bool) -> np.ndarray:

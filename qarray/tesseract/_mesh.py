@@ -7,7 +7,7 @@ import re
 import jax
 from jax.sharding import AxisType, NamedSharding
 
-from ..nn import Network
+from ._network import Network
 
 DATA, MODEL = "data", "model"
 

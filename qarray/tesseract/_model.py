@@ -53,13 +53,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
-from tesseract_core.runtime import Array, Differentiable, Float32, jax_recipes
+from tesseract_core.runtime import Array, Differentiable, Float32
 
 from ..checkpoint import ModelFileError, load_quantized
-from ..nn import with_adapters
-from ..nn._lora import adapter_shapes
-from ._batching import Rows
-from ._jit import jit_request, merge_request, split_request
+from ..nn import adapter_shapes, with_adapters
+from ._endpoints import Endpoints, given_paths
+from ._jit import merge_request, split_request
 from ._limits import require_finite
 from ._paths import lookup_path
 from ._requests import checked_vectors, unprocessable
@@ -123,10 +122,13 @@ class ModelTesseract:
         self.limits = self.runtime.limits
         self.model = self.runtime.resident
         self.forward = forward
-        self._compiled = jit_request(self._run)
         self.batch_inputs = tuple(batch_inputs)
-        self.batches = Rows(
-            self.runtime.batcher, self._run_rows, self.batch_inputs, self._constants
+        self.endpoints = Endpoints(
+            self.runtime,
+            self._run,
+            lambda: (self.model,),
+            self.batch_inputs,
+            run_rows=self._run_rows,
         )
         self._shapes: dict = {}
         self.lora_shapes: list[tuple[tuple, tuple]] = []
@@ -202,9 +204,6 @@ class ModelTesseract:
             model = with_adapters(model, pairs, alpha=self.lora_alpha)
         return self.forward(model, inputs)
 
-    def _constants(self) -> tuple:
-        return (self.model,)
-
     def _run_rows(self, inputs: dict, model) -> dict:
         """``_run`` on merged rows: adapters gathered one per row (``Rows``)
         apply to their own row, each row its own call of ``forward``."""
@@ -219,18 +218,16 @@ class ModelTesseract:
 
         return eqx.filter_vmap(one)(inputs)
 
-    def _mergeable(self, request: dict) -> dict | None:
-        """The request if it may merge with others: batch inputs declared and
-        given."""
-        if not self.batch_inputs:
-            return None
-        if any(request.get(name) is None for name in self.batch_inputs):
-            return None
-        return request
+    def _mergeable(self, request: dict) -> bool:
+        """Whether the request may merge with others: batch inputs declared
+        and given."""
+        return bool(self.batch_inputs) and all(
+            request.get(name) is not None for name in self.batch_inputs
+        )
 
     def apply_jit(self, inputs: dict) -> dict:
         """What tesseract-core's jax_recipes differentiate."""
-        return self._compiled(inputs, self.model)
+        return self.endpoints.apply_jit(inputs)
 
     def output_shapes(self, inputs: dict) -> dict[str, jax.ShapeDtypeStruct]:
         """The outputs' shapes and dtypes for these inputs (traced once per
@@ -261,16 +258,6 @@ class ModelTesseract:
             k for k, v in shapes.items() if jnp.issubdtype(v.dtype, jnp.floating)
         )
 
-    def _given(self, inputs: BaseModel, paths, field: str) -> dict[str, tuple]:
-        """Each path's array shape; a 422 naming the field for one not given."""
-        shapes = {}
-        for path in sorted(paths):
-            try:
-                shapes[path] = tuple(np.shape(lookup_path(inputs, path)))
-            except ValueError as error:
-                raise unprocessable(f"{field}: {error}") from None
-        return shapes
-
     # --- the endpoints: the API module's functions call these
 
     def apply(self, inputs: BaseModel) -> dict:
@@ -281,23 +268,15 @@ class ModelTesseract:
         store = cache.arriving(
             cache.pays(self.limits.settings.vjp_cache_min_flops, 1, False)
         )
-
-        def alone():
-            if store:
-                return cache.apply(self._run, request, (self.model,), outputs)
-            return self.apply_jit(request)
-
-        return self.batches.run(
-            self.batches.job("apply", self._mergeable(request), alone)
-        )
+        return self.endpoints.apply(request, self._mergeable(request), store, outputs)
 
     def abstract_eval(self, abstract_inputs) -> dict:
         """Output shapes and dtypes from input shapes and dtypes."""
-        return jax_recipes.jax_abstract_eval(self.apply_jit, abstract_inputs)
+        return self.endpoints.abstract_eval(abstract_inputs)
 
     def jacobian(self, inputs: BaseModel, jac_inputs, jac_outputs) -> dict:
         """d outputs / d inputs, each of shape output.shape + input.shape."""
-        shapes = self._given(inputs, jac_inputs, "jac_inputs")
+        shapes = given_paths(inputs, jac_inputs, "jac_inputs", lookup_path)
         out = self.output_shapes(inputs.model_dump())
         for name in sorted(jac_outputs):
             for path, shape in shapes.items():
@@ -313,63 +292,37 @@ class ModelTesseract:
                         f"{error}: use vector_jacobian_product or "
                         "jacobian_vector_product"
                     ) from None
-        return self.runtime.batcher.call(
-            lambda: jax_recipes.jax_jacobian(
-                self.apply_jit, inputs, jac_inputs, jac_outputs
-            )
-        )
+        return self.endpoints.jacobian(inputs, jac_inputs, jac_outputs)
 
     def jacobian_vector_product(
         self, inputs: BaseModel, jvp_inputs, jvp_outputs, tangent_vector
     ) -> dict:
         """Tangents of jvp_outputs for tangents of jvp_inputs."""
-        shapes = self._given(inputs, jvp_inputs, "jvp_inputs")
+        shapes = given_paths(inputs, jvp_inputs, "jvp_inputs", lookup_path)
         tangents = checked_vectors("tangent_vector", tangent_vector, _known(shapes))
         request = inputs.model_dump()
         self.output_shapes(request)  # a 422 for inputs the model cannot take
-        job = self.batches.job(
-            "jvp",
-            self._mergeable(request),
-            lambda: jax_recipes.jax_jvp(
-                self.apply_jit, inputs, jvp_inputs, jvp_outputs, tangents
-            ),
-            paths=jvp_inputs,
-            outputs=jvp_outputs,
-            vectors=tangents,
-        )
-        return self.batches.run(job)
+        return self.endpoints.jacobian_vector_product(
+            inputs, request, self._mergeable(request), jvp_inputs, jvp_outputs,
+            tangents,
+        )  # fmt: skip
 
     def vector_jacobian_product(
         self, inputs: BaseModel, vjp_inputs, vjp_outputs, cotangent_vector
     ) -> dict:
         """Cotangents of vjp_inputs for cotangents of vjp_outputs."""
-        self._given(inputs, vjp_inputs, "vjp_inputs")
+        given_paths(inputs, vjp_inputs, "vjp_inputs", lookup_path)
         request = inputs.model_dump()
         out = self.output_shapes(request)
         shapes = {name: tuple(out[name].shape) for name in vjp_outputs if name in out}
         cotangents = checked_vectors(
             "cotangent_vector", cotangent_vector, _known(shapes)
         )
-        full = {
-            name: cotangents.get(name, np.zeros(out[name].shape, np.float32))
-            for name in self._float_outputs(out)
-        }
-        cached = self.runtime.batcher.call(
-            lambda: self.runtime.cache.vjp(self._run, request, full, vjp_inputs)
-        )
-        if cached is not None:
-            return cached
-        job = self.batches.job(
-            "vjp",
-            self._mergeable(request),
-            lambda: jax_recipes.jax_vjp(
-                self.apply_jit, inputs, vjp_inputs, vjp_outputs, cotangents
-            ),
-            paths=vjp_inputs,
-            outputs=full,
-            vectors=full,
-        )
-        return self.batches.run(job)
+        floats = {name: out[name].shape for name in self._float_outputs(out)}
+        return self.endpoints.vector_jacobian_product(
+            inputs, request, self._mergeable(request), vjp_inputs, vjp_outputs,
+            cotangents, floats,
+        )  # fmt: skip
 
 
 def _known(shapes: dict):

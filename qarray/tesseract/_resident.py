@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from ..checkpoint import ModelFileError, load_network
-from ..nn import Network
 from ._mesh import on_mesh
+from ._network import Network
 from ._server import release_freed_memory
 
 

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 
-from ..nn import Network
 from ._batching import Batcher
 from ._cache import ResidualCache
 from ._limits import Limits
 from ._mesh import make_mesh
+from ._network import Network
 from ._resident import load_resident
 from ._settings import Settings
+from ._shapes import LayerShapes, linear_shapes
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,13 @@ class Runtime:
     batcher: Batcher
     mesh: jax.sharding.Mesh | None = None
     resident: Network | Any | None = None
+
+    @functools.cached_property
+    def resident_shapes(self) -> tuple[LayerShapes, ...]:
+        """The resident network's layer shapes (``network_shape``'s input),
+        read once: the resident model never changes, and reading an equinox
+        module's fields costs more than a small request's product."""
+        return tuple(linear_shapes(layer) for layer in self.resident.layers)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Runtime:

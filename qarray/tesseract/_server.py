@@ -3,9 +3,7 @@
     qarray-serve serve --host 0.0.0.0 --port 8000 [--num-workers N]
 
 takes the arguments ``tesseract-runtime serve`` takes (``tesseract serve`` runs
-images that way); ``qarray-serve convert ...`` converts a PyTorch state dict to
-a model file (``qarray.checkpoint``); any other command is handed to
-``tesseract-runtime``.
+images that way; the other commands are ``qarray.tesseract._cli``'s.
 
 The served API docs (``/docs``, ReDoc) load their script from an installed
 package (``fastapi-offline``) instead of a CDN, so they render on machines
@@ -28,7 +26,6 @@ import ctypes
 import fcntl
 import os
 import signal
-import sys
 import tempfile
 import threading
 from importlib import resources
@@ -193,27 +190,10 @@ def _stop_when_closed(fd: int) -> None:
     threading.Thread(target=watch, daemon=True, name="client-watch").start()
 
 
-def main(argv=None) -> int | None:
-    """``qarray-serve serve [--host H] [--port P] [--num-workers N]``;
-    ``qarray-serve convert ...``; ``qarray-serve evaluate MODEL DATA`` and
-    ``plan MODEL DATA --budget E --out DST``; any other command runs as
-    ``tesseract-runtime`` would run it."""
+def serve(argv: list[str]) -> int | None:
+    """``qarray-serve serve [--host H] [--port P] [--num-workers N]``."""
     import argparse
 
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "convert":
-        from ..checkpoint._cli import convert_main
-
-        return convert_main(argv[1:])
-    if argv and argv[0] in ("evaluate", "plan"):
-        from ..checkpoint._cli import accuracy_main
-
-        return accuracy_main(argv[1:], argv[0])
-    if not argv or argv[0] != "serve":
-        from tesseract_core.runtime.cli import main as runtime_main
-
-        sys.argv = ["tesseract-runtime", *argv]
-        return runtime_main()
     parser = argparse.ArgumentParser(prog="qarray-serve serve")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -222,7 +202,7 @@ def main(argv=None) -> int | None:
     # the read end of a pipe its client holds: EOF there means the client is
     # gone, and the server stops rather than outlive it
     parser.add_argument("--parent-pipe-fd", type=int, default=None)
-    args = parser.parse_args(argv[1:])
+    args = parser.parse_args(argv)
     if args.num_workers < 1:
         parser.error("--num-workers must be >= 1")
     try:  # fail early, before the workers start

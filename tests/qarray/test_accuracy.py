@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import qarray.nn as qnn
-from tests import reference as ref
+from qarray.tesseract import Network
+from support import reference as ref
 
 
 def mlp(rng, widths=(16, 32, 32, 8)):
@@ -23,7 +24,7 @@ def mlp(rng, widths=(16, 32, 32, 8)):
         qnn.Linear(w, b, precision="float32") for w, b in zip(ws, bs, strict=True)
     ]
     acts = ["relu"] * (len(ws) - 1) + ["none"]
-    return qnn.Network(layers, acts), ws, bs
+    return Network(layers, acts), ws, bs
 
 
 def numpy_errors(ws, bs, x, dense, r):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import requests
 
-from tests.tesseract.server import b64, serve
+from support.server import b64, serve
 
 MAX_LAYERS = 4  # QARRAY_MAX_LAYERS of this module's server
 MAX_ELEMENTS = 1_000_000  # its QARRAY_MAX_ELEMENTS

@@ -15,10 +15,11 @@ import pytest
 import requests
 
 from qarray.checkpoint import save_model, save_tree
-from qarray.tesseract import Batcher, ModelTesseract
+from qarray.tesseract import ModelTesseract
 from qarray.tesseract._batching import Job
-from tests.tesseract import network as net
-from tests.tesseract.server import ROOT, b64, decode, serve
+from qarray.tesseract.internal import Batcher
+from support import network as net
+from support.server import ROOT, b64, decode, serve
 
 RTOL = ATOL = 2e-4
 

@@ -14,8 +14,8 @@ import pytest
 import requests
 
 from qarray.checkpoint import save_tree
-from tests import reference as ref
-from tests.tesseract.server import ROOT, b64, decode, serve
+from support import reference as ref
+from support.server import ROOT, b64, decode, serve
 
 EXAMPLE = ROOT / "examples" / "cnn_surrogate"
 sys.path.insert(0, str(EXAMPLE))

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import requests
 
-from tests.tesseract.server import RUNTIME, serve
+from support.server import RUNTIME, serve
 
 # every host but loopback is unreachable for the browser: what an air-gapped
 # cluster sees

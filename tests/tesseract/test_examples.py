@@ -7,7 +7,7 @@ import sys
 import pytest
 import requests
 
-from tests.tesseract.server import ROOT, serve
+from support.server import ROOT, serve
 
 
 @pytest.fixture(scope="module")

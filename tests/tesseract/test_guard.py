@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import requests
 
-from qarray.tesseract import binref_problem
-from tests import reference as ref
-from tests.tesseract.server import b64, decode, serve
+from qarray.tesseract.internal import binref_problem
+from support import reference as ref
+from support.server import b64, decode, serve
 
 X = np.arange(6, dtype=np.float32).reshape(2, 3)
 W = np.arange(12, dtype=np.float32).reshape(3, 4) / 12

@@ -1,7 +1,7 @@
 """A real `qarray-serve` process: every endpoint over HTTP with base64 arrays,
 the residual cache, and tesseract-jax composing the served network into JAX
 programs (jit(grad), jvp, jacrev, vmap in one request). Everything is checked
-against the NumPy reference network (tests/tesseract/network.py)."""
+against the NumPy reference network (support/network.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -11,8 +11,8 @@ import requests
 from tesseract_core import Tesseract
 from tesseract_jax import apply_tesseract
 
-from tests.tesseract import network as net
-from tests.tesseract.server import ROOT, b64, decode, encode, serve
+from support import network as net
+from support.server import ROOT, b64, decode, encode, serve
 
 RTOL = ATOL = 2e-4
 TIMEOUT = 60

@@ -1,13 +1,13 @@
 """Every endpoint in-process (tesseract_core.Tesseract.from_tesseract_api),
-against the NumPy reference network (tests/tesseract/network.py)."""
+against the NumPy reference network (support/network.py)."""
 
 import numpy as np
 import pytest
 from tesseract_core import Tesseract
 
-from tests import reference as ref
-from tests.tesseract import network as net
-from tests.tesseract.server import ROOT
+from support import network as net
+from support import reference as ref
+from support.server import ROOT
 
 RTOL = ATOL = 2e-4
 

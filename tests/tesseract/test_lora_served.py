@@ -1,7 +1,7 @@
 """The contract's ``lora`` field: LoRA adapters on the request's or the
 resident network, their gradients through every endpoint and the residual
 cache, and 4xx's naming the field. Against the NumPy reference network
-(tests/tesseract/network.py), which adds (alpha / rank) (h a^T) b^T."""
+(support/network.py), which adds (alpha / rank) (h a^T) b^T."""
 
 import os
 
@@ -10,9 +10,9 @@ import pytest
 from tesseract_core import Tesseract
 
 from qarray.checkpoint import save_model
-from tests import reference as ref
-from tests.tesseract import network as net
-from tests.tesseract.server import ROOT
+from support import network as net
+from support import reference as ref
+from support.server import ROOT
 
 RTOL = ATOL = 2e-4
 

@@ -12,8 +12,8 @@ import pytest
 import requests
 
 from qarray.checkpoint import save_model
-from tests.tesseract import network as net
-from tests.tesseract.server import (
+from support import network as net
+from support.server import (
     ROOT,
     SERVE,
     b64,
@@ -149,7 +149,7 @@ def test_resident_model_is_placed_sharded_once(model_file):
     (read in-process: this test process has 8 CPU devices)."""
     import jax
 
-    from qarray.tesseract import load_resident, make_mesh
+    from qarray.tesseract.internal import load_resident, make_mesh
 
     path, _layers = model_file
     mesh = make_mesh("data=1,model=8")

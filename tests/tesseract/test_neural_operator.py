@@ -11,8 +11,8 @@ import requests
 from safetensors.numpy import load_file
 
 from qarray.checkpoint import load_quantized
-from tests import reference as ref
-from tests.tesseract.server import ROOT, b64, decode, serve
+from support import reference as ref
+from support.server import ROOT, b64, decode, serve
 from tests.tesseract.test_cnn_surrogate import gelu, run_pipeline_quick
 
 EXAMPLE = ROOT / "examples" / "neural_operator"

@@ -1,15 +1,15 @@
 """Layer precisions in the contract: int4 (packed, per group) and float32
 (not quantized) next to int8, through every endpoint in-process, against the
-NumPy reference network (tests/tesseract/network.py); and the requests the
+NumPy reference network (support/network.py); and the requests the
 contract refuses."""
 
 import numpy as np
 import pytest
 from tesseract_core import Tesseract
 
-from tests import reference as ref
-from tests.tesseract import network as net
-from tests.tesseract.server import ROOT
+from support import network as net
+from support import reference as ref
+from support.server import ROOT
 
 RTOL = ATOL = 3e-4
 

@@ -19,8 +19,8 @@ import pytest
 import requests
 from tesseract_core import Tesseract
 
-from tests.tesseract import network as net
-from tests.tesseract.server import b64, decode, serve, server_processes
+from support import network as net
+from support.server import b64, decode, serve, server_processes
 
 MAX_BODY = 8 * 2**20
 MAX_INFLIGHT = 3 * MAX_BODY

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tesseract.server import ROOT, RUNTIME, b64, decode
+from support.server import ROOT, RUNTIME, b64, decode
 
 CASES = sorted((ROOT / "test_cases").glob("*.json"))
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import requests
 
-from tests.tesseract import network as net
-from tests.tesseract.server import (
+from support import network as net
+from support.server import (
     SERVE,
     b64,
     decode,

@@ -17,10 +17,9 @@ from qarray.checkpoint import (
     load_network,
     save_model,
 )
-from tests import reference as ref
-from tests.qarray.test_tree_checkpoint import pytorch_cnn_state_dict
-from tests.tesseract import network as net
-from tests.tesseract.server import (
+from support import network as net
+from support import reference as ref
+from support.server import (
     ROOT,
     SERVE,
     b64,
@@ -29,6 +28,7 @@ from tests.tesseract.server import (
     serve,
     server_rss,
 )
+from tests.qarray.test_tree_checkpoint import pytorch_cnn_state_dict
 
 RTOL = ATOL = 2e-4
 
@@ -156,7 +156,7 @@ def test_resident_refusals_name_the_field(resident_tess, rng, call, expected):
 
 def test_resident_arrays_are_int8_and_scales_only(model):
     """The device holds the int8 payload and one scale per row: ~25% of f32."""
-    from qarray.tesseract import load_resident
+    from qarray.tesseract.internal import load_resident
 
     path, layers = model
     resident = load_resident(str(path))
@@ -568,7 +568,7 @@ def test_a_resident_int4_model_keeps_a_seventh_of_float32s_bytes(tmp_path, rng):
     QARRAY_MODEL's loader: at most 14% of the float32 model's device bytes."""
     import jax
 
-    from qarray.tesseract import load_resident
+    from qarray.tesseract.internal import load_resident
 
     n, layers = 4096, []
     for _ in range(4):

@@ -13,7 +13,7 @@ import pytest
 from safetensors import safe_open
 
 from qarray.checkpoint import load_model
-from tests.tesseract.server import ROOT, serve
+from support.server import ROOT, serve
 
 
 def number(pattern, text) -> float:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from qarray.checkpoint import save_model
-from tests.tesseract.server import ROOT
+from support.server import ROOT
 
 
 def load_api(monkeypatch, name, env):

@@ -4,7 +4,8 @@ import dataclasses
 
 import pytest
 
-from qarray.tesseract import Settings, SettingsError
+from qarray.tesseract import Settings
+from qarray.tesseract.internal import SettingsError
 
 
 def test_defaults_and_overrides():

@@ -13,8 +13,8 @@ from tesseract_core.sdk import local_client
 from tesseract_jax import apply_tesseract
 
 from qarray.tesseract import _workarounds, shared_memory_tesseract
-from tests.tesseract import network as net
-from tests.tesseract.server import ROOT
+from support import network as net
+from support.server import ROOT
 
 RTOL = ATOL = 2e-4
 

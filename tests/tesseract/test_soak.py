@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from tests.tesseract import network as net
-from tests.tesseract.server import ROOT
+from support import network as net
+from support.server import ROOT
 
 SCRIPT = ROOT / "scripts" / "soak.py"
 _spec = importlib.util.spec_from_file_location("qarray_soak", SCRIPT)

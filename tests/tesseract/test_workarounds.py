@@ -10,7 +10,7 @@ import pytest
 from tesseract_core.runtime import schema_generation
 
 from qarray.tesseract import _workarounds
-from tests.tesseract import network as net
+from support import network as net
 
 
 def test_checked_against_the_installed_tesseract_core():
@@ -21,7 +21,7 @@ def test_checked_against_the_installed_tesseract_core():
 def api():
     import sys
 
-    from tests.tesseract.server import ROOT
+    from support.server import ROOT
 
     sys.path.insert(0, str(ROOT))
     import tesseract_api
@@ -138,7 +138,7 @@ async def _post(app, path, payload):
 
 
 def _request_body(inputs):
-    from tests.tesseract.server import b64
+    from support.server import b64
 
     def encode(tree):
         if isinstance(tree, dict):

@@ -1,16 +1,20 @@
-"""qarray-serve's model-file subcommands: ``qarray-serve convert SRC DST``
-(``convert_main``: a PyTorch state dict to a model file), ``qarray-serve
-evaluate MODEL DATA`` and ``qarray-serve plan MODEL DATA --budget E --out
-DST`` (``accuracy_main``): the accuracy of a float32 model quantized, per layer,
-and a mixed-precision model file within an error budget
-(``qarray.nn.evaluate`` / ``qarray.nn.plan``). DATA is an ``.npz`` whose
-array ``x`` holds inputs.
+"""``qarray-serve``, every command: ``serve`` (the guarded server,
+``_server.serve``), ``convert SRC DST`` (``convert_main``: a PyTorch state
+dict to a model file, calibrated with ``--method`` / ``--smoothquant`` /
+``--static`` on ``--data``), ``evaluate MODEL DATA`` and ``plan MODEL DATA
+--budget E --out DST`` (``accuracy_main``: the accuracy of a float32 model
+quantized, per layer, and a mixed-precision model file within an error
+budget: ``qarray.nn.evaluate`` / ``qarray.nn.plan``); any other command runs
+as ``tesseract-runtime`` would run it. DATA is an ``.npz`` whose array ``x``
+holds inputs.
 
 MODEL is one of: a float32 model file of the Tesseract's network (dense
-``w``); a PyTorch state dict with ``--layers`` (as ``qarray-serve convert``
-takes them, converted in memory); a float32 file of any equinox model keyed
-by its pytree paths with ``--like FILE.py:NAME`` (or ``module:NAME``), where
-``NAME(jax.random.key(0))`` builds the model's skeleton.
+``w``; calibrated methods run on it as ``Network.to_equinox``, and the
+files they write have "nk" layers); a PyTorch state dict with ``--layers``
+(as ``qarray-serve convert`` takes them, converted in memory); a float32
+file of any equinox model keyed by its pytree paths with ``--like
+FILE.py:NAME`` (or ``module:NAME``), where ``NAME(jax.random.key(0))``
+builds the model's skeleton.
 """
 
 from __future__ import annotations
@@ -25,17 +29,52 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from ..nn import ACTIVATIONS, PRECISIONS, Linear, Network, apply_plan
-from ..nn import evaluate as evaluate_network
-from ..nn import plan as plan_network
-from ..nn._accuracy import on_device
-from ..nn._calibrate import METHODS
-from ._convert import convert_state_dict, parse_layers
-from ._errors import ModelFileError
-from ._network_file import load_model, save_network
-from ._tree import convert_tree, load_tree, save_tree
+from .._ops import PRECISIONS
+from ..checkpoint import (
+    ModelFileError,
+    convert_state_dict,
+    convert_tree,
+    load_model,
+    load_tree,
+    parse_layers,
+    save_network,
+    save_tree,
+)
+from ..nn import Linear, QuantConfig, apply_plan, quantize
+from ..nn import evaluate as evaluate_model
+from ..nn import plan as plan_model
+from ._network import ACTIVATIONS, Network
+
+METHODS = QuantConfig.methods
+
+
+def main(argv: list[str] | None = None) -> int | None:
+    """``qarray-serve COMMAND ...`` (module doc)."""
+    argv = sys.argv[1:] if argv is None else argv
+    command, rest = (argv[0], argv[1:]) if argv else (None, [])
+    if command == "serve":
+        from ._server import serve  # the server's imports, for serve alone
+
+        return serve(rest)
+    if command == "convert":
+        return convert_main(rest)
+    if command in ("evaluate", "plan"):
+        return accuracy_main(rest, command)
+    from tesseract_core.runtime.cli import main as runtime_main
+
+    sys.argv = ["tesseract-runtime", *argv]
+    return runtime_main()
+
+
+def on_device(model):
+    """``model`` with its NumPy leaves (a model file's) as JAX arrays:
+    equinox layers index their weights with traced values."""
+    return jax.tree.map(
+        lambda a: jnp.asarray(a) if isinstance(a, np.ndarray) else a, model
+    )
 
 
 def float_network(path) -> Network:
@@ -105,6 +144,11 @@ def load_float_model(args):
             network = float_network(converted)
     else:
         network = float_network(args.model)
+    if args.method != "rtn":  # the calibrators take eqx.nn.Linear layers
+        stack = network.to_equinox()
+        return stack, lambda dst, report, data=None: save_network(
+            dst, Network.from_equinox(apply_plan(stack, report, data))
+        )
     return network, lambda dst, report, data=None: save_network(
         dst, apply_plan(network, report)
     )
@@ -113,8 +157,7 @@ def load_float_model(args):
 def check_data(model, x, path) -> None:
     """``x`` fits the model (its leading axis the examples)."""
     try:
-        model = on_device(model)
-        forward = model if isinstance(model, Network) else jax.vmap(model)
+        forward = jax.vmap(on_device(model))
         jax.eval_shape(forward, jax.ShapeDtypeStruct(x.shape, x.dtype))
     except (TypeError, ValueError) as error:
         first = str(error).splitlines()[0][:300]
@@ -190,7 +233,7 @@ def accuracy_main(argv: list[str], command: str) -> int:
         "--method",
         choices=METHODS,
         default="rtn",
-        help="rtn (round-to-nearest), gptq or awq (calibrated, equinox models: --like)",
+        help="rtn (round-to-nearest), gptq or awq (calibrated on --data)",
     )
     parser.add_argument(
         "--calibration",
@@ -229,10 +272,10 @@ def accuracy_main(argv: list[str], command: str) -> int:
         options = {"group_size": args.group_size, "method": args.method}
         options["data"] = calibration
         if command == "evaluate":
-            report = evaluate_network(model, x, precision=args.precision, **options)
+            report = evaluate_model(model, x, precision=args.precision, **options)
             print(_table(report))
         else:
-            report = plan_network(model, x, args.budget, metric=args.metric, **options)
+            report = plan_model(model, x, args.budget, metric=args.metric, **options)
             write(args.out, report, x if calibration is None else calibration)
             errors = report["model"]
             print(
@@ -266,8 +309,6 @@ def _convert_with_model(parser, args) -> int:
     as the model and quantized by ``qarray.nn.quantize`` (calibrated on
     ``--data`` where asked), written keyed by its paths with the method in
     its metadata."""
-    from ..nn import quantize
-
     try:
         with tempfile.TemporaryDirectory() as scratch:
             floats = Path(scratch) / "float32.safetensors"
@@ -285,17 +326,7 @@ def _convert_with_model(parser, args) -> int:
         if args.data:
             data = read_data(args.data)
             check_data(model, data, args.data)
-        group = args.group_size if args.precision == "int4" else None
-        quantized = quantize(
-            model,
-            precision=args.precision,
-            group_size=group,
-            activations=args.activations,
-            method=args.method,
-            data=data,
-            smoothquant=args.smoothquant,
-            static=args.static or False,
-        )
+        quantized = quantize(model, _config(args), data=data)
     except (ModelFileError, ValueError, TypeError) as error:
         parser.exit(2, f"qarray-serve convert: {error}\n")
     metadata = {"method": args.method, "activations": args.activations}
@@ -304,6 +335,43 @@ def _convert_with_model(parser, args) -> int:
     if args.static:
         metadata["static"] = args.static
     save_tree(args.dst, quantized, metadata=metadata)
+    print(f"wrote {args.dst} ({args.precision}, {args.method})")
+    return 0
+
+
+def _config(args) -> QuantConfig:
+    """convert's quantization options as one QuantConfig (checked there)."""
+    return QuantConfig(
+        precision=args.precision,
+        group_size=args.group_size if args.precision == "int4" else None,
+        activations=args.activations,
+        method=args.method,
+        smoothquant=args.smoothquant,
+        static=args.static or False,
+    )
+
+
+def _convert_network_calibrated(parser, args, layers) -> int:
+    """``convert --layers ... --method / --smoothquant / --static --data``:
+    the network converted float32, calibrated as equinox layers
+    (``Network.to_equinox``) by ``qarray.nn.quantize`` on ``--data``, and
+    written as a network file ("nk" layers) ``QARRAY_MODEL`` serves."""
+    if any(len(item) > 2 for item in layers):
+        parser.error("--method / --smoothquant / --static take one --precision for "
+                     "every layer (no NAME:ACTIVATION:PRECISION entries)")  # fmt: skip
+    if not args.data:
+        parser.error("--method / --smoothquant / --static calibrate on --data CAL.npz")
+    try:
+        with tempfile.TemporaryDirectory() as scratch:
+            floats = Path(scratch) / "float32.safetensors"
+            convert_state_dict(args.src, floats, [i[:2] for i in layers], "float32")
+            stack = float_network(floats).to_equinox()
+        data = read_data(args.data)
+        check_data(stack, data, args.data)
+        network = Network.from_equinox(quantize(stack, _config(args), data=data))
+        save_network(args.dst, network)
+    except (ModelFileError, ValueError, TypeError) as error:
+        parser.exit(2, f"qarray-serve convert: {error}\n")
     print(f"wrote {args.dst} ({args.precision}, {args.method})")
     return 0
 
@@ -357,7 +425,8 @@ def convert_main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--bn-eps", type=float, default=1e-5, help="BatchNorm eps")
     calibrated = parser.add_argument_group(
-        "calibrated quantization (with --tree and --like: qarray.nn.quantize)"
+        "calibrated quantization (qarray.nn.quantize on --data: with --layers, or "
+        "--tree and --like)"
     )
     calibrated.add_argument(
         "--like",
@@ -382,8 +451,9 @@ def convert_main(argv: list[str] | None = None) -> int:
         if not args.tree:
             parser.error("--like needs --tree")
         return _convert_with_model(parser, args)
-    if args.method != "rtn" or args.smoothquant is not None or args.static:
-        parser.error("--method, --smoothquant and --static need --tree and --like")
+    calibrating = args.method != "rtn" or args.smoothquant is not None or args.static
+    if calibrating and args.tree:
+        parser.error("--method, --smoothquant and --static with --tree need --like")
     if args.tree:
         try:
             errors = convert_tree(
@@ -406,6 +476,8 @@ def convert_main(argv: list[str] | None = None) -> int:
     if args.group_size < 2 or args.group_size % 2:
         parser.error("--group-size must be a positive even int")
     layers = parse_layers(args.layers)
+    if calibrating:
+        return _convert_network_calibrated(parser, args, layers)
     try:
         errors = convert_state_dict(
             args.src, args.dst, layers, args.precision, args.group_size

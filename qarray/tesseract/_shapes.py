@@ -14,15 +14,8 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from .._ops import DEFAULT_GROUP_SIZE
-
-# "kn": stored (K, N), one scale per input row (the hijax doc's layout,
-# matmul_q); "nk": stored (N, K), one scale per output channel (PyTorch's
-# and eqx.nn.Linear's weight, linear_q)
-LAYOUTS = ("kn", "nk")
-# what a layer's weights are: int8 per row (the default), int4 per group of
-# ``group_size`` along K (layout "nk"), or float32 as given (not quantized)
-PRECISIONS = ("int8", "int4", "float32")
+from .._ops import DEFAULT_GROUP_SIZE, LAYOUTS, PRECISIONS
+from ..nn import Linear
 
 
 @dataclass(frozen=True)
@@ -182,6 +175,19 @@ def _check_precision(i: int, layer: LayerShapes, name: str, shape) -> None:
                 f"layers.[{i}].group_size must be a positive even int (two int4 "
                 f"values a byte), got {size!r}"
             )
+
+
+def linear_shapes(layer: Linear) -> LayerShapes:
+    """A ``qarray.nn.Linear``'s array shapes, for ``network_shape``."""
+    return LayerShapes(
+        tuple((layer.weight if layer.trainable else layer.qvalue).shape),
+        None if layer.scale is None else tuple(layer.scale.shape),
+        None if layer.bias is None else tuple(layer.bias.shape),
+        layer.layout,
+        dense=layer.trainable,
+        precision=layer.precision,
+        group_size=layer.group_size or DEFAULT_GROUP_SIZE,
+    )
 
 
 def layer_shapes(layer: dict, shape_of=lambda a: tuple(a.shape)) -> LayerShapes | None:

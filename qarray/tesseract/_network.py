@@ -1,4 +1,6 @@
-"""``qarray.nn.Network``: the Tesseract contract's network as a module."""
+"""``qarray.tesseract.Network``: the Tesseract contract's network (the
+``layers`` field, a resident ``QARRAY_MODEL``) as an equinox module of
+``qarray.nn.Linear`` layers."""
 
 from __future__ import annotations
 
@@ -13,9 +15,8 @@ import jax.numpy as jnp
 from jax.sharding import reshard
 
 from .._ops import unpack
-from ._linear import Linear
-from ._lora import Adapter
-from ._shapes import NetworkShape, check_adapter_shapes, network_shape
+from ..nn import Adapter, Linear
+from ._shapes import NetworkShape, check_adapter_shapes, linear_shapes, network_shape
 
 # applied after each layer's bias; gelu is the exact (erf) form, PyTorch's
 # nn.GELU default
@@ -95,7 +96,7 @@ class Network(eqx.Module):
         try:
             return network_shape(
                 tuple(x_shape),
-                [a.shapes() for a in self.layers],
+                [linear_shapes(a) for a in self.layers],
                 self._adapter_shapes(),
             )
         except ValueError as error:
@@ -108,6 +109,85 @@ class Network(eqx.Module):
             None if a is None else (jnp.shape(a.a), jnp.shape(a.b))
             for a in self.adapters
         ]
+
+    @classmethod
+    def from_request(cls, request: dict, resident: Network | None = None, *,
+                     mesh_axes=None) -> Network:  # fmt: skip
+        """The network a request asks for (the contract's input as a dict:
+        ``layers`` or, when None, ``resident``; ``lora`` adapters;
+        ``quantize_activations``)."""
+        activations = "int8" if request["quantize_activations"] else "float32"
+        adapters = None
+        if request.get("lora") is not None:
+            adapters = [
+                None
+                if e is None
+                else Adapter(e["a"], e["b"], float(e["alpha"] or e["a"].shape[-2]))
+                for e in request["lora"]
+            ]
+        if request["layers"] is None:
+            network = resident.with_activations(activations)
+            return dataclasses.replace(network, adapters=adapters)
+        layers = []
+        for layer in request["layers"]:
+            w_q = layer["w_q"] or {"qvalue": None, "scale": None}
+            qvalue = w_q["qvalue"]  # (abstract_eval: any integer dtype declared)
+            if qvalue is not None:
+                int4 = layer["precision"] == "int4"
+                qvalue = qvalue.astype("uint8" if int4 else "int8")
+            layers.append(
+                Linear(
+                    layer["w"],
+                    layer["bias"],
+                    qvalue=qvalue,
+                    scale=w_q["scale"],
+                    layout=layer["layout"],
+                    activations=activations,
+                    precision=layer["precision"],
+                    group_size=layer["group_size"],
+                )
+            )
+        activation = [layer["activation"] for layer in request["layers"]]
+        return cls(layers, activation, mesh_axes=mesh_axes, adapters=adapters)
+
+    def to_equinox(self) -> LayerStack:
+        """This float32 network as ``eqx.nn.Linear`` layers (``LayerStack``:
+        one example, ``(K0,) -> (N_last,)``), for what calibrates equinox
+        models: ``qnn.quantize(net.to_equinox(), method="gptq", data=x)``,
+        ``qnn.plan(..., method="awq")``; ``Network.from_equinox`` turns the
+        result back. Every layer "nk" afterwards (eqx.nn.Linear's layout)."""
+        linears = []
+        for i, layer in enumerate(self.layers):
+            if not layer.trainable or jnp.ndim(layer.weight) != 2:
+                got = jnp.shape(layer.weight) if layer.trainable else "stored w_q"
+                raise ValueError(
+                    f"to_equinox: layers.[{i}] must be float32 weights without "
+                    f"batch axes (a float32 model file's w), got {got}"
+                )
+            weight = jnp.asarray(layer.weight)
+            weight = weight.T if layer.layout == "kn" else weight
+            n, k = weight.shape
+            linear = eqx.nn.Linear(
+                k, n, use_bias=layer.bias is not None, key=jax.random.key(0)
+            )
+            linear = eqx.tree_at(lambda lin: lin.weight, linear, weight)
+            if layer.bias is not None:
+                linear = eqx.tree_at(lambda lin: lin.bias, linear, layer.bias)
+            linears.append(linear)
+        return LayerStack(tuple(linears), self.activation)
+
+    @classmethod
+    def from_equinox(cls, stack: LayerStack) -> Network:
+        """A ``LayerStack`` (``to_equinox``'s, quantized or planned: its
+        layers ``qarray.nn.Linear`` or float ``eqx.nn.Linear``) as a
+        Network."""
+        layers = [
+            Linear(layer.weight, layer.bias, layout="nk", precision="float32")
+            if isinstance(layer, eqx.nn.Linear)
+            else layer
+            for layer in stack.layers
+        ]
+        return cls(layers, stack.activation)
 
     def with_activations(self, activations: str) -> Network:
         """Every int8 layer with ``activations`` ("float32" or "int8") for its
@@ -196,6 +276,19 @@ class Network(eqx.Module):
         y, per_layer = self._run_one(rows, return_w_q)
         y = reshard(y, jax.P(None, None))[:m]
         return y.reshape(*lead, y.shape[-1]), per_layer
+
+
+class LayerStack(eqx.Module):
+    """A network as equinox layers, on one example: ``x (K0,) ->
+    activation_i(layers[i](h))`` (``Network.to_equinox``)."""
+
+    layers: tuple
+    activation: tuple[str, ...] = eqx.field(static=True)
+
+    def __call__(self, x, *, key=None):
+        for layer, activation in zip(self.layers, self.activation, strict=True):
+            x = ACTIVATIONS[activation](layer(x))
+        return x
 
 
 def _map_batch(fn, batch: tuple[int, ...], args):

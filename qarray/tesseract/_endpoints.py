@@ -1,0 +1,132 @@
+"""``Endpoints``: apply and the gradient endpoints of a Tesseract over one
+function of the request, shared by ``ModelTesseract`` and the top-level
+``tesseract_api.py``.
+
+``run(request, *constants()) -> outputs`` is the computation (the request
+as a dict of arrays and values, the constants the resident model); around
+it: compiled once per request signature (``jit_request``), concurrent
+requests merged along ``row_fields`` (``Rows``, ``QARRAY_MAX_BATCH_ROWS``),
+apply's pullback kept for the VJP that follows (``ResidualCache``), and
+tesseract-core's ``jax_recipes`` for the derivatives of what cannot merge.
+The API module checks a request (its schemas, its 422s) and calls these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from tesseract_core.runtime import jax_recipes
+
+from ._batching import Rows
+from ._jit import jit_request
+from ._requests import unprocessable
+from ._runtime import Runtime
+
+
+class Endpoints:
+    """The endpoints of ``run`` (module doc); ``run_rows``: ``run`` for
+    merged requests when it differs (per-row adapters)."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        run: Callable[..., dict],
+        constants: Callable[[], tuple],
+        row_fields: Sequence[str] = (),
+        run_rows: Callable[..., dict] | None = None,
+    ):
+        self.runtime = runtime
+        self.run = run
+        self.constants = constants
+        self.rows = Rows(runtime.batcher, run_rows or run, row_fields, constants)
+        self._compiled = jit_request(run)
+
+    def apply_jit(self, request: dict) -> dict:
+        """``run`` compiled, on the constants: what ``jax_recipes``
+        differentiate."""
+        return self._compiled(request, *self.constants())
+
+    def apply(self, request: dict, mergeable: bool, store: bool,
+              outputs: Sequence[str] = ("y",)) -> dict:  # fmt: skip
+        """The outputs; ``store``: keep the pullback of ``outputs`` (the
+        differentiable ones) for a VJP (``ResidualCache.arriving``)."""
+        cache = self.runtime.cache
+
+        def alone():
+            if store:
+                return cache.apply(self.run, request, self.constants(), outputs)
+            return self.apply_jit(request)
+
+        job = self.rows.job("apply", request if mergeable else None, alone)
+        return self.rows.run(job)
+
+    def abstract_eval(self, abstract_inputs) -> dict:
+        """Output shapes and dtypes from input shapes and dtypes."""
+        return jax_recipes.jax_abstract_eval(self.apply_jit, abstract_inputs)
+
+    def jacobian(self, inputs, jac_inputs, jac_outputs) -> dict:
+        """d outputs / d inputs (the caller bounded their size), in the
+        batcher's turn."""
+        return self.runtime.batcher.call(
+            lambda: jax_recipes.jax_jacobian(
+                self.apply_jit, inputs, jac_inputs, jac_outputs
+            )
+        )
+
+    def jacobian_vector_product(self, inputs, request: dict, mergeable: bool,
+                                jvp_inputs, jvp_outputs, tangents) -> dict:  # fmt: skip
+        """Tangents of ``jvp_outputs`` for ``tangents`` (checked, by path)."""
+        job = self.rows.job(
+            "jvp",
+            request if mergeable else None,
+            lambda: jax_recipes.jax_jvp(
+                self.apply_jit, inputs, jvp_inputs, jvp_outputs, tangents
+            ),
+            paths=jvp_inputs,
+            outputs=jvp_outputs,
+            vectors=tangents,
+        )
+        return self.rows.run(job)
+
+    def vector_jacobian_product(self, inputs, request: dict, mergeable: bool,
+                                vjp_inputs, vjp_outputs, cotangents: dict,
+                                shapes: dict) -> dict:  # fmt: skip
+        """Cotangents of ``vjp_inputs`` for ``cotangents`` (checked, by
+        output name); ``shapes``: every differentiable output's shape (those
+        without a cotangent get zeros: the cached pullback and a merged
+        batch take them all)."""
+        full = {
+            name: cotangents.get(name, np.zeros(shape, np.float32))
+            for name, shape in shapes.items()
+        }
+        cache = self.runtime.cache
+        cached = self.runtime.batcher.call(
+            lambda: cache.vjp(self.run, request, full, vjp_inputs)
+        )
+        if cached is not None:
+            return cached
+        job = self.rows.job(
+            "vjp",
+            request if mergeable else None,
+            lambda: jax_recipes.jax_vjp(
+                self.apply_jit, inputs, vjp_inputs, vjp_outputs, cotangents
+            ),
+            paths=vjp_inputs,
+            outputs=full,
+            vectors=full,
+        )
+        return self.rows.run(job)
+
+
+def given_paths(inputs: Any, paths, field: str, lookup: Callable) -> dict[str, tuple]:
+    """Each path's array shape (``lookup(inputs, path)``); a 422 naming
+    ``field`` for a path the request did not give."""
+    shapes = {}
+    for path in sorted(paths):
+        try:
+            shapes[path] = tuple(np.shape(lookup(inputs, path)))
+        except ValueError as error:
+            raise unprocessable(f"{field}: {error}") from None
+    return shapes

@@ -1,0 +1,44 @@
+"""The rest of ``qarray.tesseract``: what its own modules, the top-level
+``tesseract_api.py`` and the tests share, without a promise of stability
+(as ``equinox.internal``). Names load on first use."""
+
+from ._lazy import lazy_names
+
+_WHERE = {
+    # the contract's network: activations, layouts, precisions, shape rules
+    "ACTIVATIONS": "._network",
+    "LAYOUTS": "._shapes",
+    "PRECISIONS": "._shapes",
+    "LayerShapes": "._shapes",
+    "NetworkShape": "._shapes",
+    "check_adapter_shapes": "._shapes",
+    "layer_shapes": "._shapes",
+    "linear_shapes": "._shapes",
+    "network_shape": "._shapes",
+    # request checks and their 422s
+    "NetworkRequest": "._contract",
+    "checked_vectors": "._requests",
+    "unprocessable": "._requests",
+    "declared_shape": "._limits",
+    "first_index": "._limits",
+    "quantized_payload": "._limits",
+    "require_at_least": "._limits",
+    "require_finite": "._limits",
+    "lookup_path": "._paths",
+    "given_paths": "._endpoints",
+    # serving machinery
+    "Batcher": "._batching",
+    "ResidualCache": "._cache",
+    "RequestGuard": "._guard",
+    "binref_problem": "._guard",
+    "check_body": "._guard",
+    "make_mesh": "._mesh",
+    "on_mesh": "._mesh",
+    "load_resident": "._resident",
+    "keep_freed_memory": "._server",
+    "SettingsError": "._settings",
+    "install_gradient_path_check": "._workarounds",
+}
+__all__ = list(_WHERE)
+__getattr__, __dir__ = lazy_names(__name__, _WHERE)
+del lazy_names
