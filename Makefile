@@ -18,24 +18,17 @@ $(STAMP): pyproject.toml tesseract_requirements.txt scripts/install.sh \
 	scripts/install.sh $(PY) dev --cpu
 	@touch $@
 
-# every test (with qarray's CPU kernels where they run), the library's tests
-# that reach the kernels again on the XLA formulations alone (where the
-# kernels ran: elsewhere the first run was XLA's already)
-# (QARRAY_KERNELS=xla: qarray.nn's convolutions, model files, accuracy
-# reports, calibration and adapters add no formulation of their own), and the
-# documentation site built
-# with --strict (a broken link, a missing page or a docstring mkdocstrings
-# cannot render fails)
-XLA_RERUN_SKIPS := test_nn_conv.py test_tree_checkpoint.py test_accuracy.py test_doc_types.py \
-	test_nn_spectral.py test_nn_layers.py test_jit.py test_gptq.py test_calibration.py test_lora.py
+# every test (with qarray's CPU kernels where they run), the tests marked
+# `formulations` (those that reach a product formulation) again on XLA's
+# formulations alone where the kernels ran (elsewhere the first run was XLA's
+# already), and the documentation site built with --strict (a broken link, a
+# missing page or a docstring mkdocstrings cannot render fails)
 test: setup browser
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -q --site-dir $(SCRATCH)-site
 	$(PY) -m pytest
 	@if $(PY) -c "import sys, qarray._ffi as f; sys.exit(not f.available())"; then \
-		echo "QARRAY_KERNELS=xla $(PY) -m pytest ..."; \
-		QARRAY_KERNELS=xla $(PY) -m pytest -q tests/qarray tests/test_recipes.py \
-			-k "not kernel and not conv_q and not spectral_conv" \
-			$(addprefix --ignore=tests/qarray/,$(XLA_RERUN_SKIPS)); \
+		echo "QARRAY_KERNELS=xla $(PY) -m pytest -m formulations ..."; \
+		QARRAY_KERNELS=xla $(PY) -m pytest -q -m formulations tests/qarray tests/test_recipes.py; \
 	else \
 		echo "no XLA rerun: qarray's CPU kernels do not run here, the run above was XLA's"; \
 		$(PY) -c "import qarray._ffi as f; print('  qarray._ffi.status():', f.status())"; \

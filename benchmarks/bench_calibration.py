@@ -272,7 +272,7 @@ def mlp_rows(width=4096, depth=4, samples=128):
 def w8a8_rows(samples=128):
     # the tests' model: three Linear layers whose every input has outlier
     # channels (a gain of 50 on three hidden channels)
-    from tests.qarray.test_calibration import Outliers
+    from support.models import Outliers
 
     model = Outliers(jax.random.key(0))
     rng = np.random.default_rng(0)

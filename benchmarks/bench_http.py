@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import requests
 
-from tests.tesseract.server import ROOT, b64, serve
+from support.server import ROOT, b64, serve
 
 
 def _median_latency(session, url, payload, reps):

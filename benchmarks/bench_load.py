@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import bench_e2e
-from tests.tesseract.server import ROOT, RUNTIME, b64, serve
+from support.server import ROOT, RUNTIME, b64, serve
 
 OURS, DENSE = ROOT / "tesseract_api.py", ROOT / "benchmarks/dense_api.py"
 FNO = ROOT / "examples/neural_operator/tesseract_api.py"

@@ -33,7 +33,7 @@ import optax
 
 from benchmarks._timing import interleaved
 from benchmarks.bench_e2e import network
-from tests.tesseract.server import ROOT, b64, serve
+from support.server import ROOT, b64, serve
 
 SHAPE = (128, 1024, 1024)
 DEPTH = 3

@@ -22,7 +22,7 @@ import numpy as np
 import psutil
 import requests
 
-from tests.tesseract.server import b64, serve
+from support.server import b64, serve
 
 CLIENTS = 8
 SHAPE = (64, 512, 512)  # (M, K, N): x (M, K), three layers N x N after the first

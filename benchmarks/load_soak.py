@@ -6,7 +6,7 @@
 defaults); each client a thread on its own keep-alive connection sending
 one- to four-row applies, vector_jacobian_products and
 jacobian_vector_products in turn, every answer compared with the NumPy
-network (tests/tesseract/network.py); one request in ten is bad (a width
+network (support/network.py); one request in ten is bad (a width
 the model does not take) and must get a 422 while its batch-mates get their
 right answers. Prints the counts, the 5xx and wrong answers (both must be
 0), and the server's resident memory over time (flat: the last third's
@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from tests.tesseract import network as net
-from tests.tesseract.server import b64, decode, serve
+from support import network as net
+from support.server import b64, decode, serve
 
 WIDTHS = (256, 256, 128, 64)  # K0 -> ... -> N_last
 RTOL = ATOL = 2e-3  # the int8 network against float64 NumPy, a few steps deep

@@ -1,7 +1,7 @@
 """Write test_cases/*.json: regression specs for `tesseract-runtime test`.
 
 Expected outputs come from the independent NumPy reference network
-(tests/tesseract/network.py, built on tests/reference.py), never from the
+(support/network.py, built on support/reference.py), never from the
 Tesseract itself. Inputs are drawn from a fixed seed, so running this script
 again reproduces the files byte for byte (a test checks that):
 
@@ -25,9 +25,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests import reference as ref  # noqa: E402
-from tests.tesseract import network as net  # noqa: E402
-from tests.tesseract.server import b64  # noqa: E402
+from support import network as net  # noqa: E402
+from support import reference as ref  # noqa: E402
+from support.server import b64  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-4
 # int8 activations: the server rounds float32 activations, the reference

@@ -16,7 +16,7 @@ the requests (`--bad-share`) is one of 14 malformed ones: each must get a 4xx
 whose small body names the field; never a 5xx.
 
 Every good answer is checked against the NumPy reference network
-(tests/tesseract/network.py; the JVP reference is here), in float64:
+(support/network.py; the JVP reference is here), in float64:
 - small networks elementwise at rtol = atol = 2e-4, as the tests do; draws are
   redrawn until no row is near a rounding tie or a relu kink (below);
 - mid networks relative to the answer's scale: max |got - want| <=
@@ -73,8 +73,8 @@ import requests
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.tesseract import network as net  # noqa: E402
-from tests.tesseract.server import (  # noqa: E402
+from support import network as net  # noqa: E402
+from support.server import (  # noqa: E402
     b64,
     decode,
     encode,

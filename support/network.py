@@ -1,7 +1,7 @@
 """NumPy reference for the served network, and request builders for tests.
 
 Independent of qarray and of tesseract_api: the network's forward pass in
-float64 from tests/reference.py's quantizer, and its straight-through VJP by
+float64 from support/reference.py's quantizer, and its straight-through VJP by
 hand (dense products, the activations' derivatives written out).
 Batch axes follow the contract: leading axes of any weight, scale or bias
 index x's leading axes from the left; axes of size 1 broadcast.
@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from tests import reference as ref
+from support import reference as ref
 
 ACTIVATIONS = ("none", "relu", "gelu", "tanh", "sigmoid", "silu")
 _erf = np.vectorize(math.erf)

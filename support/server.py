@@ -14,7 +14,7 @@ import numpy as np
 import psutil
 import requests
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 RUNTIME = Path(sys.executable).with_name("tesseract-runtime")
 SERVE = Path(sys.executable).with_name("qarray-serve")  # what make serve runs
 

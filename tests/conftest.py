@@ -1,6 +1,7 @@
 """Test set-up shared by every test: 8 CPU devices, strict numerics."""
 
 import os
+import tempfile
 
 # QARRAY_TEST_PLATFORM=gpu (make gpu-check): the library's tests on the GPU,
 # one device; otherwise 8 CPU devices
@@ -11,6 +12,13 @@ if PLATFORM == "cpu":
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# tesseract-core's runtime writes a run folder (logs, metrics) per call where
+# TESSERACT_OUTPUT_PATH points, the working directory by default: keep the
+# tests' out of the checkout
+os.environ.setdefault(
+    "TESSERACT_OUTPUT_PATH", tempfile.mkdtemp(prefix="qarray-test-runs-")
+)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

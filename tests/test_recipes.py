@@ -9,7 +9,10 @@ from tesseract_core.runtime import jax_recipes
 from tesseract_core.runtime.experimental import set_jax_vjp_cache_size
 
 import qarray as qa
-from tests import reference as ref
+from support import reference as ref
+
+# rerun on XLA's formulations alone where the kernels ran (make test)
+pytestmark = pytest.mark.formulations
 
 RTOL = ATOL = 2e-4
 

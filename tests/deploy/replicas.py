@@ -4,7 +4,7 @@ import contextlib
 import os
 import subprocess
 
-from tests.tesseract.server import ROOT, SERVE, free_port, stop, wait_healthy
+from support.server import ROOT, SERVE, free_port, stop, wait_healthy
 
 
 @contextlib.contextmanager

@@ -14,9 +14,9 @@ import pytest
 import requests
 import yaml
 
+from support import network as net
+from support.server import ROOT, decode, encode
 from tests.deploy.replicas import replicas
-from tests.tesseract import network as net
-from tests.tesseract.server import ROOT, decode, encode
 
 MANIFEST = ROOT / "deploy/kubernetes.yaml"
 # the oldest Kubernetes still commonly run, and the newest the package knows

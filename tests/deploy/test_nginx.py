@@ -25,9 +25,9 @@ import requests
 from tesseract_core import Tesseract
 from tesseract_jax import apply_tesseract
 
+from support import network as net
+from support.server import ROOT, free_port
 from tests.deploy.replicas import replicas
-from tests.tesseract import network as net
-from tests.tesseract.server import ROOT, free_port
 
 CONFIG = ROOT / "deploy/nginx.conf"
 RTOL = ATOL = 2e-4

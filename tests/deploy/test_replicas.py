@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import requests
 
-from tests.tesseract import network as net
-from tests.tesseract.server import ROOT, b64, decode, encode, serve
+from support import network as net
+from support.server import ROOT, b64, decode, encode, serve
 
 RTOL = ATOL = 2e-4
 TIMEOUT = 60

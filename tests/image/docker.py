@@ -11,7 +11,7 @@ from pathlib import Path
 
 import requests
 
-from tests.tesseract.server import free_port
+from support.server import free_port
 
 
 def docker(*args, timeout=600, check=True) -> subprocess.CompletedProcess:

@@ -14,8 +14,8 @@ import pytest
 import requests
 
 from qarray.checkpoint import load_tree
+from support.server import ROOT, b64, decode
 from tests.image.docker import docker, generate_build_context, running
-from tests.tesseract.server import ROOT, b64, decode
 from tests.tesseract.test_cnn_surrogate import EXAMPLE, forward_and_vjp
 
 sys.path.insert(0, str(EXAMPLE))

@@ -19,6 +19,8 @@ import requests
 from tesseract_core import Tesseract
 
 from qarray.checkpoint import save_model
+from support import network as net
+from support.server import ROOT, b64, decode, encode, free_port
 from tests.image.docker import (
     docker,
     final_instruction,
@@ -26,8 +28,6 @@ from tests.image.docker import (
     offline_dockerfile,
     running,
 )
-from tests.tesseract import network as net
-from tests.tesseract.server import ROOT, b64, decode, encode, free_port
 
 IMAGE = os.environ["QARRAY_TEST_IMAGE"]
 BASE_IMAGE = os.environ.get("BASE_IMAGE", "local/debian-python:trixie")

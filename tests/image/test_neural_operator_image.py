@@ -9,8 +9,8 @@ import pytest
 import requests
 from safetensors.numpy import load_file
 
+from support.server import b64, decode
 from tests.image.docker import docker, running
-from tests.tesseract.server import b64, decode
 from tests.tesseract.test_neural_operator import EXAMPLE, GRID, numpy_fno
 
 IMAGE = os.environ.get("QARRAY_TEST_OPERATOR_IMAGE", "qarray-neural-operator:test")

@@ -15,7 +15,8 @@ import qarray.nn as qnn
 from qarray.checkpoint import load_quantized, save_tree
 from qarray.nn._calibrate import CLIP_RATIOS
 from qarray.nn._scales import AWQ_GRID
-from tests import reference as ref
+from support import reference as ref
+from support.models import Outliers
 
 
 def outlier_inputs(rng, n, k, channels=(3, 11), factor=40.0):
@@ -151,31 +152,6 @@ def test_static_activation_scales(rng, static, clip):
         # the next layer calibrates on this one's weight-only output
         weight_only = h @ (ref.dequantize(qvalue, scale) / s).T + b
         h = np.maximum(weight_only, 0)
-
-
-class Outliers(eqx.Module):
-    """Three Linear layers whose every input has outlier channels (a fixed
-    gain of 50 on three hidden channels, as a LayerNorm's weight makes
-    them in a transformer)."""
-
-    l1: eqx.nn.Linear
-    l2: eqx.nn.Linear
-    l3: eqx.nn.Linear
-    gain: jax.Array
-
-    def __init__(self, key):
-        k = jax.random.split(key, 3)
-        self.l1 = eqx.nn.Linear(64, 128, key=k[0])
-        self.l2 = eqx.nn.Linear(128, 128, key=k[1])
-        self.l3 = eqx.nn.Linear(128, 16, key=k[2])
-        gain = np.ones(128, np.float32)
-        gain[[5, 70, 99]] = 50.0
-        self.gain = jnp.asarray(gain)
-
-    def __call__(self, x):
-        h = self.gain * jax.nn.relu(self.l1(x))
-        h = self.gain * jax.nn.relu(self.l2(h)) / 10
-        return self.l3(h)
 
 
 def test_smoothquant_halves_the_w8a8_error_of_outlier_channels(rng):

@@ -1,7 +1,7 @@
 """conv_q beyond the transform table (tests/qarray/test_transforms.py holds
 its jit, grad, vjp, jvp, linearize, jacobian, hessian and checkpoint cases):
 realistic shapes, the formulations, vmap, scan, sharding and errors, against
-the float64 references in tests/reference.py."""
+the float64 references in support/reference.py."""
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +12,10 @@ from jax.sharding import AxisType
 import qarray as qa
 from qarray import _ffi
 from qarray._conv import CONV_STRATEGIES, ConvQ
-from tests import reference as ref
+from support import reference as ref
+
+# rerun on XLA's formulations alone where the kernels ran (make test)
+pytestmark = pytest.mark.formulations
 
 RTOL = ATOL = 2e-4
 P = jax.P

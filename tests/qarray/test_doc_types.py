@@ -11,7 +11,7 @@ from jax.sharding import AxisType
 
 import qarray as qa
 from qarray import doc_types as dt
-from tests import reference as ref
+from support import reference as ref
 
 
 def normal(rng, shape):

@@ -10,7 +10,7 @@ import pytest
 import qarray.nn as qnn
 from qarray.checkpoint import load_quantized, save_tree
 from qarray.nn._gptq import gptq
-from tests import reference as ref
+from support import reference as ref
 
 
 def layer_error(w, back, h):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import qarray as qa
-from tests import reference as ref
+from support import reference as ref
 
 
 def normal(rng, shape):

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import qarray.nn as qnn
-from tests import reference as ref
+from support import reference as ref
 
 
 def normal(rng, shape, scale=1.0):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import qarray.nn as qnn
-from tests import reference as ref
+from support import reference as ref
 
 RTOL, ATOL = 1e-4, 1e-4
 

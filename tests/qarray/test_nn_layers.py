@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import qarray.nn as qnn
-from tests import reference as ref
+from support import reference as ref
 
 
 def table(rng, num=10, size=32):

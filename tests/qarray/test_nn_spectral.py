@@ -9,7 +9,7 @@ import pytest
 
 import qarray.nn as qnn
 from qarray.checkpoint import load_quantized, save_tree
-from tests import reference as ref
+from support import reference as ref
 
 GEOMETRIES = [  # (in, out, modes, x shape)
     (3, 4, (5,), (3, 16)),

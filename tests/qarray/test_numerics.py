@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 
 import qarray as qa
-from tests import reference as ref
+from support import reference as ref
+
+# rerun on XLA's formulations alone where the kernels ran (make test)
+pytestmark = pytest.mark.formulations
 
 
 def normal(rng, shape, scale=1.0):

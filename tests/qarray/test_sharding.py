@@ -10,7 +10,10 @@ from jax.sharding import AxisType
 
 import qarray as qa
 from qarray import QArrayP
-from tests import reference as ref
+from support import reference as ref
+
+# rerun on XLA's formulations alone where the kernels ran (make test)
+pytestmark = pytest.mark.formulations
 
 RTOL = ATOL = 2e-4
 P = jax.P

@@ -10,7 +10,10 @@ import pytest
 
 import qarray as qa
 from qarray import _ffi, _kernels, _numerics
-from tests import reference as ref
+from support import reference as ref
+
+# rerun on XLA's formulations alone where the kernels ran (make test)
+pytestmark = pytest.mark.formulations
 
 
 def cpu_has_vnni() -> bool:

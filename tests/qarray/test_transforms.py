@@ -17,7 +17,10 @@ import pytest
 
 import qarray as qa
 from qarray.doc_types import TupSpec
-from tests import reference as ref
+from support import reference as ref
+
+# rerun on XLA's formulations alone where the kernels ran (make test)
+pytestmark = pytest.mark.formulations
 
 RTOL = ATOL = 2e-4
 

@@ -17,7 +17,7 @@ from qarray.checkpoint import (
     load_tree,
     save_tree,
 )
-from tests import reference as ref
+from support import reference as ref
 
 
 class Net(eqx.Module):
