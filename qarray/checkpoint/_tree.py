@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from .._numerics import quantize_rows_np, relative_error_np
-from ..nn import Conv, Embedding, Linear, SpectralConv
+from ..nn import FLOAT_LAYERS, Conv, Embedding, Linear, SpectralConv
 from ..nn import quantize as quantize_model
 from ._errors import ModelFileError
 
@@ -123,21 +123,10 @@ def _stored_precision(path, tensors, name: str) -> dict | None:
     return {"precision": "int4", "group_size": 2 * qvalue.shape[-1] // scale.shape[-1]}
 
 
-# what qarray.nn.quantize replaces, and the tensor whose parts say how a
-# quantized file stores it (a recurrent cell: its input matrix's)
-_LAYERS = (
-    eqx.nn.Linear,
-    eqx.nn.Conv,
-    eqx.nn.ConvTranspose,
-    eqx.nn.Embedding,
-    eqx.nn.GRUCell,
-    eqx.nn.LSTMCell,
-    SpectralConv,
-)
-
-
+# the layers qarray.nn.quantize replaces (a quantized file stores each one's
+# parts; a recurrent cell's under its input matrix's name, _stored_name)
 def _is_layer(node) -> bool:
-    return isinstance(node, _LAYERS)
+    return isinstance(node, FLOAT_LAYERS)
 
 
 def _stored_name(node, name: str) -> str:
@@ -146,11 +135,12 @@ def _stored_name(node, name: str) -> str:
     return name
 
 
-def load_quantized(path: str | Path, like, **quantize_options):
+def load_quantized(path: str | Path, like, config=None, **quantize_options):
     """The quantized model of a file: ``like`` is the float model's skeleton.
 
     A float file (keys: ``like``'s leaves) is quantized at load with
-    ``qarray.nn.quantize(model, **quantize_options)``. A quantized file is
+    ``qarray.nn.quantize(model, config, **quantize_options)`` (a
+    ``QuantConfig`` and / or its fields as keywords). A quantized file is
     taken as stored, layer by layer: a layer with ``{path}.qvalue`` is the
     ``qarray.nn`` layer of that precision (int8, or int4 packed: uint8
     ``qvalue``, its group size from ``scale``'s shape), one with
@@ -161,8 +151,10 @@ def load_quantized(path: str | Path, like, **quantize_options):
     # a stored layer's tensors end in .qvalue: without any, a float file (and
     # a mismatch is reported against the float model's leaves)
     if not any(name.endswith(".qvalue") for name in tensors):
-        return quantize_model(_fill(path, tensors, like), **quantize_options)
-    activations = quantize_options.get("activations", "float32")
+        model = _fill(path, tensors, like)
+        return quantize_model(model, config, **quantize_options)
+    default = "float32" if config is None else config.activations
+    activations = quantize_options.get("activations", default)
 
     def as_stored(key_path, node):
         if not _is_layer(node):

@@ -19,6 +19,7 @@ from ._config import QuantConfig as QuantConfig
 from ._conv import Conv as Conv
 from ._conv import ConvTranspose as ConvTranspose
 from ._embedding import Embedding as Embedding
+from ._kinds import FLOAT_LAYERS as FLOAT_LAYERS
 from ._linear import Linear as Linear
 from ._lora import Adapter as Adapter
 from ._lora import LoRA as LoRA

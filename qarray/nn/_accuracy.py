@@ -16,7 +16,6 @@ embedding's indices, which have no gradient).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import equinox as eqx
@@ -26,87 +25,39 @@ import numpy as np
 
 from .._ops import DEFAULT_GROUP_SIZE, dequantize
 from ._calibrate import METHODS, Calibration, calibrated
-from ._conv import Conv, ConvTranspose
-from ._embedding import Embedding
-from ._linear import Linear
-from ._quantize import fits_int4, fits_int4_width, freeze
+from ._config import QuantConfig
+from ._kinds import (
+    CELLS,
+    QUANTIZED_LAYERS,
+    fits_int4,
+    float_weights,
+    kind_of,
+    quantizable,
+    quantized,
+    rows,
+)
+from ._quantize import as_config, freeze
 from ._quantize import quantize as quantize_model
 from ._spectral import SpectralConv
 
 METRICS = ("output", "gradient")
 # cheapest first: what plan tries before the next
 LADDER = ("int4", "int8", "float32")
-_CELLS = (eqx.nn.GRUCell, eqx.nn.LSTMCell)
-_FLOAT_KINDS = (eqx.nn.Linear, eqx.nn.Conv, eqx.nn.ConvTranspose, eqx.nn.Embedding)
-
-
-def _quantizable(node) -> bool:
-    if isinstance(node, Linear):
-        return node.trainable
-    if isinstance(node, SpectralConv):
-        return node.precision == "float32"
-    if isinstance(node, _CELLS):
-        return not isinstance(node.weight_ih, Linear)
-    return isinstance(node, _FLOAT_KINDS)
-
-
-def _weight_names(layer) -> tuple[str, ...]:
-    """The fields holding a layer's float weights (a cell's two matrices)."""
-    return ("weight_ih", "weight_hh") if isinstance(layer, _CELLS) else ("weight",)
-
-
-def _float_weights(layer) -> tuple[jax.Array, ...]:
-    return tuple(jnp.asarray(getattr(layer, name)) for name in _weight_names(layer))
-
-
-def _calibrated(node) -> bool:
-    """What GPTQ and AWQ calibrate (the others are rounded to nearest)."""
-    return isinstance(node, eqx.nn.Linear | eqx.nn.Conv)
 
 
 def layers_of(model) -> list:
     """The model's quantizable layers, in tree order."""
-    return [n for n in jax.tree.leaves(model, is_leaf=_quantizable) if _quantizable(n)]
+    return [n for n in jax.tree.leaves(model, is_leaf=quantizable) if quantizable(n)]
 
 
 def precisions_for(layer, group_size: int) -> tuple[str, ...]:
-    """What a layer can be stored as: int4 needs weights ``(out, ...)``
-    whose input width the group size divides."""
-    if isinstance(layer, SpectralConv):
-        fits = (2 * layer.in_channels) % group_size == 0
-        return LADDER if fits else LADDER[1:]
-    if isinstance(layer, _CELLS):  # int4 where both matrices pack
-        fits = all(fits_int4_width(w, group_size) for w in _float_weights(layer))
-        return LADDER if fits else LADDER[1:]
-    nk = not isinstance(layer, Linear) or layer.layout == "nk"
-    return LADDER if nk and fits_int4(layer, group_size) else LADDER[1:]
+    """What a layer can be stored as (int4 where it packs: ``fits_int4``)."""
+    return LADDER if fits_int4(layer, group_size) else LADDER[1:]
 
 
 def _as(layer, precision: str, group_size: int):
     """``layer`` computing with ``precision`` (quantized every call)."""
-    group = group_size if precision == "int4" else None
-    if isinstance(layer, Linear):
-        return dataclasses.replace(layer, precision=precision, group_size=group)
-    if precision == "float32":
-        return layer
-    if isinstance(layer, SpectralConv):
-        return layer.as_precision(precision, trainable=True, group_size=group)
-    if isinstance(layer, eqx.nn.Embedding):
-        return Embedding(
-            jnp.asarray(layer.weight), precision=precision, group_size=group
-        )
-    if isinstance(layer, _CELLS):
-        return quantize_model(
-            layer, trainable=True, precision=precision, group_size=group
-        )
-    if isinstance(layer, eqx.nn.Conv | eqx.nn.ConvTranspose):
-        kind = Conv if isinstance(layer, eqx.nn.Conv) else ConvTranspose
-        return kind.from_eqx(
-            layer, trainable=True, precision=precision, group_size=group
-        )
-    return Linear.from_float(
-        layer.weight, layer.bias, trainable=True, precision=precision, group_size=group
-    )
+    return quantized(layer, precision, group_size, trainable=True)
 
 
 def with_precisions(model, choice: dict[int, str], group_size: int):
@@ -115,11 +66,11 @@ def with_precisions(model, choice: dict[int, str], group_size: int):
     found = iter(range(len(layers_of(model))))
 
     def swap(node):
-        if not _quantizable(node):
+        if not quantizable(node):
             return node
         return _as(node, choice.get(next(found), "float32"), group_size)
 
-    return jax.tree.map(swap, model, is_leaf=_quantizable)
+    return jax.tree.map(swap, model, is_leaf=quantizable)
 
 
 def on_device(model):
@@ -142,7 +93,7 @@ def _check_method(method: str, model, data, x):
         raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
     if method == "rtn":
         return None
-    if not any(_calibrated(n) for n in layers_of(model)):
+    if not any(kind_of(n).calibrated for n in layers_of(model)):
         raise ValueError(
             f"method={method!r} calibrates eqx.nn.Linear and eqx.nn.Conv layers; "
             "this model has none (a qarray.tesseract.Network: calibrate "
@@ -169,14 +120,14 @@ def calibrated_choice(model, data, choice: dict[int, str], group_size: int,
     found = iter(range(len(layers)))
 
     def others_first(node):
-        if not _quantizable(node):
+        if not quantizable(node):
             return node
         precision = choice.get(next(found), "float32")
-        return node if _calibrated(node) else stored(node, precision)
+        return node if kind_of(node).calibrated else stored(node, precision)
 
-    model = jax.tree.map(others_first, model, is_leaf=_quantizable)
+    model = jax.tree.map(others_first, model, is_leaf=quantizable)
     # calibrated converts the Linear / Conv layers once each, in tree order
-    targets = iter(i for i, n in enumerate(layers) if _calibrated(n))
+    targets = iter(i for i, n in enumerate(layers) if kind_of(n).calibrated)
     return calibrated(
         model,
         data,
@@ -191,8 +142,7 @@ def _slots(model) -> list:
     it is), in tree order."""
 
     def is_slot(n) -> bool:
-        kinds = (Linear, Conv, SpectralConv, Embedding, *_CELLS)
-        return isinstance(n, kinds) or _quantizable(n)
+        return isinstance(n, (*QUANTIZED_LAYERS, *CELLS)) or quantizable(n)
 
     return [n for n in jax.tree.leaves(model, is_leaf=is_slot) if is_slot(n)]
 
@@ -234,7 +184,7 @@ def _dequantized_weights(layer, precision: str, group_size: int):
     back, in their own shapes: what the quantized (weight-only) layer's
     products multiply by."""
     if precision == "float32":
-        return _float_weights(layer)
+        return float_weights(layer)
     return _dequantized_parts(_as(layer, precision, group_size), layer)
 
 
@@ -243,13 +193,13 @@ def _dequantized_parts(quantized, layer) -> tuple[jax.Array, ...]:
     (a spectral layer's rows back to its (in, out, *modes, 2) parts, a
     cell's two matrices); a layer left float (``quantize`` keeps some) its
     own weights."""
-    if isinstance(quantized, _CELLS):
+    if isinstance(quantized, CELLS):
         return tuple(
             _dequantized_parts(getattr(quantized, name), getattr(layer, name))[0]
-            for name in _weight_names(layer)
+            for name in kind_of(layer).weights
         )
-    if not isinstance(quantized, Linear | Conv | SpectralConv | Embedding):
-        return _float_weights(quantized)
+    if not isinstance(quantized, QUANTIZED_LAYERS):
+        return float_weights(quantized)
     back = dequantize(quantized.quantized())
     if isinstance(quantized, SpectralConv):
         return (quantized._parts(back),)
@@ -264,7 +214,7 @@ def _dequantized_parts(quantized, layer) -> tuple[jax.Array, ...]:
 def _weight_sqnr(layer, dequantized) -> float:
     """10 log10(||w||^2 / ||w - W||^2) of the layer's weights and their
     ``dequantized`` parts (a cell's two matrices together)."""
-    pairs = zip(_float_weights(layer), dequantized, strict=True)
+    pairs = zip(float_weights(layer), dequantized, strict=True)
     signal = noise = 0.0
     for w, back in pairs:
         w, back = np.asarray(w, np.float64), np.asarray(back, np.float64)
@@ -274,37 +224,30 @@ def _weight_sqnr(layer, dequantized) -> float:
 
 def _with_weights(model, weights: list):
     """``model`` with its i-th quantizable layer's float weights
-    ``weights[i]`` (a tuple: ``_weight_names``' fields)."""
+    ``weights[i]`` (a tuple: its kind's ``weights`` fields)."""
     given = iter(weights)
 
     def swap(node):
-        if not _quantizable(node):
+        if not quantizable(node):
             return node
-        names = _weight_names(node)
+        names = kind_of(node).weights
         return eqx.tree_at(
             lambda n: tuple(getattr(n, name) for name in names), node, next(given)
         )
 
-    return jax.tree.map(swap, model, is_leaf=_quantizable)
-
-
-def _rows(layer) -> list[tuple[int, int]]:
-    """(rows, entries per row) of each stored weight matrix of the layer."""
-    if isinstance(layer, SpectralConv):  # a row per output channel and mode
-        return [(layer.out_channels * math.prod(layer.modes), 2 * layer.in_channels)]
-    return [(w.shape[0], math.prod(w.shape[1:])) for w in _float_weights(layer)]
+    return jax.tree.map(swap, model, is_leaf=quantizable)
 
 
 def layer_bytes(layer, precision: str, group_size: int) -> int:
     """The stored weights' bytes (payload and scales) at ``precision``."""
     if precision == "float32":
-        return sum(4 * out * per_out for out, per_out in _rows(layer))
+        return sum(4 * out * per_out for out, per_out in rows(layer))
     if precision == "int4":
         return sum(
             out * per_out // 2 + 4 * out * per_out // group_size
-            for out, per_out in _rows(layer)
+            for out, per_out in rows(layer)
         )
-    return sum(out * per_out + 4 * out for out, per_out in _rows(layer))
+    return sum(out * per_out + 4 * out for out, per_out in rows(layer))
 
 
 class _Measurer:
@@ -384,12 +327,12 @@ class _Measurer:
 
 def _shape(layer) -> list:
     """The layer's weight shape (a cell's: its two matrices')."""
-    shapes = [list(w.shape) for w in _float_weights(layer)]
-    return shapes if isinstance(layer, _CELLS) else shapes[0]
+    shapes = [list(w.shape) for w in float_weights(layer)]
+    return shapes if isinstance(layer, CELLS) else shapes[0]
 
 
-def evaluate(model, x, *, precision="int8", group_size=DEFAULT_GROUP_SIZE, seed=0,
-             method="rtn", data=None):  # fmt: skip
+def evaluate(model, x, config: QuantConfig | None = None, *, seed=0, data=None,
+             **options):  # fmt: skip
     """Errors of ``model`` (float32) quantized to ``precision`` on the data
     ``x``: per layer (its weights' SQNR in dB; the model's output and input
     gradient with only that layer quantized: its sensitivity, run as the
@@ -397,7 +340,12 @@ def evaluate(model, x, *, precision="int8", group_size=DEFAULT_GROUP_SIZE, seed=
     model (every layer at ``precision`` where it can be, the quantized model
     itself). ``method="gptq"`` or ``"awq"``: the layers as that method
     quantizes them, calibrated on ``data`` (default: ``x``), each layer's row
-    with round-to-nearest's SQNR and sensitivity beside (``rtn_...``)."""
+    with round-to-nearest's SQNR and sensitivity beside (``rtn_...``).
+
+    ``config`` (a ``QuantConfig``; or its fields as keywords: ``precision``,
+    ``group_size``, ``method``) says how; the default int8, round-to-nearest,
+    groups of 128 for int4."""
+    precision, group_size, method = _weight_options(config, options, "evaluate")
     model = on_device(model)
     calibration = _check_method(method, model, data, x)
     measure = _Measurer(model, x, group_size, seed, calibration)
@@ -432,6 +380,24 @@ def evaluate(model, x, *, precision="int8", group_size=DEFAULT_GROUP_SIZE, seed=
         "layers": per_layer,
         "model": measure.measured(whole, method),
     }
+
+
+def _weight_options(config, options: dict, caller: str) -> tuple[str, int, str]:
+    """(precision, group size, method) of ``config`` with ``options`` applied
+    (``QuantConfig`` checks them); evaluate and plan measure the weights'
+    quantization, so W8A8 calibration (smoothquant, static) is refused."""
+    config = as_config(config, options)
+    if (
+        config.smoothquant is not None
+        or config.static
+        or config.activations != "float32"
+    ):
+        raise ValueError(
+            f"{caller} measures weight quantization: activations='float32', without "
+            "smoothquant or static (quantize a W8A8 model with qnn.quantize)"
+        )
+    group_size = DEFAULT_GROUP_SIZE if config.group_size is None else config.group_size
+    return config.precision, group_size, config.method
 
 
 def _error_of(errors: dict, metric: str) -> float:
@@ -483,8 +449,8 @@ def _search(measure: _Measurer, budget: float, metric: str, method: str) -> dict
     }
 
 
-def plan(model, x, budget: float, *, metric="output", group_size=DEFAULT_GROUP_SIZE,
-         seed=0, method="rtn", data=None):  # fmt: skip
+def plan(model, x, budget: float, config: QuantConfig | None = None, *,
+         metric="output", seed=0, data=None, **options):  # fmt: skip
     """The cheapest precision per layer (bytes of the stored weights) whose
     whole model keeps ``metric``'s relative L2 error within ``budget`` on
     ``x``: every layer starts at its cheapest precision; while the measured
@@ -501,7 +467,10 @@ def plan(model, x, budget: float, *, metric="output", group_size=DEFAULT_GROUP_S
     verification; the plan searches round-to-nearest too and keeps the one
     of fewer bytes (``"method"`` says which; ``"compared"``: the bytes of
     each), so a calibrated plan never costs more than RTN's. ``apply_plan``
-    of a calibrated plan needs the same ``data``."""
+    of a calibrated plan needs the same ``data``. ``config`` (or the
+    keywords ``group_size``, ``method``) as ``evaluate``'s; its precision is
+    the plan's to choose."""
+    _, group_size, method = _weight_options(config, options, "plan")
     if metric not in METRICS:
         raise ValueError(f"plan: metric must be one of {METRICS}, got {metric!r}")
     if not budget >= 0:

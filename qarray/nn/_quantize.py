@@ -4,19 +4,14 @@ model, in the manner of torchao's ``quantize_`` and qwix's ``quantize_model``.""
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 
 import equinox as eqx
 import jax
 
-from .._ops import DEFAULT_GROUP_SIZE
 from ._calibrate import Calibration, calibrated
 from ._config import QuantConfig
-from ._conv import Conv, ConvTranspose
-from ._embedding import Embedding
-from ._linear import Linear
-from ._spectral import SpectralConv
+from ._kinds import FLOAT_LAYERS, QUANTIZED_LAYERS, quantizable, quantized
 
 
 def _replace(model, kind, convert: Callable):
@@ -107,71 +102,15 @@ def quantize(
     def convert(layer):
         if where is not None and not where(layer):
             return layer
-        if precision == "float32":
+        if not quantizable(layer):  # a SpectralConv or cell quantized already
             return layer
-        if isinstance(layer, SpectralConv):
-            if layer.precision != "float32":  # quantized already
-                return layer
-            group = DEFAULT_GROUP_SIZE if group_size is None else group_size
-            fits = (2 * layer.in_channels) % group == 0
-            chosen = precision if precision != "int4" or fits else "int8"
-            return layer.as_precision(
-                chosen,
-                trainable=trainable,
-                group_size=group if chosen == "int4" else None,
-            )
-        if isinstance(layer, eqx.nn.GRUCell | eqx.nn.LSTMCell):
-            # the cell applies its matrices as ``weight @ x``: quantized
-            # bias-free layers stand in for them (``Linear.__matmul__``)
-            def matrix(w):
-                return Linear.from_float(
-                    w,
-                    layout="nk",
-                    trainable=trainable,
-                    activations=activations,
-                    precision=precision if fits_int4_width(w, group_size) else "int8",
-                    group_size=group_size,
-                )
-
-            return eqx.tree_at(
-                lambda c: (c.weight_ih, c.weight_hh),
-                layer,
-                (matrix(layer.weight_ih), matrix(layer.weight_hh)),
-            )
-        chosen = precision if fits_int4(layer, group_size) else "int8"
-        options = {"precision": chosen, "group_size": group_size}
-        if isinstance(layer, eqx.nn.Embedding):
-            return Embedding.from_eqx(layer, trainable=trainable, **options)
-        if isinstance(layer, eqx.nn.Conv | eqx.nn.ConvTranspose):
-            if layer.padding_mode != "ZEROS":
-                return layer
-            kind = Conv if isinstance(layer, eqx.nn.Conv) else ConvTranspose
-            return kind.from_eqx(
-                layer, trainable=trainable, activations=activations, **options
-            )
-        if "scalar" in (layer.in_features, layer.out_features):
-            return layer
-        return Linear.from_float(
-            layer.weight,
-            layer.bias,
-            layout="nk",
-            trainable=trainable,
-            activations=activations,
-            **options,
+        return quantized(
+            layer, precision, group_size, trainable=trainable, activations=activations
         )
 
-    kinds = (
-        eqx.nn.Linear,
-        eqx.nn.Conv,
-        eqx.nn.ConvTranspose,
-        eqx.nn.Embedding,
-        eqx.nn.GRUCell,
-        eqx.nn.LSTMCell,
-        SpectralConv,
-    )
     if calibration is not None:
         model = calibrated(model, data, convert, calibration)
-    return _replace(model, kinds, convert)
+    return _replace(model, FLOAT_LAYERS, convert)
 
 
 def as_config(config: QuantConfig | None, options: dict) -> QuantConfig:
@@ -214,24 +153,10 @@ def _calibration(config: QuantConfig, data, trainable: bool):
     )
 
 
-def fits_int4_width(weight, group_size: int | None = None) -> bool:
-    """Whether ``group_size`` divides the input width of weights ``(out, ...)``."""
-    group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
-    return math.prod(weight.shape[1:]) % group_size == 0
-
-
-def fits_int4(layer, group_size: int | None = None) -> bool:
-    """Whether an ``eqx.nn.Linear`` / ``eqx.nn.Conv`` / ``eqx.nn.Embedding``
-    (weights ``(out, ...)``, a table ``(num, size)``) packs into int4 groups:
-    ``group_size`` divides its input width (an embedding's row size)."""
-    return fits_int4_width(layer.weight, group_size)
-
-
 def freeze(model):
     """A copy of ``model`` with every trainable ``qarray.nn.Linear``,
     ``qarray.nn.Conv`` and ``qarray.nn.Embedding`` stored as the int8 (or
     int4) weights and scales it quantizes to
     (the export after quantization-aware training: the same outputs, a
     quarter of the bytes). Eager: call it outside ``jit``."""
-    kinds = (Linear, Conv, Embedding, SpectralConv)
-    return _replace(model, kinds, lambda layer: layer.frozen())
+    return _replace(model, QUANTIZED_LAYERS, lambda layer: layer.frozen())

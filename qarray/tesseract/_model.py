@@ -56,7 +56,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from tesseract_core.runtime import Array, Differentiable, Float32
 
 from ..checkpoint import ModelFileError, load_quantized
-from ..nn import adapter_shapes, with_adapters
+from ..nn import QuantConfig, adapter_shapes, with_adapters
 from ._endpoints import Endpoints, given_paths
 from ._jit import merge_request, split_request
 from ._limits import require_finite
@@ -76,7 +76,8 @@ class ModelTesseract:
     arrays) for a request's inputs (the InputSchema as a dict of NumPy
     arrays and other values), traced under ``jax.jit``; ``batch_inputs``:
     the inputs whose leading axis indexes independent examples (module doc);
-    ``quantize_options``: passed to ``qarray.nn.quantize`` (``where``,
+    ``config`` (a ``QuantConfig``) and ``quantize_options``: passed to
+    ``qarray.nn.quantize`` (``where``,
     ``activations``).
     """
 
@@ -90,6 +91,7 @@ class ModelTesseract:
         lora_rank: int | None = None,
         lora_alpha: float | None = None,
         batch_inputs: Sequence[str] = (),
+        config: QuantConfig | None = None,
         **quantize_options,
     ):
         settings = Settings.from_env(environ)
@@ -104,7 +106,7 @@ class ModelTesseract:
 
         def load(path: str, mesh) -> Any:
             try:
-                model = load_quantized(path, skeleton, **quantize_options)
+                model = load_quantized(path, skeleton, config, **quantize_options)
             except ModelFileError as error:
                 raise RuntimeError(f"QARRAY_MODEL: {error}") from None
             model = jax.tree.map(jnp.asarray, model)

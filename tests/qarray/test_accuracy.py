@@ -94,6 +94,26 @@ def test_evaluate_matches_numpy(rng, precision):
         )
 
 
+def test_evaluate_and_plan_take_a_quant_config(rng):
+    """A QuantConfig is what the keywords are shorthand for: the same report;
+    W8A8 calibration, which evaluate and plan do not measure, refused."""
+    network, _, _ = mlp(rng)
+    x = rng.standard_normal((20, 16)).astype(np.float32)
+    config = qnn.QuantConfig(precision="int4", group_size=8)
+    by_config = qnn.evaluate(network, x, config)
+    by_keywords = qnn.evaluate(network, x, precision="int4", group_size=8)
+    assert by_config["model"] == by_keywords["model"]
+    assert [layer["precision"] for layer in by_config["layers"]] == ["int4"] * 3
+    planned = qnn.plan(network, x, 1.0, config)
+    assert planned["precisions"] == ["int4"] * 3  # a loose budget: all cheapest
+    assert planned["group_size"] == 8
+    w8a8 = qnn.QuantConfig(activations="int8", smoothquant=0.5)
+    with pytest.raises(ValueError, match="measures weight quantization"):
+        qnn.evaluate(network, x, w8a8)
+    with pytest.raises(ValueError, match="QuantConfig: method"):
+        qnn.plan(network, x, 0.1, method="bogus")
+
+
 def greedy(ws, bs, x, r, budget, group):
     """The documented plan, in NumPy: start cheapest, move the layer whose
     quantization alone costs most one step up until the model meets budget."""

@@ -2,7 +2,7 @@
 
 Values and gradients of Linear in both layouts, stored and trainable; any
 equinox MLP quantized by qarray.nn.quantize; quantization-aware training with
-optax and the int8 export; Network and its model files.
+optax and the int8 export.
 """
 
 import equinox as eqx
@@ -14,8 +14,6 @@ import pytest
 
 import qarray as qa
 import qarray.nn as qnn
-from qarray.checkpoint import load_network, save_network
-from qarray.tesseract import Network
 from support import reference as ref
 
 # rerun on XLA's formulations alone where the kernels ran (make test)
@@ -254,59 +252,6 @@ def test_scalar_layers_stay_float():
     kinds = [type(layer) for layer in quantized.layers]
     assert kinds == [eqx.nn.Linear, qnn.Linear, eqx.nn.Linear]
     np.testing.assert_allclose(quantized(1.5), model(1.5), rtol=0.05, atol=1e-3)
-
-
-# --- Network: the Tesseract contract's network as a module
-
-
-def network_layers(rng):
-    return [
-        qnn.Linear.from_float(normal(rng, 6, 5), normal(rng, 5), layout="kn"),
-        qnn.Linear(jnp.asarray(normal(rng, 4, 5)), layout="nk"),
-    ]
-
-
-def test_network_matches_numpy_with_batch_axes(rng):
-    """Per-example weights on a leading axis: y[b] = net(x[b], params[b])."""
-    layers = network_layers(rng)
-    x = normal(rng, 3, 2, 6)
-    batched_w = normal(rng, 3, 4, 5)  # layer 1's weights, one per example
-    layers[1] = qnn.Linear(jnp.asarray(batched_w), layout="nk")
-    net = Network(layers, ["relu", "none"])
-    y, per_layer = net.run(x, return_w_q=True)
-    w0 = np.asarray(layers[0].qvalue, np.float64) * np.asarray(layers[0].scale)[:, None]
-    for b in range(3):
-        h = np.maximum(x[b] @ w0 + np.asarray(layers[0].bias), 0)
-        want = h @ ref.roundtrip(batched_w[b]).astype(np.float64).T
-        np.testing.assert_allclose(y[b], want, rtol=1e-4, atol=1e-5)
-    assert per_layer[0]["w_q"] is None  # a stored layer
-    assert per_layer[1]["weight_error"].shape == (3,)
-    np.testing.assert_array_equal(
-        per_layer[1]["w_q"]["qvalue"], ref.quantize(batched_w)[0]
-    )
-
-
-def test_network_refuses_widths_that_do_not_chain(rng):
-    a = qnn.Linear(jnp.asarray(normal(rng, 6, 5)), layout="kn")
-    b = qnn.Linear(jnp.asarray(normal(rng, 4, 6)), layout="nk")
-    with pytest.raises(TypeError, match=r"layers.\[0\] gives 5 features"):
-        Network([a, b])
-    with pytest.raises(ValueError, match="activations in"):
-        Network([a], ["swish"])
-    with pytest.raises(TypeError, match="K = 6"):
-        Network([a]).run(normal(rng, 2, 5))
-
-
-def test_network_model_file_round_trip(rng, tmp_path):
-    net = Network(network_layers(rng), ["gelu", "none"])
-    path = tmp_path / "model.safetensors"
-    save_network(path, net)
-    loaded = load_network(path)
-    assert loaded.activation == ("gelu", "none")
-    assert [layer.layout for layer in loaded.layers] == ["kn", "nk"]
-    assert all(not layer.trainable for layer in loaded.layers)
-    x = normal(rng, 4, 6)
-    np.testing.assert_allclose(loaded(x), net(x), rtol=1e-5, atol=1e-6)
 
 
 def test_the_library_imports_no_server():
