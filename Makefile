@@ -122,7 +122,7 @@ bench-peers: setup
 SOAK_SECONDS ?= 180
 SOAK_ARGS ?=
 soak: setup
-	$(PY) scripts/soak.py --seconds $(SOAK_SECONDS) $(SOAK_ARGS)
+	$(PY) -m benchmarks.soak --seconds $(SOAK_SECONDS) $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(COMPAT_VENV) $(PEERS_VENV) site

@@ -1,9 +1,8 @@
-"""scripts/soak.py (`make soak`), kept honest in `make test`: a short run on
+"""benchmarks/soak (`make soak`), kept honest in `make test`: a short run on
 the small networks passes and writes its report; a wrong answer fails it; the
 memory rule tells a leak from a plateau on synthetic curves; its JVP
 reference is the transpose of the NumPy reference VJP."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,24 +10,28 @@ import sys
 import numpy as np
 import pytest
 
+from benchmarks.soak import memory, networks, references, settings, traffic
 from support import network as net
 from support.server import ROOT
-
-SCRIPT = ROOT / "scripts" / "soak.py"
-_spec = importlib.util.spec_from_file_location("qarray_soak", SCRIPT)
-soak = importlib.util.module_from_spec(_spec)
-sys.modules["qarray_soak"] = soak  # dataclasses look their module up there
-_spec.loader.exec_module(soak)
 
 
 def run_soak(tmp_path, *args, timeout=300):
     out, plot = tmp_path / "soak.json", tmp_path / "soak.png"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(out), "--plot", str(plot), *args],
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.soak",
+            "--out",
+            str(out),
+            "--plot",
+            str(plot),
+            *args,
+        ],
         capture_output=True,
         text=True,
         timeout=timeout,
-        cwd=tmp_path,
+        cwd=ROOT,
     )
     report = json.loads(out.read_text()) if out.exists() else None
     return proc, report, plot
@@ -42,13 +45,13 @@ def test_a_short_soak_passes_and_writes_its_report(tmp_path):
     assert "soak passed" in proc.stdout
     assert report["ok"] is True and report["failures"] == []
     assert 9 < report["duration_s"] < 60
-    for endpoint in soak.ENDPOINTS:
+    for endpoint in settings.ENDPOINTS:
         stats = report["latency_ms"][endpoint]
         assert stats["count"] > 0
         assert 0 < stats["p50"] <= stats["p99"] <= stats["max"]
     # every malformed request of the catalogue was sent (in the warm-up at
     # least) and got a 4xx naming its field
-    cases = soak.bad_requests(np.random.default_rng(0))
+    cases = traffic.bad_requests(np.random.default_rng(0))
     assert set(report["bad_requests"]) == {c[0] for c in cases}
     for statuses in report["bad_requests"].values():
         assert all(400 <= int(status) < 500 for status in statuses)
@@ -101,12 +104,12 @@ def noisy(curve, seed=0, sigma=3.0):
     ],
 )
 def test_memory_rule(name, mib, growing):
-    verdict = soak.memory_verdict(T, mib, start=0.0, end=T[-1])
+    verdict = memory.memory_verdict(T, mib, start=0.0, end=T[-1])
     assert verdict["growing"] is growing, verdict
 
 
 def test_memory_rule_needs_samples():
-    verdict = soak.memory_verdict([0.0, 0.5, 1.0], [1.0, 100.0, 1000.0])
+    verdict = memory.memory_verdict([0.0, 0.5, 1.0], [1.0, 100.0, 1000.0])
     assert verdict["growing"] is False
     assert "too few samples" in verdict["note"]
 
@@ -114,7 +117,7 @@ def test_memory_rule_needs_samples():
 # --- the soak's reference checks
 
 
-@pytest.mark.parametrize("spec", soak.SPECS, ids=[s.name for s in soak.SPECS])
+@pytest.mark.parametrize("spec", networks.SPECS, ids=[s.name for s in networks.SPECS])
 def test_reference_jvp_is_the_transpose_of_the_vjp(spec, rng):
     inputs, excused = spec.draw(rng)
     assert excused.shape == net.forward(inputs).shape[:-1]
@@ -124,18 +127,18 @@ def test_reference_jvp_is_the_transpose_of_the_vjp(spec, rng):
     tangents = {p: net.normal(rng, np.shape(net.at(inputs, p))) for p in paths}
     g = net.normal(rng, net.forward(inputs).shape)
     cotangents = net.vjp(inputs, g)
-    lhs = np.sum(soak.jvp(inputs, tangents) * g)
+    lhs = np.sum(references.jvp(inputs, tangents) * g)
     rhs = sum(np.sum(tangents[p] * cotangents[p]) for p in paths)
     np.testing.assert_allclose(lhs, rhs, rtol=1e-10)
 
 
 def test_nudged_weights_sit_away_from_rounding_ties(rng):
     w = net.normal(rng, (256, 512))
-    near = soak._tie_gap(soak._steps(w)) < soak.W_TIE_MARGIN
+    near = networks._tie_gap(networks._steps(w)) < settings.W_TIE_MARGIN
     assert near.any()  # ties, before
-    nudged = soak.nudge_ties(w)
-    gap = soak._tie_gap(soak._steps(nudged))
-    assert (gap >= soak.W_TIE_MARGIN).all()
+    nudged = networks.nudge_ties(w)
+    gap = networks._tie_gap(networks._steps(nudged))
+    assert (gap >= settings.W_TIE_MARGIN).all()
     assert (gap[near] > 0.009).all()  # moved to 0.01 steps from the tie
     np.testing.assert_array_equal(nudged[~near], w[~near])
     np.testing.assert_array_equal(
