@@ -1,10 +1,14 @@
-"""qarray's CPU kernels (``qarray/_cpu/kernels.cc``) through ``jax.ffi``.
+"""qarray's CPU kernels (``qarray/_cpu/``) through ``jax.ffi``.
 
 ``scripts/build_kernels.sh`` (run by ``make setup`` and the image's build
-stage) compiles them into ``qarray/_cpu/libqarray_cpu.so``. They run where
-the library was built and the CPU has AVX-512 VNNI, unless
-``QARRAY_KERNELS=xla`` asks for the XLA formulations everywhere; ``available``
-says which, and ``_kernels.choose_strategy`` picks them on CPU.
+stage) compiles them into ``qarray/_cpu/libqarray_cpu.so``: four handlers
+over tiles for each instruction set of the architecture (x86-64: AVX-512
+VNNI, AVX2 with or without AVX-VNNI; aarch64: dotprod, i8mm), the best this
+CPU has chosen when the library loads. ``QARRAY_CPU_ISA=avx512|avx2|i8mm|
+dotprod`` forces a lower one (tests, benchmarks); ``QARRAY_KERNELS=xla`` asks
+for the XLA formulations everywhere. ``status`` says which runs
+(``"available (avx2)"``), ``available`` whether one does, and
+``_kernels.choose_strategy`` picks them on CPU.
 """
 
 from __future__ import annotations
@@ -27,12 +31,13 @@ TARGET_INT4 = "qarray_product_int4"
 TARGET_QUANTIZE = "qarray_quantize"
 TARGET_CONV = "qarray_conv"
 KERNELS_ENV = "QARRAY_KERNELS"  # "xla": never use the CPU kernels
+ISA_ENV = "QARRAY_CPU_ISA"  # read by the library (qarray/_cpu/dispatch.cc)
 
 
 @functools.cache
 def status() -> str:
-    """Why the CPU kernels do or do not run in this process: "available",
-    or the reason they do not."""
+    """Whether the CPU kernels run in this process and on which instruction
+    set: ``"available (avx2)"``, or the reason they do not."""
     if os.environ.get(KERNELS_ENV, "").strip().lower() == "xla":
         return f"{KERNELS_ENV}=xla"
     if not LIBRARY.is_file():
@@ -49,8 +54,11 @@ def status() -> str:
         library = ctypes.CDLL(str(LIBRARY))
     except OSError as error:
         return f"{LIBRARY.name} does not load: {error}"
-    if not library.qarray_cpu_supported():
-        return "this CPU lacks AVX-512 (F, BW, VL, VNNI)"
+    library.qarray_cpu_isa.restype = ctypes.c_char_p
+    library.qarray_cpu_reason.restype = ctypes.c_char_p
+    isa = library.qarray_cpu_isa()
+    if isa is None:
+        return library.qarray_cpu_reason().decode()
     jax.ffi.register_ffi_target(
         TARGET, jax.ffi.pycapsule(library.QarrayProduct), platform="cpu"
     )
@@ -63,12 +71,20 @@ def status() -> str:
     jax.ffi.register_ffi_target(
         TARGET_CONV, jax.ffi.pycapsule(library.QarrayConv), platform="cpu"
     )
-    return "available"
+    return f"available ({isa.decode()})"
 
 
 def available() -> bool:
     """Whether the CPU kernels run in this process (see ``status``)."""
-    return status() == "available"
+    return status().startswith("available")
+
+
+def isa() -> str | None:
+    """The instruction set the CPU kernels run on here ("avx512", "avx2",
+    "i8mm", "dotprod"), or None where they do not run."""
+    if not available():
+        return None
+    return status()[len("available (") : -1]
 
 
 def _float32(*shape):
@@ -102,12 +118,28 @@ def _varying_like(y, operands):
     return y
 
 
+def thresholds() -> dict[str, np.int64]:
+    """The thresholds that choose a path inside the kernels, passed with every
+    call: ``_kernels`` owns them (it chooses between the kernels and XLA's
+    formulations with the same numbers); the library checks their range."""
+    from . import _kernels  # imports this module
+
+    return {
+        "split": np.int64(_kernels.SPLIT_LEVELS),
+        "gemm_rows": np.int64(_kernels.KERNEL_GEMM_ROWS),
+        "kn_dot_rows": np.int64(_kernels.KERNEL_TILE_ROWS["kn", "int8"]),
+    }
+
+
 def product_int4(x, packed, scale, *, int8: bool = False):
     """x f32[m, k] @ W^T for int4 weights W[n, k] (packed uint8[n, k / 2], one
     scale per group of k: f32[n, k / G], G a multiple of 32) -> f32[m, n];
     ``int8``: x quantized per row first (W4A8)."""
     results = _float32(x.shape[0], packed.shape[0])
-    return _call(TARGET_INT4, (x, packed, scale), results, int8=np.int64(int8))
+    split = thresholds()["split"]
+    return _call(
+        TARGET_INT4, (x, packed, scale), results, int8=np.int64(int8), split=split
+    )
 
 
 def quantize_rows(x):
@@ -132,6 +164,7 @@ def conv(x, qvalue, scale, out_shape, geometry, *, int8: bool):
         _float32(*out_shape),
         geometry=np.asarray(geometry, np.int64),
         int8=np.int64(int8),
+        split=thresholds()["split"],
     )
 
 
@@ -147,4 +180,5 @@ def product(x, qvalue, scale, *, kn: bool, int8: bool):
         _float32(x.shape[0], n),
         kn=np.int64(kn),
         int8=np.int64(int8),
+        **thresholds(),
     )

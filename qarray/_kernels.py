@@ -89,6 +89,8 @@ INT8_STRATEGIES = ("kernel", "chunked", "int8_dot")
 # rows of int8 weights converted to f32 at a time by the chunked formulation
 CHUNK_ROWS = 128
 # int8 parts representing float32 activations: (1/254)^3 ~ 6e-8 of a row's max
+# (the CPU kernels split weight-only rows the same way: _ffi.thresholds passes
+# this, KERNEL_GEMM_ROWS and KERNEL_TILE_ROWS["kn", "int8"] with every call)
 SPLIT_LEVELS = 3
 
 
@@ -113,15 +115,17 @@ SMALL_WEIGHT_ELEMENTS = 1024
 
 # Where qarray's CPU kernel beats the XLA formulations (make bench, suite
 # kernels --strategies, weights cold): its dot-product tiles up to
-# KERNEL_TILE_ROWS rows, its GEMM from KERNEL_GEMM_ROWS int8 rows (kGemmRows
-# in kernels.cc; weight-only runs three int8 parts a row) up to
+# KERNEL_TILE_ROWS rows, its GEMM from KERNEL_GEMM_ROWS int8 rows (passed to
+# the kernels, which switch to the GEMM there; weight-only runs SPLIT_LEVELS
+# int8 parts a row) up to
 # KERNEL_MAX_ROWS rows (W8A8 with a short K: every count), past which XLA's
 # int8 dots measure as fast, in both layouts.
+KN_DOT_INT8_ROWS = 9  # layout kn's integer dot products: int8 rows (parts)
 KERNEL_TILE_ROWS = {
     ("nk", "float32"): 2,
     ("nk", "int8"): 8,
-    ("kn", "float32"): 3,  # the kernel's integer products up to 9 int8 rows
-    ("kn", "int8"): 9,
+    ("kn", "float32"): KN_DOT_INT8_ROWS // SPLIT_LEVELS,
+    ("kn", "int8"): KN_DOT_INT8_ROWS,
 }
 # (from 8 int8 rows the GEMM, on panels that stay in L2, measured 1.2-1.9x of
 # XLA's int8 dots and of split_int8 at K = N = 1024 and 4096, layout nk)

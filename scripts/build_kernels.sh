@@ -48,7 +48,7 @@ for f in product.cc product_int4.cc conv.cc quantize.cc dispatch.cc $tiles; do
     sources="$sources qarray/_cpu/$f"
 done
 # shellcheck disable=SC2086
-if "$cxx" -O3 -std=c++17 -shared -fPIC -fvisibility=hidden \
+if "$cxx" -O3 -std=c++17 -shared -fPIC \
     -I"$include" -Iqarray/_cpu $sources -o "$tmp"; then
     mv "$tmp" "$out"
     echo "$built_for" >"${out%.so}.jaxlib"

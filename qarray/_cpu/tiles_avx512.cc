@@ -1,120 +1,117 @@
-// qarray's CPU product kernels, registered with XLA through jax.ffi.
+// qarray's AVX-512 VNNI tiles (the handlers' arithmetic on this instruction set).
 //
-// Four handlers. qarray_quantize (at the end) runs qarray.quantize's int8
-// rows; qarray_product_int4 (below) runs linear_q on packed int4 weights,
-// weight-only or W4A8 (int8 == 1: x quantized per row), for many rows through
-// the same GEMM (nibbles unpacked into the panel, the group scales applied to
-// each group's integer sums); qarray_conv runs conv_q as an implicit GEMM.
-// qarray_product computes y f32[M, N] from x f32[M, K] and
-// int8 weights with one float32 scale per stored row:
+// The handlers (product.cc, product_int4.cc, conv.cc, quantize.cc) check
+// shapes and call these through dispatch.cc's table. Product computes
+// y f32[M, N] from x f32[M, K] and int8 weights with one scale per stored row:
 //
 //   layout nk (linear_q): q[N, K], scale[N]   y[m, n] = scale[n] * sum_k x[m, k] q[n, k]
 //   layout kn (matmul_q): q[K, N], scale[K]   y[m, n] = sum_k (x[m, k] scale[k]) q[k, n]
 //
 // Weight-only (int8 == 0): x keeps float32 precision and the weights are read
 // as int8 (a quarter of float32's bytes), never written back as a float32
-// copy, which is what XLA:CPU does. nk: each row of x split in three int8
+// copy, which is what XLA:CPU does. nk: each row of x split in `split` int8
 // parts (float32-exact, as _kernels' split_int8) through the W8A8 products
-// below; kn: up to kKnDotInt8Rows int8 rows (parts) into integer products
+// below; kn: up to kn_dot_rows int8 rows (parts) into integer products
 // of interleaved weight rows (KnDotProduct), more rows with the int8 weights
 // widened in registers.
 // Int8 activations (int8 == 1): each row v of x (scales folded in for kn) is
-// quantized like qarray.quantize (s = max|v| / 127, round half to even of
-// v / s, correctly rounded division), then
+// quantized like qarray.quantize (quantize_row.h), then
 //   nk: u8 (v + 128) x s8 dot products with vpdpbusd, minus 128 * rowsum(q);
 //   kn: KnDotProduct on the integer rows for a few rows, else the widened
 //       weights against them (exact f32 sums of integers up to 2^24), times s.
 // Rows are taken MB at a time so that each weight load serves MB rows; the
-// output channels are split in chunks over XLA's intra-op thread pool.
-// From kGemmRows int8 rows (W8A8 rows, or weight-only's parts, in either
+// output channels are split in chunks over the pool's threads.
+// From gemm_rows int8 rows (W8A8 rows, or weight-only's parts, in either
 // layout; kn's weight-only then runs on split parts of x * scale too) each
 // chunk repacks its weights for vpdpbusd and runs a register-blocked GEMM
-// instead of the dot products (GemmChunk).
+// instead of the dot products (GemmChunk). ProductInt4 runs linear_q on packed
+// int4 weights (float32 tiles for a row, then the same GEMM with the nibbles
+// unpacked into the panel and the group scales applied to each group's integer
+// sums); Conv runs conv_q as an implicit GEMM; Quantize, qarray.quantize.
 //
-// Only AVX-512 (F, BW, VNNI) code is here, compiled with target attributes and
-// used only where qarray_cpu_supported() says the CPU has it; elsewhere
-// qarray uses the XLA formulations (qarray/_kernels.py).
+// This file is compiled for any x86-64: its functions carry AVX-512's target
+// (the pragma below, after every shared header, so that no inline function or
+// template those headers define is compiled for AVX-512 and then picked by the
+// linker for code that runs on a CPU without it); dispatch.cc calls them only
+// where cpuid reports AVX-512 F, BW, VL and VNNI.
 
 #include <immintrin.h>
 
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <memory>
-#include <thread>
-#include <type_traits>
-#include <vector>
+#include "common.h"
 
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
 
 #define QARRAY_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
-namespace {
+namespace qarray::cpu::avx512 {
+
+// the vector type the row quantizer (quantize_row.h) runs on
+struct VecAvx512 {
+  static constexpr int W = 16;
+  using F = __m512;
+  using M = __mmask16;
+  static F Load(const float* p) { return _mm512_loadu_ps(p); }
+  static F Set1(float v) { return _mm512_set1_ps(v); }
+  static F Zero() { return _mm512_setzero_ps(); }
+  static F Mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F Div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F Sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F Abs(F a) { return _mm512_abs_ps(a); }
+  static F Max(F a, F b) { return _mm512_max_ps(a, b); }  // NaN in a: b
+  static F Min(F a, F b) { return _mm512_min_ps(a, b); }
+  static F Round(F a) {
+    return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  static M None() { return 0; }
+  static M Or(M a, M b) { return a | b; }
+  static M Unord(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q); }
+  static M Gt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+  static bool Any(M m) { return m != 0; }
+  static F Select(M m, F a, F b) { return _mm512_mask_mov_ps(b, m, a); }
+  static float ReduceMax(F a) { return _mm512_reduce_max_ps(a); }
+  static void StoreF(float* p, F a) { _mm512_storeu_ps(p, a); }
+  static void StoreS8(int8_t* p, F a) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(a)));
+  }
+  static void StoreU8(uint8_t* p, F a) {
+    // shifted to unsigned for vpdpbusd: q + 128 in [1, 255]
+    const __m512i q = _mm512_add_epi32(_mm512_cvtps_epi32(a), _mm512_set1_epi32(128));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(q));
+  }
+  // 64 levels (integers in [-127, 127]) -> 64 bytes in order: two saturating
+  // packs work within 128-bit lanes, the permutation undoes that
+  static void StoreS8x4(int8_t* p, F a, F b, F c, F d, bool stream) {
+    const __m512i bytes =
+        _mm512_packs_epi16(_mm512_packs_epi32(_mm512_cvtps_epi32(a), _mm512_cvtps_epi32(b)),
+                           _mm512_packs_epi32(_mm512_cvtps_epi32(c), _mm512_cvtps_epi32(d)));
+    const __m512i order =
+        _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m512i v = _mm512_permutexvar_epi32(order, bytes);
+    if (stream)
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(p), v);
+    else
+      _mm512_storeu_si512(p, v);
+  }
+  static void Fence() { _mm_sfence(); }
+};
+
+#include "quantize_row.h"
 
 constexpr int kRowBlock = 4;  // rows of x per pass over the weights
 constexpr int64_t kKnChunk = 128;  // weight rows per partial sum (layout kn)
-constexpr int64_t kParallelWork = 4 << 20;  // multiply-adds from which to split
-constexpr int kSplit = 3;  // int8 parts of a float32 row (weight-only, nk)
 
-// --- per-row quantization of activations (qarray.quantize's numerics)
-
-// A division per element is what kept quantization from the bandwidth limit
-// (make bench, suite kernels: the quantize row), so rows multiply by the
-// reciprocal of their divisor instead: t = x * (1 / d) is within 2^-22 * |t| <=
-// 2^-15 of x / d, so it rounds to the same integer unless it lies within
-// kNearHalf of a half-integer; those (rare) vectors take the division.
-// Divisors below FLT_MIN, whose reciprocal overflows, divide every element.
-constexpr float kNearHalf = 1.0f / 4096;
-
-QARRAY_AVX512 inline __m512 RoundQuotient(__m512 v, __m512 divisor, __m512 reciprocal) {
-  const int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  const __m512 t = _mm512_mul_ps(v, reciprocal);
-  __m512 r = _mm512_roundscale_ps(t, nearest);
-  // |t - r| is exact (r an integer within 0.5 of t); NaN lanes compare false
-  const __mmask16 near = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(t, r)),
-                                            _mm512_set1_ps(0.5f - kNearHalf), _CMP_GT_OQ);
-  if (near) r = _mm512_mask_roundscale_ps(r, near, _mm512_div_ps(v, divisor), nearest);
-  return r;
+// v = x[row] * fold (fold: null or K scales) quantized: float levels, u8
+// levels + 128 (for vpdpbusd), or both
+inline float QuantizeRow(const float* x, const float* fold, int64_t k, float* out_float,
+                         uint8_t* out_u8) {
+  return QuantizeRowT<VecAvx512>(x, fold, k, RowOut{out_float, nullptr, out_u8});
 }
 
-// scale = max|v| / 127; q = round_half_even(v / scale) clipped to [-127, 127]
-// (an all-zero row: scale 0, q 0). v = x[row] * fold (fold: null or K scales).
-QARRAY_AVX512 float QuantizeRow(const float* x, const float* fold, int64_t k,
-                                float* out_float, uint8_t* out_u8) {
-  __m512 vmax = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; i += 16) {
-    __mmask16 m = (k - i >= 16) ? 0xFFFF : (__mmask16)((1u << (k - i)) - 1);
-    __m512 v = _mm512_maskz_loadu_ps(m, x + i);
-    if (fold) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, fold + i));
-    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
-  }
-  float scale = _mm512_reduce_max_ps(vmax) / 127.0f;
-  const float d = scale > 0.0f ? scale : 1.0f;
-  const __m512 divisor = _mm512_set1_ps(d);
-  const bool exact = !(d >= std::numeric_limits<float>::min());  // 1 / d overflows
-  const __m512 reciprocal = _mm512_set1_ps(1.0f / d);  // 0 for d = inf, as x / inf
-  __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
-  for (int64_t i = 0; i < k; i += 16) {
-    __mmask16 m = (k - i >= 16) ? 0xFFFF : (__mmask16)((1u << (k - i)) - 1);
-    __m512 v = _mm512_maskz_loadu_ps(m, x + i);
-    if (fold) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, fold + i));
-    __m512 q = exact ? _mm512_roundscale_ps(_mm512_div_ps(v, divisor),
-                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-                     : RoundQuotient(v, divisor, reciprocal);
-    q = _mm512_min_ps(_mm512_max_ps(q, lo), hi);
-    if (out_float) _mm512_mask_storeu_ps(out_float + i, m, q);
-    if (out_u8) {
-      // shifted to unsigned for vpdpbusd: q + 128 in [1, 255]
-      __m512i qi = _mm512_add_epi32(_mm512_cvtps_epi32(q), _mm512_set1_epi32(128));
-      _mm_mask_storeu_epi8(out_u8 + i, m, _mm512_cvtepi32_epi8(qi));
-    }
-  }
-  return scale;
+// `parts` u8 rows (levels + 128) a row of x (times fold), ks apart
+inline void SplitRows(const float* x, const float* fold, int64_t m, int64_t k, int64_t ks,
+                      int parts, uint8_t* xq, float* sx) {
+  SplitRowsT<VecAvx512>(x, fold, m, k, ks, parts, nullptr, xq, sx);
 }
 
 // --- layout nk: y[m, n] = sum_k x[m, k] q[n, k], a dot product per (m, n)
@@ -219,7 +216,7 @@ QARRAY_AVX512 void NkInt8Block(const uint8_t* xq, int64_t k_stride,
 
 // --- layout nk, many rows: a GEMM on weights repacked per chunk
 //
-// From kGemmRows rows (W8A8, or weight-only's int8 parts) each chunk of
+// From gemm_rows rows (W8A8, or weight-only's int8 parts) each chunk of
 // output channels first copies its weights into vpdpbusd's layout: 16
 // channels x 4 consecutive k per 64-byte vector (k padded to 4 with zeros),
 // with 128 * rowsum per channel. Then kGemmMR rows x 32 channels accumulate
@@ -228,9 +225,7 @@ QARRAY_AVX512 void NkInt8Block(const uint8_t* xq, int64_t k_stride,
 // rows), and each weight vector serves kGemmMR rows from L1/L2.
 // from 8 int8 rows the GEMM is ahead of the dot-product tiles and XLA's int8
 // dots (make bench, suite kernels --strategies; _kernels.KERNEL_GEMM_ROWS)
-constexpr int64_t kGemmRows = 8;
 constexpr int kGemmMR = 8;
-constexpr int64_t kPanelBytes = 256 << 10;
 
 struct Panel {
   std::vector<int8_t> w;       // (n16 + 1) blocks of k4 x 64 bytes
@@ -478,9 +473,9 @@ QARRAY_AVX512 void KnFloatBlock(const float* x, const float* fold, int64_t k,
 struct Problem {
   int64_t m, k, n;
   bool kn, int8;
-  // weight-only nk runs as W8A8 on each row of x split in kSplit int8 parts,
+  // weight-only nk runs as W8A8 on each row of x split in `split` int8 parts,
   // each quantizing what the previous left (x to ~1e-7 of its row's largest
-  // entry: float32 precision): integer dot products of rows = kSplit * m,
+  // entry: float32 precision): integer dot products of rows = split * m,
   // summed into y at the end
   bool split = false;
   int64_t rows = 0;
@@ -493,7 +488,8 @@ struct Problem {
   std::vector<uint8_t> xq;
   std::vector<float> xf, sx;
   int64_t k_stride = 0;  // bytes between rows of xq (nk): k rounded up to 4
-  bool gemm = false;  // kGemmRows rows (parts) or more: GemmChunk
+  bool gemm = false;  // gemm_rows rows (parts) or more: GemmChunk
+  int64_t parts = 3, gemm_rows = 8;  // Thresholds: split parts, GEMM rows
 };
 
 template <int MB>
@@ -603,14 +599,14 @@ QARRAY_AVX512 void GemmChunk(const Problem& p, int64_t n0, int64_t n1, int64_t r
   for (int64_t c = n0; c < n1; c += step) GemmPanel(p, c, std::min(n1, c + step), r0, r1);
 }
 
-// y's rows [r0, r1) / kSplit, channels [n0, n1): the parts' products summed
+// y's rows [r0, r1) / split, channels [n0, n1): the parts' products summed
 QARRAY_AVX512 void SumParts(const Problem& p, int64_t n0, int64_t n1, int64_t r0,
                             int64_t r1) {
-  for (int64_t r = r0 / kSplit; r < r1 / kSplit; ++r)
+  for (int64_t r = r0 / p.parts; r < r1 / p.parts; ++r)
     for (int64_t j = n0; j < n1; ++j) {
       float sum = 0.0f;
-      for (int part = 0; part < kSplit; ++part)
-        sum += p.y_parts[(kSplit * r + part) * p.n + j];
+      for (int part = 0; part < p.parts; ++part)
+        sum += p.y_parts[(p.parts * r + part) * p.n + j];
       p.y[r * p.n + j] = sum;
     }
 }
@@ -624,81 +620,21 @@ QARRAY_AVX512 void RunChunk(const Problem& p, int64_t n0, int64_t n1) {
   if (p.split) SumParts(p, n0, n1, 0, p.rows);
 }
 
-// Chunks are claimed from a shared counter by the calling thread and by the
-// tasks it schedules; the caller waits only for chunks already claimed (being
-// computed), never for a task that has not started, so a busy pool cannot
-// deadlock it, and a task that starts late finds nothing left to do.
-template <class Run>
-struct Work {
-  Run run;  // run(n0, n1): output channels [n0, n1)
-  int64_t n, chunk, count;
-  std::atomic<int64_t> next{0}, done{0};
-
-  Work(Run r, int64_t n_, int64_t chunk_)
-      : run(r), n(n_), chunk(chunk_), count((n_ + chunk_ - 1) / chunk_) {}
-
-  void Drain() {
-    for (int64_t c; (c = next.fetch_add(1)) < count;) {
-      const int64_t n0 = c * chunk;
-      run(n0, std::min(n0 + chunk, n));
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-// run(n0, n1) over [0, n) in chunks of `chunk` channels, on up to `threads`
-// threads of the pool (the calling one included). `keep` holds what run
-// reads until the last task ends (a task may start after this returns).
-template <class Run, class Keep>
-void Parallel(ffi::ThreadPool& pool, int64_t n, int64_t chunk, int64_t threads,
-              Run run, std::shared_ptr<Keep> keep) {
-  auto work = std::make_shared<Work<Run>>(run, n, chunk);
-  const int64_t helpers = std::min<int64_t>(threads, work->count) - 1;
-  for (int64_t t = 0; t < helpers; ++t)
-    pool.Schedule([work, keep] { work->Drain(); });
-  work->Drain();
-  while (work->done.load(std::memory_order_acquire) < work->count)
-    std::this_thread::yield();
-}
-
-// ~`per_thread` chunks per thread, each a multiple of 64 output channels
-int64_t ChunkSize(int64_t n, int64_t threads, int64_t per_thread) {
-  int64_t chunk = (n + per_thread * threads - 1) / (per_thread * threads);
-  return std::max<int64_t>(64, (chunk + 63) / 64 * 64);
-}
-
-// Each row of x (times fold, if given) as kSplit int8 parts, each quantizing
-// what the previous left (x to ~1e-7 of its row's largest entry: float32
-// precision): u8 rows (v + 128) of xq, kSplit per row, ks bytes apart, and
-// their scales
-QARRAY_AVX512 void SplitRows(const float* x, const float* fold, int64_t m, int64_t k,
-                             int64_t ks, uint8_t* xq, float* sx) {
-  std::vector<float> rest(k), levels(k);
-  for (int64_t r = 0; r < m; ++r) {
-    for (int64_t i = 0; i < k; ++i) rest[i] = fold ? x[r * k + i] * fold[i] : x[r * k + i];
-    for (int part = 0; part < kSplit; ++part) {
-      const int64_t at = kSplit * r + part;
-      sx[at] = QuantizeRow(rest.data(), nullptr, k, levels.data(), xq + at * ks);
-      for (int64_t i = 0; i < k; ++i) rest[i] -= levels[i] * sx[at];
-    }
-  }
-}
-
 QARRAY_AVX512 void Prepare(Problem& p) {
   p.rows = p.m;
   // u8 rows 4-byte aligned for the GEMM's broadcasts (the padding meets zero
   // weights there, and the tiles never read it)
   p.k_stride = (p.k + 3) / 4 * 4;
-  // the GEMM from kGemmRows int8 rows (weight-only: kSplit parts a row);
+  // the GEMM from gemm_rows int8 rows (weight-only: split parts a row);
   // weight-only runs on split rows for nk, and for kn under the GEMM
-  p.gemm = (p.int8 ? p.m : kSplit * p.m) >= kGemmRows;
+  p.gemm = (p.int8 ? p.m : p.parts * p.m) >= p.gemm_rows;
   p.split = !p.int8 && (!p.kn || p.gemm);
   if (p.split) {
-    p.rows = kSplit * p.m;
+    p.rows = p.parts * p.m;
     p.xq.assign(p.rows * p.k_stride, 0);
     p.sx.resize(p.rows);
     p.y_parts.resize(p.rows * p.n);
-    SplitRows(p.x, p.kn ? p.scale : nullptr, p.m, p.k, p.k_stride, p.xq.data(),
+    SplitRows(p.x, p.kn ? p.scale : nullptr, p.m, p.k, p.k_stride, static_cast<int>(p.parts), p.xq.data(),
               p.sx.data());
     return;
   }
@@ -723,10 +659,10 @@ QARRAY_AVX512 void Prepare(Problem& p) {
   }
 }
 
-// --- layout kn with a few rows (kKnDotInt8Rows int8 rows at most): integer
+// --- layout kn with a few rows (Thresholds::kn_dot_rows int8 rows at most): integer
 // products.
 // Each row of x (times the scales, which fold in for kn) becomes int8 rows:
-// one (W8A8) or kSplit parts (weight-only, float32-exact as for nk). Four
+// one (W8A8) or `split` parts (weight-only, float32-exact as for nk). Four
 // weight rows at a time are interleaved in registers into vpdpbusd's
 // four-byte groups (two unpacks of bytes, two of words, per 256 weights),
 // the weights made unsigned by flipping their sign bit (q + 128, corrected
@@ -741,7 +677,7 @@ QARRAY_AVX512 void Prepare(Problem& p) {
 // spill out of L2's reach and XLA's int8 dot measured faster at N = 4096
 // (W8A8 (12, 4096, 4096): 1.25x of float32 against 1.96x; make bench, suite
 // kernels, the kn rows)
-constexpr int kKnDotInt8Rows = 9;
+constexpr int kKnDotMaxRows = 9;  // the most KnDotRows instantiates
 
 // where column `off` of a 64-column block sits among its four accumulators
 // (e: which unpack, lane L: which 16 columns, t: which of four)
@@ -844,7 +780,7 @@ QARRAY_AVX512 void KnDotRun(const KnDotProblem& p, int64_t c) {
   }
 }
 
-QARRAY_AVX512 void KnDotProduct(ffi::ThreadPool& pool, const float* x,
+QARRAY_AVX512 void KnDotProduct(Pool& pool, const float* x,
                                 const float* scale, int64_t threads,
                                 std::shared_ptr<KnDotProblem> p) {
   p->ks = (p->k + 3) / 4 * 4;
@@ -857,7 +793,7 @@ QARRAY_AVX512 void KnDotProduct(ffi::ThreadPool& pool, const float* x,
     for (int64_t r = 0; r < p->m; ++r)
       p->sx[r] = QuantizeRow(x + r * p->k, scale, p->k, nullptr, u8.data() + r * p->ks);
   } else {
-    SplitRows(x, scale, p->m, p->k, p->ks, u8.data(), p->sx.data());
+    SplitRows(x, scale, p->m, p->k, p->ks, p->parts, u8.data(), p->sx.data());
   }
   for (int64_t r = 0; r < p->rows; ++r)  // u8 (level + 128) -> the level
     for (int64_t i = 0; i < p->k; ++i)
@@ -889,28 +825,23 @@ QARRAY_AVX512 void KnDotProduct(ffi::ThreadPool& pool, const float* x,
     }
 }
 
-ffi::Error ProductImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                       ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
-                       ffi::ResultBuffer<ffi::F32> y, int64_t kn, int64_t int8) {
-  auto xd = x.dimensions(), qd = q.dimensions();
-  if (xd.size() != 2 || qd.size() != 2)
-    return ffi::Error::InvalidArgument("qarray_product takes x[M, K] and q of rank 2");
+void Product(Pool& pool, const ProductArgs& a) {
   auto p = std::make_shared<Problem>();
-  p->m = xd[0];
-  p->k = xd[1];
-  p->n = kn ? qd[1] : qd[0];
-  p->kn = kn != 0;
-  p->int8 = int8 != 0;
-  if ((kn ? qd[0] : qd[1]) != p->k)
-    return ffi::Error::InvalidArgument("qarray_product: x and q do not contract");
-  p->x = x.typed_data();
-  p->q = q.typed_data();
-  p->scale = scale.typed_data();
-  p->y = y->typed_data();
-  if (p->m == 0 || p->n == 0) return ffi::Error::Success();
+  p->m = a.m;
+  p->k = a.k;
+  p->n = a.n;
+  p->kn = a.kn;
+  p->int8 = a.int8;
+  p->parts = a.t.split;
+  p->gemm_rows = a.t.gemm_rows;
+  p->x = a.x;
+  p->q = a.q;
+  p->scale = a.scale;
+  p->y = a.y;
+  if (p->m == 0 || p->n == 0) return;
   if (p->k == 0) {
     std::memset(p->y, 0, sizeof(float) * p->m * p->n);
-    return ffi::Error::Success();
+    return;
   }
   // small products stay on the calling thread: waking the pool's threads
   // costs more than their share of the work (make bench, suite kernels); a
@@ -920,22 +851,22 @@ ffi::Error ProductImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t parallel_from = p->m <= kRowBlock ? kParallelWork / 4 : kParallelWork;
   const int64_t threads =
       work_bytes < parallel_from ? 1 : std::max<int64_t>(1, pool.num_threads());
-  if (p->kn && p->m * (p->int8 ? 1 : kSplit) <= kKnDotInt8Rows) {
+  const int64_t kn_dot_rows = std::min<int64_t>(a.t.kn_dot_rows, kKnDotMaxRows);
+  if (p->kn && p->m * (p->int8 ? 1 : p->parts) <= kn_dot_rows) {
     auto dot = std::make_shared<KnDotProblem>();
     dot->m = p->m;
     dot->k = p->k;
     dot->n = p->n;
-    dot->parts = p->int8 ? 1 : kSplit;
+    dot->parts = p->int8 ? 1 : static_cast<int>(p->parts);
     dot->q = p->q;
     dot->y = p->y;
     KnDotProduct(pool, p->x, p->scale, threads, dot);
-    return ffi::Error::Success();
+    return;
   }
   Prepare(*p);
   const Problem* problem = p.get();  // ~4 chunks per thread
   Parallel(pool, p->n, ChunkSize(p->n, threads, 4), threads,
            [problem](int64_t n0, int64_t n1) { RunChunk(*problem, n0, n1); }, p);
-  return ffi::Error::Success();
 }
 
 // --- int4 weights, layout nk: q[N, K / 2] (two values a byte as 4-bit two's
@@ -948,7 +879,7 @@ ffi::Error ProductImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
 struct Int4Problem {
   int64_t m, k, n, group;  // group: values per scale, a multiple of 32
-  // int8 parts per row of x: kSplit (weight-only, float32-exact) or 1 (W4A8:
+  // int8 parts per row of x: split (weight-only, float32-exact) or 1 (W4A8:
   // x quantized per row)
   int parts;
   const float* x;
@@ -1129,7 +1060,7 @@ QARRAY_AVX512 void Int4GemmTile(const uint8_t* xq, int64_t ks, const float* sx,
 
 constexpr int kInt4GemmMR = 4;
 // rows of x from which the GEMM beats the float32 tiles on int4 weights, in
-// both modes (make bench, suite int4): far fewer than kGemmRows, since the
+// both modes (make bench, suite int4): far fewer than gemm_rows, since the
 // tiles pay a table permute per nibble per pass, the panel one unpack
 constexpr int64_t kInt4GemmRows = 2;
 
@@ -1165,32 +1096,23 @@ QARRAY_AVX512 void Int4GemmChunk(const Int4Problem& p, int64_t n0, int64_t n1) {
   for (int64_t c = n0; c < n1; c += step) Int4GemmPanel(p, c, std::min(n1, c + step));
 }
 
-ffi::Error ProductInt4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                           ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi::F32> scale,
-                           ffi::ResultBuffer<ffi::F32> y, int64_t int8) {
-  auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
-  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2)
-    return ffi::Error::InvalidArgument(
-        "qarray_product_int4 takes x[M, K], q[N, K / 2] and scale[N, K / G]");
+void ProductInt4(Pool& pool, const Int4Args& a) {
   auto p = std::make_shared<Int4Problem>();
-  p->m = xd[0];
-  p->k = xd[1];
-  p->n = qd[0];
-  if (qd[1] * 2 != p->k || sd[0] != p->n || sd[1] == 0 || p->k % sd[1])
-    return ffi::Error::InvalidArgument("qarray_product_int4: shapes do not match");
-  p->group = p->k / sd[1];
-  if (p->group % 32)
-    return ffi::Error::InvalidArgument("qarray_product_int4: group size % 32 != 0");
-  p->x = x.typed_data();
-  p->q = q.typed_data();
-  p->scale = scale.typed_data();
-  p->y = y->typed_data();
-  if (p->m == 0 || p->n == 0) return ffi::Error::Success();
+  p->m = a.m;
+  p->k = a.k;
+  p->n = a.n;
+  p->group = a.group;
+  p->x = a.x;
+  p->q = a.q;
+  p->scale = a.scale;
+  p->y = a.y;
+  const bool int8 = a.int8;
+  if (p->m == 0 || p->n == 0) return;
   const int64_t threads = p->m * p->k * p->n < kParallelWork
                               ? 1
                               : std::max<int64_t>(1, pool.num_threads());
   const Int4Problem* problem = p.get();
-  p->parts = int8 ? 1 : kSplit;
+  p->parts = int8 ? 1 : static_cast<int>(a.t.split);
   if (p->m >= kInt4GemmRows) {
     const int64_t rows = p->parts * p->m;
     p->xq.assign(rows * p->k, 0);
@@ -1201,10 +1123,10 @@ ffi::Error ProductInt4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
         p->sx[r] = QuantizeRow(p->x + r * p->k, nullptr, p->k, nullptr,
                                p->xq.data() + r * p->k);
     else
-      SplitRows(p->x, nullptr, p->m, p->k, p->k, p->xq.data(), p->sx.data());
+      SplitRows(p->x, nullptr, p->m, p->k, p->k, p->parts, p->xq.data(), p->sx.data());
     Parallel(pool, p->n, ChunkSize(p->n, threads, 4), threads,
              [problem](int64_t n0, int64_t n1) { Int4GemmChunk(*problem, n0, n1); }, p);
-    return ffi::Error::Success();
+    return;
   }
   // a few rows: float32 tiles, on x itself or (W4A8) on its int8 levels
   // times their scale, the same products the GEMM's integer sums give
@@ -1226,7 +1148,6 @@ ffi::Error ProductInt4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   }
   Parallel(pool, p->n, ChunkSize(p->n, threads, 4), threads,
            [problem](int64_t n0, int64_t n1) { Int4Chunk(*problem, n0, n1); }, p);
-  return ffi::Error::Success();
 }
 
 
@@ -1279,17 +1200,12 @@ QARRAY_AVX512 inline void Transpose8Floats(__m256 r[8]) {
 // x f32[B, C, *S] (1-3 spatial axes, channels first), q s8[O, C/G * prod(k)]
 // (one row per output channel, (C/G, *k) flattened), scale f32[O] ->
 // y f32[B, O, *S']. Each example is quantized as one row (W8A8: one scale per
-// example, conv_q's numerics) or split in kSplit int8 parts (weight-only),
+// example, conv_q's numerics) or split in `split` int8 parts (weight-only),
 // and written channels last, as u8 (v + 128), inside a border of 128s (the
 // zero padding). For each kernel offset, kGemmMR consecutive output positions
 // of a line read kGemmMR rows of C bytes a fixed stride apart, so the GEMM's
 // tile runs on that buffer directly, offset after offset, with the weights
 // packed offset-major (no im2col copy).
-struct ConvGeometry {
-  int64_t nsp, groups;
-  int64_t k[3], stride[3], pad[3], dilation[3], in[3], out[3], padded[3];
-};
-
 struct ConvProblem {
   ConvGeometry g;
   int64_t batch, channels, cpad, cg, cg4, og, out_channels, parts, positions;
@@ -1427,50 +1343,25 @@ QARRAY_AVX512 void ChannelsLast(const ConvProblem& c, const uint8_t* src, uint8_
     }
 }
 
-ffi::Error ConvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                    ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
-                    ffi::ResultBuffer<ffi::F32> y, ffi::Span<const int64_t> geometry,
-                    int64_t int8) {
-  auto xd = x.dimensions(), qd = q.dimensions(), yd = y->dimensions();
-  if (geometry.size() != 13 || xd.size() < 3 || xd.size() > 5 || qd.size() != 2 ||
-      yd.size() != xd.size())
-    return ffi::Error::InvalidArgument("qarray_conv: bad geometry or ranks");
+void Conv(Pool& pool, const ConvArgs& a) {
   auto c = std::make_shared<ConvProblem>();
   ConvGeometry& g = c->g;
-  g.nsp = static_cast<int64_t>(xd.size()) - 2;
-  g.groups = geometry[12];
-  // geometry: kernel sizes, strides, low paddings, dilations (three each,
-  // unused leading axes 1, 1, 0, 1), then the group count
-  for (int i = 0; i < 3; ++i) {
-    const int j = i - (3 - static_cast<int>(g.nsp));  // the spatial axis, if used
-    g.k[i] = geometry[i];
-    g.stride[i] = geometry[3 + i];
-    g.pad[i] = geometry[6 + i];
-    g.dilation[i] = geometry[9 + i];
-    g.in[i] = j >= 0 ? xd[2 + j] : 1;
-    g.out[i] = j >= 0 ? yd[2 + j] : 1;
-    // every position any window reads (a high padding past what the input
-    // covers is read as zeros too)
-    g.padded[i] = std::max(g.pad[i] + g.in[i],
-                           (g.out[i] - 1) * g.stride[i] + (g.k[i] - 1) * g.dilation[i] + 1);
-  }
-  c->batch = xd[0];
-  c->channels = xd[1];
-  c->out_channels = qd[0];
-  c->cg = c->channels / std::max<int64_t>(g.groups, 1);
-  c->og = c->out_channels / std::max<int64_t>(g.groups, 1);
+  g = a.g;
+  c->batch = a.batch;
+  c->channels = a.channels;
+  c->out_channels = a.out_channels;
+  c->cg = c->channels / g.groups;
+  c->og = c->out_channels / g.groups;
   c->offsets = g.k[0] * g.k[1] * g.k[2];
-  if (g.groups < 1 || c->channels % g.groups || c->out_channels % g.groups ||
-      qd[1] != c->cg * c->offsets || yd[0] != c->batch || yd[1] != c->out_channels)
-    return ffi::Error::InvalidArgument("qarray_conv: shapes do not match");
+  const bool int8 = a.int8;
   c->cg4 = (c->cg + 3) / 4 * 4;
   c->cpad = c->channels + 4;  // a group's last 4 bytes stay inside the row
   c->positions = g.out[0] * g.out[1] * g.out[2];
   c->plane = g.padded[0] * g.padded[1] * g.padded[2];
-  c->parts = int8 ? 1 : kSplit;
-  float* out = y->typed_data();
+  c->parts = int8 ? 1 : a.t.split;
+  float* out = a.y;
   if (c->batch == 0 || c->positions == 0 || c->out_channels == 0)
-    return ffi::Error::Success();
+    return;
   // each example quantized (or split) as one row, then channels last inside
   // its border of 128s: examples over the threads
   const int64_t plane_in = g.in[0] * g.in[1] * g.in[2], example = c->channels * plane_in;
@@ -1480,7 +1371,7 @@ ffi::Error ConvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   c->xc.assign(examples * c->plane * c->cpad, 128);
   {
     ConvProblem* problem = c.get();
-    const float* xs = x.typed_data();
+    const float* xs = a.x;
     Parallel(pool, c->batch, 1, example < 4096 ? 1 : threads,
              [problem, xs, example, plane_in](int64_t b0, int64_t b1) {
                ConvProblem& c = *problem;
@@ -1491,8 +1382,8 @@ ffi::Error ConvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                    c.sx[b] = QuantizeRow(xs + b * example, nullptr, example, nullptr,
                                          xq.data());
                  else
-                   SplitRows(xs + b * example, nullptr, 1, example, example, xq.data(),
-                             c.sx.data() + b * c.parts);
+                   SplitRows(xs + b * example, nullptr, 1, example, example,
+                             static_cast<int>(c.parts), xq.data(), c.sx.data() + b * c.parts);
                  for (int64_t part = 0; part < c.parts; ++part)
                    ChannelsLast(c, xq.data() + part * example,
                                 c.xc.data() + (b * c.parts + part) * c.plane * c.cpad);
@@ -1505,8 +1396,8 @@ ffi::Error ConvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t gemm_threads = work < kParallelWork ? 1 : threads;
   const int64_t per_chunk = std::max<int64_t>(1, lines / (4 * gemm_threads));
   for (int64_t gi = 0; gi < g.groups; ++gi) {
-    PackConvPanel(q.typed_data() + gi * c->og * c->cg * c->offsets, *c, c->panel);
-    c->scale = scale.typed_data() + gi * c->og;
+    PackConvPanel(a.q + gi * c->og * c->cg * c->offsets, *c, c->panel);
+    c->scale = a.scale + gi * c->og;
     const ConvProblem* problem = c.get();
     Parallel(pool, lines, per_chunk, gemm_threads,
              [problem, gi, out](int64_t l0, int64_t l1) {
@@ -1514,156 +1405,16 @@ ffi::Error ConvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
              },
              c);
   }
-  return ffi::Error::Success();
 }
 
-// --- qarray.quantize on CPU: x f32[M, K] -> q s8[M, K], scale f32[M]
-//
-// Each row read from memory once (its second pass comes from L1: a row of
-// K <= 8192 floats fits), rows split over the pool's threads. The numerics of
-// _kernels.quantize_rows' numerics: scale = max|row| times the float32
-// reciprocal of 127, as XLA compiles it (its simplifier turns the division by
-// a constant into that product), NaN if the row holds one; q =
-// round_half_even(x / divisor), divisor = scale if scale > 0 else 1, with a
-// correctly rounded division (XLA's is within 1 ulp), NaN entries 0, clipped
-// to [-127, 127].
-//
-constexpr int64_t kStreamElements = 8 << 20;  // 32 MiB of float32 input
+void Quantize(Pool& pool, const QuantizeArgs& a) { QuantizeT<VecAvx512>(pool, a); }
 
-// 64 int32 lanes (integers in [-127, 127]) -> 64 bytes in order: two
-// saturating packs work within 128-bit lanes, the permutation undoes that
-QARRAY_AVX512 inline __m512i PackBytes(__m512i a, __m512i b, __m512i c, __m512i d) {
-  const __m512i bytes = _mm512_packs_epi16(_mm512_packs_epi32(a, b), _mm512_packs_epi32(c, d));
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_epi32(order, bytes);
-}
+}  // namespace qarray::cpu::avx512
 
-QARRAY_AVX512 void QuantizeRowS8(const float* x, int64_t k, int8_t* q, float* scale,
-                                 bool stream) {
-  __m512 vmax = _mm512_setzero_ps();
-  __mmask16 nan = 0;
-  for (int64_t i = 0; i < k; i += 16) {
-    const __mmask16 m = (k - i >= 16) ? 0xFFFF : (__mmask16)((1u << (k - i)) - 1);
-    const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
-    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    vmax = _mm512_max_ps(_mm512_abs_ps(v), vmax);  // a NaN lane keeps vmax
-  }
-  const float s = nan ? std::numeric_limits<float>::quiet_NaN()
-                      : _mm512_reduce_max_ps(vmax) * (1.0f / 127.0f);
-  *scale = s;
-  const float d = s > 0.0f ? s : 1.0f;
-  const __m512 divisor = _mm512_set1_ps(d);
-  // A NaN or inf row (NaN quotients, to be 0) or a divisor whose reciprocal
-  // overflows: every element divided, clipped and cleaned one vector at a time
-  const bool exact = nan || !(d >= std::numeric_limits<float>::min()) || d == INFINITY;
-  const __m512 reciprocal = _mm512_set1_ps(1.0f / d);
-  int64_t i = 0;
-  if (!exact) {  // finite quotients within 127.5 of 0: no clipping to do
-    for (; i + 64 <= k; i += 64) {
-      __m512i part[4];
-      for (int j = 0; j < 4; ++j)
-        part[j] = _mm512_cvtps_epi32(
-            RoundQuotient(_mm512_loadu_ps(x + i + 16 * j), divisor, reciprocal));
-      const __m512i bytes = PackBytes(part[0], part[1], part[2], part[3]);
-      if (stream)
-        _mm512_stream_si512(reinterpret_cast<__m512i*>(q + i), bytes);
-      else
-        _mm512_storeu_si512(q + i, bytes);
-    }
-  }
-  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
-  for (; i < k; i += 16) {
-    const __mmask16 m = (k - i >= 16) ? 0xFFFF : (__mmask16)((1u << (k - i)) - 1);
-    const __m512 x16 = _mm512_maskz_loadu_ps(m, x + i);
-    __m512 v = exact ? _mm512_roundscale_ps(_mm512_div_ps(x16, divisor),
-                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-                     : RoundQuotient(x16, divisor, reciprocal);
-    v = _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_setzero_ps());
-    v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
-    _mm_mask_storeu_epi8(q + i, m, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
-  }
-}
+#pragma GCC pop_options
 
-struct QuantizeProblem {
-  int64_t m, k;
-  const float* x;
-  int8_t* q;
-  float* scale;
-};
-
-ffi::Error QuantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                        ffi::ResultBuffer<ffi::S8> q, ffi::ResultBuffer<ffi::F32> scale) {
-  auto xd = x.dimensions();
-  if (xd.size() != 2)
-    return ffi::Error::InvalidArgument("qarray_quantize takes x[M, K]");
-  auto p = std::make_shared<QuantizeProblem>();
-  p->m = xd[0];
-  p->k = xd[1];
-  p->x = x.typed_data();
-  p->q = q->typed_data();
-  p->scale = scale->typed_data();
-  if (p->m == 0) return ffi::Error::Success();
-  // rows in chunks of ~256 KiB of input, over the threads for big inputs
-  const int64_t chunk = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(p->k, 1));
-  const int64_t threads =
-      p->m * p->k < kParallelWork ? 1 : std::max<int64_t>(1, pool.num_threads());
-  // q of an input past the caches goes straight to memory (streaming
-  // stores: no read of the lines it overwrites), where 64-byte stores align
-  const bool stream = p->m * p->k >= kStreamElements &&
-                      reinterpret_cast<uintptr_t>(p->q) % 64 == 0 && p->k % 64 == 0;
-  const QuantizeProblem* problem = p.get();
-  Parallel(pool, p->m, chunk, threads,
-           [problem, stream](int64_t r0, int64_t r1) {
-             for (int64_t r = r0; r < r1; ++r)
-               QuantizeRowS8(problem->x + r * problem->k, problem->k,
-                             problem->q + r * problem->k, problem->scale + r, stream);
-             if (stream) _mm_sfence();
-           },
-           p);
-  return ffi::Error::Success();
-}
-
-}  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QarrayProduct, ProductImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("kn")
-                                  .Attr<int64_t>("int8"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QarrayProductInt4, ProductInt4Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("int8"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QarrayQuantize, QuantizeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S8>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QarrayConv, ConvImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<ffi::Span<const int64_t>>("geometry")
-                                  .Attr<int64_t>("int8"));
-
-// Whether this CPU runs the kernels (AVX-512 F, BW, VL and VNNI).
-extern "C" __attribute__((visibility("default"))) int qarray_cpu_supported() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-}
+namespace qarray::cpu {
+extern const Isa kAvx512 = {"avx512",          avx512::Product,
+                            avx512::ProductInt4, avx512::Conv,
+                            avx512::Quantize,    avx512::QuantizeRowEntry<avx512::VecAvx512>};
+}  // namespace qarray::cpu

@@ -1,0 +1,495 @@
+// The handlers' arithmetic written once over an instruction set's int8 tile
+// operations I (tiles_avx2.cc, tiles_neon.cc include this inside their own
+// namespace, after their target pragma, with their I and their vector type V
+// for the row quantizer). AVX-512 keeps its own tuned paths (tiles_avx512.cc).
+//
+// Every product is a GEMM of int8 rows against int8 weights packed in panels:
+//   x side: s8 rows (x quantized per row, or split in `split` int8 parts
+//           each quantizing what the previous left: float32 precision),
+//           k padded with zeros to a multiple of 4, one scale per row;
+//   panel:  blocks of 8 output channels x 4 consecutive k (32 bytes, channel
+//           c's four bytes at 4c), K/4 of them per block, an even number of
+//           blocks (a zero block last where needed), built per call from the
+//           weights (packing.h's layouts: nk rows, kn rows, int4 nibbles);
+//   tile:   MR rows x 16 channels (two blocks) of int32 sums in registers,
+//           four bytes of a row broadcast against each block: I::Dot.
+// Panels stay in L2 (kPanelBytes) while every block of rows passes over them,
+// so the weights are read from memory once a call. Sums of int8 products are
+// exact in int32 (K < 2^17 at 127 x 128 a product), then scaled in float32.
+//
+// I provides: Acc (8 int32 lanes), W (a loaded 32-byte block), Zero(),
+// LoadW(p), Dot(acc, w, x4) (acc[c] += sum_j w[4c + j] * x4's byte j),
+// Store(int32_t* 8, acc), PackNk8(rows, ld, k, dst) (8 full rows of k int8
+// -> k/4 blocks; k a multiple of 4... or any: it reads k4 * 4 bytes of rows
+// padded by the caller), KnQuads(rows[4], j, dst) (32 columns of 4 kn rows ->
+// four blocks in column order), Int4Row(q16 -> 32 int8 in k order).
+
+constexpr int kMR = 4;  // rows per tile (16 ymm registers: 8 sums, 4 weights)
+
+struct Panel8 {
+  std::vector<int8_t> w;  // blocks x k4 x 32 bytes
+  int64_t k4 = 0, blocks = 0;
+  const int8_t* Block(int64_t b) const { return w.data() + b * k4 * 32; }
+};
+
+// acc[r][0..1] += `steps` groups of 4 bytes of MR rows (x + r * xs) times two
+// blocks' steps (w0, w1: 32 bytes a step): the loop every tile shares
+template <int MR>
+inline void DotSteps(typename I::Acc (&acc)[MR][2], const int8_t* x, int64_t xs,
+                     const int8_t* w0, const int8_t* w1, int64_t steps) {
+  for (int64_t g = 0; g < steps; ++g) {
+    const typename I::W a = I::LoadW(w0 + g * 32), b = I::LoadW(w1 + g * 32);
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      int32_t four;
+      std::memcpy(&four, x + r * xs + 4 * g, 4);
+      I::Dot(acc[r][0], a, four);
+      I::Dot(acc[r][1], b, four);
+    }
+  }
+}
+
+template <int MR>
+inline void ZeroAcc(typename I::Acc (&acc)[MR][2]) {
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = I::Zero();
+}
+
+template <int MR>
+inline void StoreAcc(typename I::Acc (&acc)[MR][2], int32_t (&out)[MR][16]) {
+  for (int r = 0; r < MR; ++r) {
+    I::Store(out[r], acc[r][0]);
+    I::Store(out[r] + 8, acc[r][1]);
+  }
+}
+
+// MR rows from x (xs apart) times blocks (2 c, 2 c + 1) of the panel, K steps
+// [s0, s0 + steps)
+template <int MR>
+inline void PanelTile(const int8_t* x, int64_t xs, const Panel8& p, int64_t pair,
+                      int64_t s0, int64_t steps, int32_t (&out)[MR][16]) {
+  typename I::Acc acc[MR][2];
+  ZeroAcc<MR>(acc);
+  DotSteps<MR>(acc, x + 4 * s0, xs, p.Block(2 * pair) + s0 * 32,
+               p.Block(2 * pair + 1) + s0 * 32, steps);
+  StoreAcc<MR>(acc, out);
+}
+
+// f(MR, row) for every block of MR rows of [r0, r1), then one row at a time
+template <class F>
+inline void ForRowBlocks(int64_t r0, int64_t r1, F f) {
+  int64_t r = r0;
+  for (; r + kMR <= r1; r += kMR) f(std::integral_constant<int, kMR>{}, r);
+  for (; r < r1; ++r) f(std::integral_constant<int, 1>{}, r);
+}
+
+// --- packing
+
+// channels [n0, n1) of nk weights (row c: k int8, ld apart) into p
+inline void PackNk(const int8_t* q, int64_t ld, int64_t k, int64_t n0, int64_t n1,
+                   Panel8& p) {
+  p.k4 = (k + 3) / 4;
+  p.blocks = ((n1 - n0 + 15) / 16) * 2;
+  p.w.assign(p.blocks * p.k4 * 32, 0);
+  for (int64_t b = 0; b * 8 < n1 - n0; ++b) {
+    const int64_t c0 = n0 + 8 * b, lanes = std::min<int64_t>(8, n1 - c0);
+    int8_t* dst = p.w.data() + b * p.k4 * 32;
+    const int64_t whole = lanes == 8 ? k / 32 * 32 : 0;  // 8 full rows, 32 k at a time
+    if (whole) I::PackNk8(q + c0 * ld, ld, whole, dst);
+    for (int64_t c = 0; c < lanes; ++c)
+      for (int64_t i = whole; i < k; ++i) dst[(i / 4) * 32 + 4 * c + i % 4] = q[(c0 + c) * ld + i];
+  }
+}
+
+// columns [n0, n1) of kn weights' rows [0, rows) (row i: n int8 from q + i * n)
+inline void PackKn(const int8_t* q, int64_t n, int64_t rows, int64_t n0, int64_t n1,
+                   Panel8& p) {
+  p.k4 = (rows + 3) / 4;
+  p.blocks = ((n1 - n0 + 15) / 16) * 2;
+  p.w.assign(p.blocks * p.k4 * 32, 0);
+  const int64_t width = n1 - n0, whole = width / 32 * 32;
+  for (int64_t g = 0; g < p.k4; ++g) {
+    const int8_t* r[4];
+    int64_t real = std::min<int64_t>(4, rows - 4 * g);
+    for (int t = 0; t < 4; ++t) r[t] = q + (4 * g + std::min<int64_t>(t, real - 1)) * n + n0;
+    if (real == 4) {
+      for (int64_t j = 0; j < whole; j += 32) {
+        alignas(32) int8_t quads[4][32];
+        I::KnQuads(r, j, quads);
+        for (int blk = 0; blk < 4; ++blk)
+          std::memcpy(p.w.data() + ((j / 8 + blk) * p.k4 + g) * 32, quads[blk], 32);
+      }
+    }
+    for (int64_t j = real == 4 ? whole : 0; j < width; ++j)
+      for (int t = 0; t < real; ++t)
+        p.w[((j / 8) * p.k4 + g) * 32 + 4 * (j % 8) + t] = r[t][j];
+  }
+}
+
+// --- the int8 product (common.h's ProductArgs)
+
+struct ProductState {
+  ProductArgs a;
+  int64_t parts, rows, ks;
+  std::vector<int8_t> xs;  // rows x ks
+  std::vector<float> sx;
+};
+
+// nk, channels [n0, n1): panels that stay in L2, each packed then every block
+// of rows passed over it; the parts' sums added into y in part order
+inline void ProductNk(const ProductState& s, int64_t n0, int64_t n1) {
+  const ProductArgs& a = s.a;
+  for (int64_t r = 0; r < a.m; ++r) std::fill(a.y + r * a.n + n0, a.y + r * a.n + n1, 0.0f);
+  const int64_t step = std::max<int64_t>(16, kPanelBytes / std::max<int64_t>(a.k, 1) / 16 * 16);
+  Panel8 panel;
+  for (int64_t c0 = n0; c0 < n1; c0 += step) {
+    const int64_t c1 = std::min(n1, c0 + step);
+    PackNk(a.q, a.k, a.k, c0, c1, panel);
+    ForRowBlocks(0, s.rows, [&](auto mr, int64_t row) {
+      constexpr int MR = decltype(mr)::value;
+      for (int64_t pair = 0; pair * 16 < c1 - c0; ++pair) {
+        int32_t out[MR][16];
+        PanelTile<MR>(s.xs.data() + row * s.ks, s.ks, panel, pair, 0, panel.k4, out);
+        const int64_t c = c0 + 16 * pair, cols = std::min<int64_t>(16, c1 - c);
+        for (int r = 0; r < MR; ++r) {
+          float* y = a.y + ((row + r) / s.parts) * a.n + c;
+          const float sx = s.sx[row + r];
+          for (int64_t j = 0; j < cols; ++j)
+            y[j] += static_cast<float>(out[r][j]) * sx * a.scale[c + j];
+        }
+      }
+    });
+  }
+}
+
+// kn, columns [n0, n1): the panel's rows of q are N apart, so it is packed a
+// block of K at a time across the whole chunk (each weight row read along
+// its chunk), the integer sums carried across the blocks in int32 (exact),
+// then scaled (the weights' scales folded into x already)
+inline void ProductKn(const ProductState& s, int64_t n0, int64_t n1) {
+  const ProductArgs& a = s.a;
+  const int64_t width = n1 - n0;
+  const int64_t block = std::max<int64_t>(4, kPanelBytes / width / 4 * 4);
+  std::vector<int32_t> sums(s.rows * width, 0);
+  Panel8 panel;
+  for (int64_t k0 = 0; k0 < a.k; k0 += block) {
+    const int64_t kb = std::min(block, a.k - k0);
+    PackKn(a.q + k0 * a.n, a.n, kb, n0, n1, panel);
+    ForRowBlocks(0, s.rows, [&](auto mr, int64_t row) {
+      constexpr int MR = decltype(mr)::value;
+      for (int64_t pair = 0; pair * 16 < width; ++pair) {
+        int32_t out[MR][16];
+        PanelTile<MR>(s.xs.data() + row * s.ks + k0, s.ks, panel, pair, 0, panel.k4, out);
+        const int64_t cols = std::min<int64_t>(16, width - 16 * pair);
+        for (int r = 0; r < MR; ++r)
+          for (int64_t j = 0; j < cols; ++j)
+            sums[(row + r) * width + 16 * pair + j] += out[r][j];
+      }
+    });
+  }
+  for (int64_t r = 0; r < a.m; ++r)
+    for (int64_t j = 0; j < width; ++j) {
+      float sum = 0.0f;
+      for (int64_t part = 0; part < s.parts; ++part) {
+        const int64_t row = r * s.parts + part;
+        sum += static_cast<float>(sums[row * width + j]) * s.sx[row];
+      }
+      a.y[r * a.n + n0 + j] = sum;
+    }
+}
+
+template <class V>
+void ProductT(Pool& pool, const ProductArgs& args) {
+  if (args.m == 0 || args.n == 0) return;
+  if (args.k == 0) {
+    std::memset(args.y, 0, sizeof(float) * args.m * args.n);
+    return;
+  }
+  auto s = std::make_shared<ProductState>();
+  s->a = args;
+  const ProductArgs& a = s->a;
+  s->parts = a.int8 ? 1 : a.t.split;
+  s->rows = s->parts * a.m;
+  s->ks = (a.k + 3) / 4 * 4;
+  s->xs.assign(s->rows * s->ks, 0);
+  s->sx.resize(s->rows);
+  const float* fold = a.kn ? a.scale : nullptr;  // kn: v = x * scale
+  if (a.int8) {
+    for (int64_t r = 0; r < a.m; ++r)
+      s->sx[r] = QuantizeRowT<V>(a.x + r * a.k, fold, a.k,
+                                 RowOut{nullptr, s->xs.data() + r * s->ks, nullptr});
+  } else {
+    SplitRowsT<V>(a.x, fold, a.m, a.k, s->ks, static_cast<int>(s->parts), s->xs.data(),
+                  nullptr, s->sx.data());
+  }
+  // a few rows stream their weights from memory, which two threads read
+  // faster than one from a quarter of the work on (as tiles_avx512.cc)
+  const int64_t work = s->rows * a.k * a.n * (s->rows <= kMR ? 4 : 1);
+  const int64_t threads = Threads(pool, work);
+  const ProductState* p = s.get();
+  Parallel(pool, a.n, ChunkSize(a.n, threads, 4), threads,
+           [p](int64_t n0, int64_t n1) {
+             if (p->a.kn)
+               ProductKn(*p, n0, n1);
+             else
+               ProductNk(*p, n0, n1);
+           },
+           s);
+}
+
+// --- int4 weights (common.h's Int4Args): the nibbles unpacked into the
+// panel, each group's integer sums scaled by the group's scale in float32
+
+struct Int4Panel {
+  Panel8 p;
+  std::vector<float> sg;  // scale[c, g] per (block, group, lane)
+  int64_t groups = 0, g4 = 0;  // g4: steps of 4 k per group
+};
+
+inline void PackInt4(const Int4Args& a, int64_t n0, int64_t n1, Int4Panel& panel) {
+  Panel8& p = panel.p;
+  const int64_t half = a.k / 2, groups = a.k / a.group;
+  p.k4 = a.k / 4;
+  p.blocks = ((n1 - n0 + 15) / 16) * 2;
+  p.w.assign(p.blocks * p.k4 * 32, 0);
+  panel.groups = groups;
+  panel.g4 = a.group / 4;
+  panel.sg.assign(p.blocks * groups * 8, 0.0f);
+  alignas(32) int8_t rows[8][32];
+  for (int64_t b = 0; b * 8 < n1 - n0; ++b) {
+    const int64_t c0 = n0 + 8 * b, lanes = std::min<int64_t>(8, n1 - c0);
+    int8_t* dst = p.w.data() + b * p.k4 * 32;
+    for (int64_t i = 0; i < a.k; i += 32) {  // k is a multiple of the group, of 32
+      for (int64_t c = 0; c < 8; ++c) {
+        if (c < lanes)
+          I::Int4Row(a.q + (c0 + c) * half + i / 2, rows[c]);
+        else
+          std::memset(rows[c], 0, 32);
+      }
+      I::PackNk8(&rows[0][0], 32, 32, dst + (i / 4) * 32);
+    }
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t c = 0; c < lanes; ++c)
+        panel.sg[(b * groups + g) * 8 + c] = a.scale[(c0 + c) * groups + g];
+  }
+}
+
+struct Int4State {
+  Int4Args a;
+  int64_t parts, rows;
+  std::vector<int8_t> xs;  // rows x k
+  std::vector<float> sx;
+};
+
+inline void Int4Chunk(const Int4State& s, int64_t n0, int64_t n1) {
+  const Int4Args& a = s.a;
+  for (int64_t r = 0; r < a.m; ++r) std::fill(a.y + r * a.n + n0, a.y + r * a.n + n1, 0.0f);
+  // packed int4 weights take half the bytes of int8: panels of 2 kPanelBytes
+  // of them unpacked
+  const int64_t step = std::max<int64_t>(16, kPanelBytes / std::max<int64_t>(a.k, 1) / 16 * 16);
+  Int4Panel panel;
+  for (int64_t c0 = n0; c0 < n1; c0 += step) {
+    const int64_t c1 = std::min(n1, c0 + step);
+    PackInt4(a, c0, c1, panel);
+    ForRowBlocks(0, s.rows, [&](auto mr, int64_t row) {
+      constexpr int MR = decltype(mr)::value;
+      for (int64_t pair = 0; pair * 16 < c1 - c0; ++pair) {
+        float f[MR][16] = {};
+        for (int64_t g = 0; g < panel.groups; ++g) {
+          int32_t out[MR][16];
+          PanelTile<MR>(s.xs.data() + row * a.k, a.k, panel.p, pair, g * panel.g4, panel.g4,
+                        out);
+          const float* s0 = panel.sg.data() + ((2 * pair) * panel.groups + g) * 8;
+          const float* s1 = panel.sg.data() + ((2 * pair + 1) * panel.groups + g) * 8;
+          for (int r = 0; r < MR; ++r)
+            for (int j = 0; j < 8; ++j) {
+              f[r][j] += static_cast<float>(out[r][j]) * s0[j];
+              f[r][8 + j] += static_cast<float>(out[r][8 + j]) * s1[j];
+            }
+        }
+        const int64_t c = c0 + 16 * pair, cols = std::min<int64_t>(16, c1 - c);
+        for (int r = 0; r < MR; ++r) {
+          float* y = a.y + ((row + r) / s.parts) * a.n + c;
+          for (int64_t j = 0; j < cols; ++j) y[j] += f[r][j] * s.sx[row + r];
+        }
+      }
+    });
+  }
+}
+
+template <class V>
+void ProductInt4T(Pool& pool, const Int4Args& args) {
+  if (args.m == 0 || args.n == 0) return;
+  auto s = std::make_shared<Int4State>();
+  s->a = args;
+  const Int4Args& a = s->a;
+  s->parts = a.int8 ? 1 : a.t.split;
+  s->rows = s->parts * a.m;
+  s->xs.assign(s->rows * a.k, 0);
+  s->sx.resize(s->rows);
+  if (a.int8) {
+    for (int64_t r = 0; r < a.m; ++r)
+      s->sx[r] = QuantizeRowT<V>(a.x + r * a.k, nullptr, a.k,
+                                 RowOut{nullptr, s->xs.data() + r * a.k, nullptr});
+  } else {
+    SplitRowsT<V>(a.x, nullptr, a.m, a.k, a.k, static_cast<int>(s->parts), s->xs.data(),
+                  nullptr, s->sx.data());
+  }
+  const int64_t work = s->rows * a.k * a.n * (s->rows <= kMR ? 4 : 1);
+  const int64_t threads = Threads(pool, work);
+  const Int4State* p = s.get();
+  Parallel(pool, a.n, ChunkSize(a.n, threads, 4), threads,
+           [p](int64_t n0, int64_t n1) { Int4Chunk(*p, n0, n1); }, s);
+}
+
+// --- conv_q: an implicit GEMM over a padded channels-last copy of x
+//
+// Each example is quantized as one row (W8A8: one scale per example, conv_q's
+// numerics) or split in parts (weight-only), and written channels last
+// (channels padded to a multiple of 4) inside a border of zeros (the
+// padding). For each kernel offset, MR consecutive output positions of a line
+// read MR rows of channels a fixed stride apart, so the tile runs on that
+// buffer directly, offset after offset, with the weights packed offset-major
+// (no im2col copy).
+
+struct ConvState {
+  ConvArgs a;
+  int64_t cg, cg4, og, parts, positions, offsets, plane;
+  std::vector<int8_t> xc;  // (parts * batch, *padded, cpad)
+  int64_t cpad;
+  std::vector<float> sx;   // per example part
+  Panel8 panel;            // one group's weights, k = offsets * cg4
+  int64_t group = 0;
+};
+
+// MR output positions (o2 ... of line (o0, o1)) of example part e times the
+// panel's channels [16 pair, 16 pair + 16)
+template <int MR>
+inline void ConvTile(const ConvState& c, int64_t e, int64_t o0, int64_t o1, int64_t o2,
+                     int64_t pair, int32_t (&out)[MR][16]) {
+  const ConvGeometry& g = c.a.g;
+  const Panel8& p = c.panel;
+  const int8_t* w0 = p.Block(2 * pair);
+  const int8_t* w1 = p.Block(2 * pair + 1);
+  const int64_t row_step = g.stride[2] * c.cpad, c4 = c.cg4 / 4;
+  typename I::Acc acc[MR][2];
+  ZeroAcc<MR>(acc);
+  const int8_t* xe = c.xc.data() + e * c.plane * c.cpad + c.group * c.cg;
+  int64_t step = 0;
+  for (int64_t i0 = 0; i0 < g.k[0]; ++i0)
+    for (int64_t i1 = 0; i1 < g.k[1]; ++i1)
+      for (int64_t i2 = 0; i2 < g.k[2]; ++i2) {
+        const int64_t p0 = o0 * g.stride[0] + i0 * g.dilation[0];
+        const int64_t p1 = o1 * g.stride[1] + i1 * g.dilation[1];
+        const int64_t p2 = o2 * g.stride[2] + i2 * g.dilation[2];
+        const int8_t* x = xe + ((p0 * g.padded[1] + p1) * g.padded[2] + p2) * c.cpad;
+        DotSteps<MR>(acc, x, row_step, w0 + step * 32, w1 + step * 32, c4);
+        step += c4;
+      }
+  StoreAcc<MR>(acc, out);
+}
+
+// lines [l0, l1) of all examples (a line: fixed o0, o1; all of o2)
+inline void ConvLines(const ConvState& c, int64_t l0, int64_t l1) {
+  const ConvGeometry& g = c.a.g;
+  const ConvArgs& a = c.a;
+  const int64_t lines = g.out[0] * g.out[1], ch0 = c.group * c.og;
+  for (int64_t l = l0; l < l1; ++l) {
+    const int64_t b = l / lines, line = l % lines, o0 = line / g.out[1], o1 = line % g.out[1];
+    float* y = a.y + (b * a.out_channels + ch0) * c.positions + line * g.out[2];
+    for (int64_t part = 0; part < c.parts; ++part) {
+      const int64_t e = b * c.parts + part;
+      const float sx = c.sx[e];
+      ForRowBlocks(0, g.out[2], [&](auto mr, int64_t o2) {
+        constexpr int MR = decltype(mr)::value;
+        for (int64_t pair = 0; pair * 16 < c.og; ++pair) {
+          int32_t out[MR][16];
+          ConvTile<MR>(c, e, o0, o1, o2, pair, out);
+          const int64_t cols = std::min<int64_t>(16, c.og - 16 * pair);
+          for (int64_t j = 0; j < cols; ++j) {
+            const int64_t o = 16 * pair + j;
+            const float s = a.scale[ch0 + o];
+            float* dst = y + o * c.positions + o2;
+            for (int r = 0; r < MR; ++r) {
+              const float v = static_cast<float>(out[r][j]) * sx * s;
+              dst[r] = part ? dst[r] + v : v;
+            }
+          }
+        }
+      });
+    }
+  }
+}
+
+template <class V>
+void ConvT(Pool& pool, const ConvArgs& args) {
+  auto s = std::make_shared<ConvState>();
+  ConvState& c = *s;
+  c.a = args;
+  const ConvGeometry& g = c.a.g;
+  c.cg = c.a.channels / g.groups;
+  c.og = c.a.out_channels / g.groups;
+  c.offsets = g.k[0] * g.k[1] * g.k[2];
+  c.cg4 = (c.cg + 3) / 4 * 4;
+  c.cpad = c.a.channels + 4;  // a group's last 4 bytes stay inside the row
+  c.positions = g.out[0] * g.out[1] * g.out[2];
+  c.plane = g.padded[0] * g.padded[1] * g.padded[2];
+  c.parts = c.a.int8 ? 1 : c.a.t.split;
+  if (c.a.batch == 0 || c.positions == 0 || c.a.out_channels == 0) return;
+  const int64_t plane_in = g.in[0] * g.in[1] * g.in[2], example = c.a.channels * plane_in;
+  const int64_t examples = c.parts * c.a.batch;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  c.sx.resize(examples);
+  c.xc.assign(examples * c.plane * c.cpad, 0);
+  {
+    ConvState* p = s.get();
+    Parallel(pool, c.a.batch, 1, example < 4096 ? 1 : threads,
+             [p, example, plane_in](int64_t b0, int64_t b1) {
+               ConvState& c = *p;
+               const ConvGeometry& g = c.a.g;
+               std::vector<int8_t> xq(c.parts * example);
+               for (int64_t b = b0; b < b1; ++b) {
+                 const float* xb = c.a.x + b * example;
+                 if (c.parts == 1)
+                   c.sx[b] = QuantizeRowT<V>(xb, nullptr, example,
+                                             RowOut{nullptr, xq.data(), nullptr});
+                 else
+                   SplitRowsT<V>(xb, nullptr, 1, example, example, static_cast<int>(c.parts),
+                                 xq.data(), nullptr, c.sx.data() + b * c.parts);
+                 for (int64_t part = 0; part < c.parts; ++part) {
+                   const int8_t* src = xq.data() + part * example;
+                   int8_t* base = c.xc.data() + (b * c.parts + part) * c.plane * c.cpad;
+                   for (int64_t ch = 0; ch < c.a.channels; ++ch)
+                     for (int64_t p0 = 0; p0 < g.in[0]; ++p0)
+                       for (int64_t p1 = 0; p1 < g.in[1]; ++p1) {
+                         const int8_t* line = src + ((ch * g.in[0] + p0) * g.in[1] + p1) * g.in[2];
+                         int8_t* dst = base + (((p0 + g.pad[0]) * g.padded[1] + p1 + g.pad[1]) *
+                                                   g.padded[2] + g.pad[2]) * c.cpad + ch;
+                         for (int64_t p2 = 0; p2 < g.in[2]; ++p2) dst[p2 * c.cpad] = line[p2];
+                       }
+                 }
+               }
+             },
+             s);
+  }
+  const int64_t lines = c.a.batch * g.out[0] * g.out[1];
+  const int64_t work = examples * c.positions * c.og * c.offsets * c.cg4;
+  const int64_t gemm_threads = work < kParallelWork ? 1 : threads;
+  const int64_t per_chunk = std::max<int64_t>(1, lines / (4 * gemm_threads));
+  const int64_t k = c.offsets * c.cg4;
+  std::vector<int8_t> rows;
+  for (int64_t gi = 0; gi < g.groups; ++gi) {
+    // the group's weights (og rows of cg * offsets, channel-major) offset-major
+    // with the channels padded to cg4: row o, entry (off, ch)
+    rows.assign(c.og * k, 0);
+    const int8_t* q = c.a.q + gi * c.og * c.cg * c.offsets;
+    for (int64_t o = 0; o < c.og; ++o)
+      for (int64_t ch = 0; ch < c.cg; ++ch)
+        for (int64_t off = 0; off < c.offsets; ++off)
+          rows[o * k + off * c.cg4 + ch] = q[(o * c.cg + ch) * c.offsets + off];
+    PackNk(rows.data(), k, k, 0, c.og, c.panel);
+    c.group = gi;
+    const ConvState* p = s.get();
+    Parallel(pool, lines, per_chunk, gemm_threads,
+             [p](int64_t l0, int64_t l1) { ConvLines(*p, l0, l1); }, s);
+  }
+}

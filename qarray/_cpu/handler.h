@@ -1,0 +1,45 @@
+// What the four FFI handlers share: XLA's intra-op thread pool as a Pool, the
+// thresholds Python passes with every call, checked, and the instruction set
+// that runs (dispatch.cc).
+#pragma once
+
+#include <string>
+#include <utility>
+
+#include "common.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace qarray::cpu {
+
+namespace ffi = xla::ffi;
+
+class FfiPool final : public Pool {
+ public:
+  explicit FfiPool(ffi::ThreadPool& pool) : pool_(pool) {}
+  int64_t num_threads() const override { return pool_.num_threads(); }
+  void Schedule(std::function<void()> task) override { pool_.Schedule(std::move(task)); }
+
+ private:
+  ffi::ThreadPool& pool_;
+};
+
+// The tiles keep up to kMaxSplit parts a row; a row count below 1 would turn
+// a path off by accident
+inline ffi::Error CheckThresholds(const char* handler, const Thresholds& t) {
+  if (t.split < 1 || t.split > kMaxSplit || t.gemm_rows < 1 || t.kn_dot_rows < 0)
+    return ffi::Error::InvalidArgument(
+        std::string(handler) + ": thresholds out of range (split 1-" +
+        std::to_string(kMaxSplit) + ", gemm_rows >= 1, kn_dot_rows >= 0)");
+  return ffi::Error::Success();
+}
+
+// the instruction set in use, or the error a handler returns without one
+// (qarray/_ffi.py registers the handlers only where one runs)
+inline const Isa* Running(ffi::Error* error, const char* handler) {
+  const Isa* isa = Active();
+  if (!isa)
+    *error = ffi::Error::Internal(std::string(handler) + ": " + ActiveReason());
+  return isa;
+}
+
+}  // namespace qarray::cpu

@@ -1,0 +1,52 @@
+// qarray_product: matmul_q / linear_q with int8 weights (common.h's
+// ProductArgs), weight-only or W8A8, on the instruction set dispatch.cc chose.
+#include "handler.h"
+
+namespace qarray::cpu {
+namespace {
+
+ffi::Error ProductImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                       ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
+                       ffi::ResultBuffer<ffi::F32> y, int64_t kn, int64_t int8,
+                       int64_t split, int64_t gemm_rows, int64_t kn_dot_rows) {
+  auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 1)
+    return ffi::Error::InvalidArgument(
+        "qarray_product takes x[M, K], q of rank 2 and scale of rank 1");
+  ProductArgs a;
+  a.m = xd[0];
+  a.k = xd[1];
+  a.n = kn ? qd[1] : qd[0];
+  a.kn = kn != 0;
+  a.int8 = int8 != 0;
+  if ((kn ? qd[0] : qd[1]) != a.k || sd[0] != (kn ? a.k : a.n))
+    return ffi::Error::InvalidArgument("qarray_product: x, q and scale do not match");
+  a.t = Thresholds{split, gemm_rows, kn_dot_rows};
+  if (auto e = CheckThresholds("qarray_product", a.t); e.failure()) return e;
+  ffi::Error error = ffi::Error::Success();
+  const Isa* isa = Running(&error, "qarray_product");
+  if (!isa) return error;
+  a.x = x.typed_data();
+  a.q = q.typed_data();
+  a.scale = scale.typed_data();
+  a.y = y->typed_data();
+  FfiPool p(pool);
+  isa->product(p, a);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace qarray::cpu
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QarrayProduct, qarray::cpu::ProductImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S8>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Attr<int64_t>("kn")
+                                  .Attr<int64_t>("int8")
+                                  .Attr<int64_t>("split")
+                                  .Attr<int64_t>("gemm_rows")
+                                  .Attr<int64_t>("kn_dot_rows"));

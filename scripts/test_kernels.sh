@@ -1,0 +1,77 @@
+#!/bin/sh
+# The C++ test program of qarray's CPU kernels (qarray/_cpu/tests/kernels_test.cc:
+# every handler against a plain C++ reference, odd shapes), built without XLA.
+#
+#   scripts/test_kernels.sh native   this machine's tiles, run once for each
+#                                    instruction set this CPU has
+#                                    (QARRAY_CPU_ISA forces each in turn)
+#   scripts/test_kernels.sh arm      the aarch64 tiles, cross-built with
+#                                    aarch64-linux-gnu-g++ and run under
+#                                    qemu-aarch64 -cpu max (dotprod, then i8mm)
+#
+# arm installs Debian's g++-aarch64-linux-gnu and qemu-user when they are
+# missing and this runs as root with apt-get; otherwise it says what to
+# install and exits 0 (the x86 run is the one every machine can do).
+set -eu
+cd "$(dirname "$0")/.."
+mode=${1:?usage: scripts/test_kernels.sh native|arm}
+src=qarray/_cpu
+mkdir -p build
+common="-O2 -std=c++17 -pthread -I$src $src/tests/kernels_test.cc $src/dispatch.cc"
+case "$mode" in
+native)
+    cxx=${CXX:-g++}
+    case $("$cxx" -dumpmachine) in
+    x86_64*) tiles="$src/tiles_avx512.cc $src/tiles_avx2.cc" ;;
+    aarch64*) tiles="$src/tiles_neon.cc" ;;
+    *) echo "test_kernels: no tiles for $("$cxx" -dumpmachine)"; exit 0 ;;
+    esac
+    # shellcheck disable=SC2086
+    "$cxx" $common $tiles -o build/kernels_test
+    isas=$(build/kernels_test --list)
+    if [ -z "$isas" ]; then
+        echo "test_kernels: this CPU runs none of the tiles (x86-64 needs AVX2 and FMA)"
+        exit 1
+    fi
+    for isa in $isas; do
+        echo "test_kernels: QARRAY_CPU_ISA=$isa build/kernels_test"
+        QARRAY_CPU_ISA=$isa build/kernels_test
+    done
+    ;;
+arm)
+    cxx=aarch64-linux-gnu-g++
+    if ! command -v $cxx >/dev/null 2>&1 || ! command -v qemu-aarch64 >/dev/null 2>&1; then
+        if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+            echo "test_kernels: installing g++-aarch64-linux-gnu and qemu-user (apt-get)"
+            apt-get install -y -q g++-aarch64-linux-gnu qemu-user >/dev/null 2>&1 ||
+                { apt-get update -q >/dev/null 2>&1 &&
+                  apt-get install -y -q g++-aarch64-linux-gnu qemu-user >/dev/null 2>&1; } || true
+        fi
+    fi
+    if ! command -v $cxx >/dev/null 2>&1 || ! command -v qemu-aarch64 >/dev/null 2>&1; then
+        echo "test_kernels: SKIPPED the aarch64 tiles: no $cxx or qemu-aarch64"
+        echo "test_kernels: (Debian: apt-get install g++-aarch64-linux-gnu qemu-user)"
+        exit 0
+    fi
+    # shellcheck disable=SC2086
+    $cxx -march=armv8-a $common $src/tiles_neon.cc -static -o build/kernels_test_arm
+    run="qemu-aarch64 -cpu max -L /usr/aarch64-linux-gnu build/kernels_test_arm"
+    isas=$($run --list)
+    for isa in $isas; do
+        echo "test_kernels: QARRAY_CPU_ISA=$isa $run"
+        QARRAY_CPU_ISA=$isa $run
+    done
+    # a CPU with dotprod and no i8mm (Neoverse N1: Graviton 2, Ampere Altra)
+    # must get the dotprod tiles by itself
+    picked=$(qemu-aarch64 -cpu neoverse-n1 build/kernels_test_arm --list | head -n 1)
+    if [ "$picked" != dotprod ]; then
+        echo "test_kernels: a Neoverse N1 should run dotprod, this build offers '$picked'"
+        exit 1
+    fi
+    echo "test_kernels: a Neoverse N1 (no i8mm) runs dotprod"
+    ;;
+*)
+    echo "usage: scripts/test_kernels.sh native|arm" >&2
+    exit 2
+    ;;
+esac
