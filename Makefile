@@ -8,12 +8,13 @@ PORT ?= 8000
 HOST ?= 127.0.0.1
 SCRATCH ?= $(or $(TMPDIR),/tmp)/qarray-serve
 
+.PHONY: test-kernels test-kernels-arm
 .PHONY: setup test test-fast test-image lint serve bench bench-peers soak test-compat clean docs browser gpu-check
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml tesseract_requirements.txt scripts/install.sh \
-		scripts/build_kernels.sh qarray/_cpu/kernels.cc
+		scripts/build_kernels.sh $(wildcard qarray/_cpu/*.cc qarray/_cpu/*.h)
 	@test -x $(PY) || { python=$$(scripts/find_python.sh) && "$$python" -m venv $(VENV); }
 	scripts/install.sh $(PY) dev --cpu
 	@touch $@
@@ -23,9 +24,12 @@ $(STAMP): pyproject.toml tesseract_requirements.txt scripts/install.sh \
 # formulations alone where the kernels ran (elsewhere the first run was XLA's
 # already), and the documentation site built with --strict (a broken link, a
 # missing page or a docstring mkdocstrings cannot render fails)
-test: setup browser
+# (pytest on TEST_WORKERS processes, a test file each at a time: XLA compiles
+# on one core, so two files at once use both; TEST_WORKERS=0 runs in-process)
+TEST_WORKERS ?= 2
+test: setup browser test-kernels
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -q --site-dir $(SCRATCH)-site
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 	@if $(PY) -c "import sys, qarray._ffi as f; sys.exit(not f.available())"; then \
 		echo "QARRAY_KERNELS=xla $(PY) -m pytest -m formulations ..."; \
 		QARRAY_KERNELS=xla $(PY) -m pytest -q -m formulations tests/qarray tests/test_recipes.py; \
@@ -33,6 +37,15 @@ test: setup browser
 		echo "no XLA rerun: qarray's CPU kernels do not run here, the run above was XLA's"; \
 		$(PY) -c "import qarray._ffi as f; print('  qarray._ffi.status():', f.status())"; \
 	fi
+
+# qarray's C++ kernels against a plain C++ reference (qarray/_cpu/tests/),
+# without XLA: once for each instruction set this CPU has, then the aarch64
+# tiles under qemu where the cross tools are (or install: root on Debian)
+test-kernels:
+	scripts/test_kernels.sh native
+	scripts/test_kernels.sh arm
+test-kernels-arm:
+	scripts/test_kernels.sh arm
 
 # the inner loop (about a minute on 2 cores): the numerics, the batcher and
 # the resident Tesseract in-process, settings and the upstream workarounds;

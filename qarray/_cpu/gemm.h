@@ -17,7 +17,8 @@
 // so the weights are read from memory once a call. Sums of int8 products are
 // exact in int32 (K < 2^17 at 127 x 128 a product), then scaled in float32.
 //
-// I provides: Acc (8 int32 lanes), W (a loaded 32-byte block), Zero(),
+// I provides: kPairs (and PairSteps: two rows at a time, i8mm's smmla),
+// Acc (8 int32 lanes), W (a loaded 32-byte block), Zero(),
 // LoadW(p), Dot(acc, w, x4) (acc[c] += sum_j w[4c + j] * x4's byte j),
 // Store(int32_t* 8, acc), PackNk8(rows, ld, k, dst) (8 full rows of k int8
 // -> k/4 blocks; k a multiple of 4... or any: it reads k4 * 4 bytes of rows
@@ -34,9 +35,19 @@ struct Panel8 {
 
 // acc[r][0..1] += `steps` groups of 4 bytes of MR rows (x + r * xs) times two
 // blocks' steps (w0, w1: 32 bytes a step): the loop every tile shares
+template <class Ops, int MR>
+inline void PairSteps(typename Ops::Acc (&acc)[MR][2], const int8_t* x, int64_t xs,
+                      const int8_t* w0, const int8_t* w1, int64_t steps) {
+  Ops::template PairSteps<MR>(acc, x, xs, w0, w1, steps);  // (looked up when used)
+}
+
 template <int MR>
 inline void DotSteps(typename I::Acc (&acc)[MR][2], const int8_t* x, int64_t xs,
                      const int8_t* w0, const int8_t* w1, int64_t steps) {
+  if constexpr (I::kPairs && MR % 2 == 0) {  // instructions that take two rows
+    PairSteps<I, MR>(acc, x, xs, w0, w1, steps);
+    return;
+  }
   for (int64_t g = 0; g < steps; ++g) {
     const typename I::W a = I::LoadW(w0 + g * 32), b = I::LoadW(w1 + g * 32);
 #pragma GCC unroll 4

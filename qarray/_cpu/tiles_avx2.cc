@@ -86,6 +86,7 @@ struct VecAvx2 {
 
 // gemm.h's int8 tile operations
 struct I8Avx2 {
+  static constexpr bool kPairs = false;
   using Acc = __m256i;
   struct W {
     __m256i w, mag;  // the block, and its bytes' magnitudes (|-128| = 128 as u8)

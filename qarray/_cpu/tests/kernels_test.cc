@@ -166,13 +166,16 @@ void CheckProduct(const Isa& isa, Pool& pool, std::mt19937& rng) {
   };
   const Shape shapes[] = {{1, 1, 1},     {1, 7, 5},      {2, 33, 17},   {3, 64, 64},
                           {4, 100, 70},  {5, 256, 129},  {8, 40, 33},   {9, 257, 31},
-                          {13, 130, 300}, {37, 64, 48},  {64, 300, 96}, {1, 4096, 1100},
-                          {20, 1024, 260}};
+                          {13, 130, 300}, {37, 64, 48},  {64, 300, 96},
+                          // over the pool's threads (4M multiply-adds and more)
+                          {1, 2048, 700}, {20, 512, 410}};
   // the default thresholds, and every path forced to the GEMM
   const Thresholds thresholds[] = {Thresholds{}, Thresholds{3, 1, 0}, Thresholds{2, 8, 9}};
   for (const Shape& sh : shapes)
     for (const Thresholds& t : thresholds)
       for (int kn = 0; kn < 2; ++kn)
+        // the big shapes for the threads, once (qemu runs this too)
+        if (sh.m * sh.k * sh.n < (1 << 20) || t.split == 3)
         for (int int8 = 0; int8 < 2; ++int8) {
           const int64_t m = sh.m, k = sh.k, n = sh.n;
           std::vector<float> x = Random(rng, m * k);
@@ -229,7 +232,7 @@ void CheckInt4(const Isa& isa, Pool& pool, std::mt19937& rng) {
   };
   const Shape shapes[] = {{1, 32, 5, 32},    {2, 64, 17, 32},   {3, 256, 33, 64},
                           {5, 128, 40, 128}, {17, 96, 9, 32},   {1, 2048, 300, 128},
-                          {40, 512, 70, 256}};
+                          {24, 512, 70, 256}};
   for (const Shape& sh : shapes)
     for (int int8 = 0; int8 < 2; ++int8) {
       const int64_t m = sh.m, k = sh.k, n = sh.n, groups = k / sh.group;
