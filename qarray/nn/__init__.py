@@ -12,9 +12,7 @@ equinox models.
     mixed = qnn.apply_plan(mlp, report)         # int4 / int8 / float32 layers
 """
 
-from ._accuracy import apply_plan as apply_plan
 from ._accuracy import evaluate as evaluate
-from ._accuracy import plan as plan
 from ._config import QuantConfig as QuantConfig
 from ._conv import Conv as Conv
 from ._conv import ConvTranspose as ConvTranspose
@@ -28,6 +26,8 @@ from ._lora import lora as lora
 from ._lora import lora_spec as lora_spec
 from ._lora import merge as merge
 from ._lora import with_adapters as with_adapters
+from ._plan import apply_plan as apply_plan
+from ._plan import plan as plan
 from ._quantize import freeze as freeze
 from ._quantize import quantize as quantize
 from ._spectral import SpectralConv as SpectralConv
