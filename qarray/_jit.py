@@ -23,8 +23,9 @@ from ._qarray import UINT8, QArray, QArrayTy
 
 
 @dataclass(frozen=True)
-class _Parts:
-    """A QArray's parts as a pytree: two array leaves, its kind static."""
+class Parts:
+    """A QArray's parts as a pytree: two array leaves, its kind static (also
+    how the Tesseract's residual cache keeps QArray residuals)."""
 
     qvalue: Any
     scale: Any
@@ -33,19 +34,19 @@ class _Parts:
 
 
 jax.tree_util.register_dataclass(
-    _Parts, data_fields=["qvalue", "scale"], meta_fields=["bits", "group_size"]
+    Parts, data_fields=["qvalue", "scale"], meta_fields=["bits", "group_size"]
 )
 
 
 def _is_parts(leaf) -> bool:
-    return isinstance(leaf, _Parts)
+    return isinstance(leaf, Parts)
 
 
-def _parts_of(q: QArray) -> _Parts:
+def _parts_of(q: QArray) -> Parts:
     qvalue, scale = q.qvalue, q.scale
     if qvalue.dtype != UINT8:
-        return _Parts(qvalue, scale, 8, None)
-    return _Parts(qvalue, scale, 4, 2 * qvalue.shape[-1] // scale.shape[-1])
+        return Parts(qvalue, scale, 8, None)
+    return Parts(qvalue, scale, 4, 2 * qvalue.shape[-1] // scale.shape[-1])
 
 
 def _map_leaves(convert, tree, is_leaf=None):
@@ -78,17 +79,19 @@ def _result_from_parts(result):
     return _map_leaves(_from_parts, result, _is_parts)
 
 
-def _packed(leaf):
+def packed(leaf):
+    """A ``Parts`` leaf as its QArray (traced code); other leaves as they are."""
     if _is_parts(leaf):
         return pack(leaf.qvalue, leaf.scale, leaf.bits, leaf.group_size)
     return leaf
 
 
-def _unpacked(leaf):
+def unpacked(leaf):
+    """A traced QArray as its ``Parts``; other leaves as they are."""
     ty = jax.typeof(leaf) if isinstance(leaf, jax.core.Tracer) else None
     if isinstance(ty, QArrayTy):
         qvalue, scale = unpack(leaf)
-        return _Parts(qvalue, scale, ty.bits, ty.group_size)
+        return Parts(qvalue, scale, ty.bits, ty.group_size)
     return leaf
 
 
@@ -104,8 +107,8 @@ def jit(fun, **jit_kwargs):
 
     @functools.wraps(fun)
     def on_parts(*args, **kwargs):
-        args, kwargs = _map_leaves(_packed, (args, kwargs), _is_parts)
-        return _map_leaves(_unpacked, fun(*args, **kwargs))
+        args, kwargs = _map_leaves(packed, (args, kwargs), _is_parts)
+        return _map_leaves(unpacked, fun(*args, **kwargs))
 
     compiled = jax.jit(on_parts, **jit_kwargs)
 

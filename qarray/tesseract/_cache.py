@@ -20,49 +20,19 @@ import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import equinox as eqx
 import jax
 import numpy as np
 from tesseract_core.runtime.tree_transforms import get_at_path
 
-from .. import QArrayTy, pack, unpack
+from .._jit import Parts, packed, unpacked
 from ._jit import merge_request, split_request
 
-
-@dataclass(frozen=True)
-class _QParts:
-    """A QArray residual as its parts: a hi-typed value makes every call of a
-    jitted function that takes or gives one take JAX's Python dispatch path
-    (more than a small network's whole backward pass), so residuals leave
-    the compiled forward pass as (qvalue, scale) and are packed inside."""
-
-    qvalue: Any
-    scale: Any
-    bits: int = 8  # the kind of QArray (int4: packed, a scale per group)
-    group_size: int | None = None
-
-
-jax.tree_util.register_pytree_node(
-    _QParts,
-    lambda p: ((p.qvalue, p.scale), (p.bits, p.group_size)),
-    lambda kind, parts: _QParts(*parts, *kind),
-)
-
-
-def _to_parts(leaf):
-    ty = jax.typeof(leaf)
-    if isinstance(ty, QArrayTy):
-        return _QParts(*unpack(leaf), ty.bits, ty.group_size)
-    return leaf
-
-
-def _from_parts(node):
-    if isinstance(node, _QParts):
-        return pack(node.qvalue, node.scale, node.bits, node.group_size)
-    return node
+# QArray residuals leave the compiled forward pass as their parts
+# (qarray.jit's): a hi-typed value makes every call of a jitted function that
+# takes or gives one take JAX's Python dispatch path (more than a small
+# network's whole backward pass); they are packed again inside
 
 
 @functools.partial(jax.jit, static_argnames=("fn", "static", "outputs"))
@@ -77,14 +47,12 @@ def _forward_with_pullback(arrays, constants, fn, static, outputs):
         return {name: out[name] for name in outputs}, out
 
     _, pullback, out = jax.vjp(forward, diff, has_aux=True)
-    return out, jax.tree.map(_to_parts, pullback)
+    return out, jax.tree.map(unpacked, pullback)
 
 
 @functools.partial(jax.jit, static_argnames="paths")
 def _run_pullback(pullback, cotangents, paths: tuple[str, ...]):
-    pullback = jax.tree.map(
-        _from_parts, pullback, is_leaf=lambda n: isinstance(n, _QParts)
-    )
+    pullback = jax.tree.map(packed, pullback, is_leaf=lambda n: isinstance(n, Parts))
     (input_cotangents,) = pullback(cotangents)
     # only the requested cotangents leave the call: XLA drops the products of
     # the others (x's, in a training step that differentiates the weights)
