@@ -26,6 +26,7 @@
 // four blocks in column order), Int4Row(q16 -> 32 int8 in k order).
 
 constexpr int kMR = 4;  // rows per tile (16 ymm registers: 8 sums, 4 weights)
+constexpr int64_t kMaxKnRows = 16;  // int8 rows of layout kn's dot path at most
 
 struct Panel8 {
   std::vector<int8_t> w;  // blocks x k4 x 32 bytes
@@ -208,6 +209,138 @@ inline void ProductKn(const ProductState& s, int64_t n0, int64_t n1) {
     }
 }
 
+// --- few rows: dot products straight off the weights, no panel (at one row
+// packing the weights costs as much as the product: make bench, suite kernels)
+
+// layout nk: R rows from `row` times NB output channels from c, each channel's
+// row of K bytes read once for the R rows
+template <int R, int NB>
+inline void NkDotTile(const ProductState& s, int64_t row, int64_t c) {
+  const ProductArgs& a = s.a;
+  const int64_t full = a.k / 32 * 32;
+  typename I::Acc acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = I::Zero();
+  const int8_t* x = s.xs.data() + row * s.ks;  // rows padded with zeros to ks
+  for (int64_t i = 0; i < full; i += 32) {
+    // the next tile's rows (a page apart each: the hardware prefetchers stop
+    // at page ends); a hint, an address past the end does not fault
+    if (i % 64 == 0)
+      for (int b = 0; b < NB; ++b) I::Prefetch(a.q + (c + 2 * NB + b) * a.k + i);
+    for (int b = 0; b < NB; ++b) {
+      const typename I::W w = I::LoadW(a.q + (c + b) * a.k + i);
+      for (int r = 0; r < R; ++r) I::DotVec(acc[r][b], w, x + r * s.ks + i);
+    }
+  }
+  if (full < a.k) {  // the rows' last bytes, zero-padded to 32
+    for (int b = 0; b < NB; ++b) {
+      alignas(32) int8_t tail[32] = {};
+      std::memcpy(tail, a.q + (c + b) * a.k + full, a.k - full);
+      const typename I::W w = I::LoadW(tail);
+      for (int r = 0; r < R; ++r) I::DotVec(acc[r][b], w, x + r * s.ks + full);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* y = a.y + ((row + r) / s.parts) * a.n + c;
+    const float sx = s.sx[row + r];
+    for (int b = 0; b < NB; ++b)
+      y[b] += static_cast<float>(I::Sum(acc[r][b])) * sx * a.scale[c + b];
+  }
+}
+
+// channels [n0, n1), four at a time, every row (two at a time) over each four
+// while their weights are in L1; the parts added into y in part order
+inline void NkDotRows(const ProductState& s, int64_t n0, int64_t n1) {
+  const ProductArgs& a = s.a;
+  for (int64_t r = 0; r < a.m; ++r) std::fill(a.y + r * a.n + n0, a.y + r * a.n + n1, 0.0f);
+  auto rows = [&](auto nb, int64_t c) {
+    constexpr int NB = decltype(nb)::value;
+    int64_t r = 0;
+    for (; r + 2 <= s.rows; r += 2) NkDotTile<2, NB>(s, r, c);
+    if (r < s.rows) NkDotTile<1, NB>(s, r, c);
+  };
+  int64_t c = n0;
+  for (; c + 4 <= n1; c += 4) rows(std::integral_constant<int, 4>{}, c);
+  for (; c < n1; ++c) rows(std::integral_constant<int, 1>{}, c);
+}
+
+// layout kn, weight rows [k0, k1) (a multiple of 8 from k0) into sums
+// (rows x n int32): eight weight rows a pass, four at a time interleaved in
+// registers into blocks of 4 k (I::KnQuads), against four bytes of each int8
+// row broadcast; the sums (in L1/L2) loaded and stored once per pass. A
+// thread takes a contiguous range of weight rows, streaming its share of
+// memory in order (columns split over threads instead touched every page of
+// the weights once per thread and 4 KiB of it: TLB misses, 6-8x slower at
+// (1, 4096, 4096))
+inline void KnDotRange(const ProductState& s, int64_t k0, int64_t k1, int32_t* sums) {
+  const ProductArgs& a = s.a;
+  const int64_t n = a.n, whole = n / 32 * 32;
+  std::fill(sums, sums + s.rows * n, 0);
+  for (int64_t i = k0; i < k1; i += 8) {
+    // rows past K meet zeros of x (padded to 32 bytes): any row serves
+    const int8_t* r[8];
+    for (int t = 0; t < 8; ++t) r[t] = a.q + std::min<int64_t>(i + t, a.k - 1) * n;
+    int32_t x4[kMaxKnRows][2];
+    for (int64_t row = 0; row < s.rows; ++row)
+      std::memcpy(x4[row], s.xs.data() + row * s.ks + i, 8);
+    for (int64_t j = 0; j < whole; j += 32) {
+      for (int t = 0; t < 8; ++t) I::Prefetch(r[t] + 16 * n + j);  // two passes ahead
+      alignas(32) int8_t quads[2][4][32];
+      I::KnQuads(r, j, quads[0]);
+      I::KnQuads(r + 4, j, quads[1]);
+      typename I::W w[2][4];
+      for (int h = 0; h < 2; ++h)
+        for (int b = 0; b < 4; ++b) w[h][b] = I::LoadW(quads[h][b]);
+      for (int64_t row = 0; row < s.rows; ++row) {
+        int32_t* at = sums + row * n + j;
+        for (int b = 0; b < 4; ++b) {
+          typename I::Acc acc = I::LoadAcc(at + 8 * b);
+          I::Dot(acc, w[0][b], x4[row][0]);
+          I::Dot(acc, w[1][b], x4[row][1]);
+          I::Store(at + 8 * b, acc);
+        }
+      }
+    }
+    for (int64_t j = whole; j < n; ++j)  // the last columns
+      for (int64_t row = 0; row < s.rows; ++row) {
+        const int8_t* x = s.xs.data() + row * s.ks + i;
+        int32_t sum = 0;
+        for (int t = 0; t < 8; ++t) sum += x[t] * r[t][j];
+        sums[row * n + j] += sum;
+      }
+  }
+}
+
+// layout kn with at most kn_dot_rows int8 rows: ranges of weight rows over
+// the threads, then the ranges' sums added and scaled
+inline void KnDotProduct(Pool& pool, int64_t threads, std::shared_ptr<ProductState> s) {
+  const ProductArgs& a = s->a;
+  const int64_t step = ((a.k + threads - 1) / threads + 7) / 8 * 8;
+  const int64_t ranges = (a.k + step - 1) / step;
+  auto sums = std::make_shared<std::vector<int32_t>>(ranges * s->rows * a.n);
+  const ProductState* p = s.get();
+  int32_t* out = sums->data();
+  Parallel(pool, ranges, 1, threads,
+           [p, step, out](int64_t c0, int64_t c1) {
+             for (int64_t c = c0; c < c1; ++c)
+               KnDotRange(*p, c * step, std::min(p->a.k, (c + 1) * step),
+                          out + c * p->rows * p->a.n);
+           },
+           std::make_shared<std::pair<std::shared_ptr<ProductState>,
+                                      std::shared_ptr<std::vector<int32_t>>>>(s, sums));
+  for (int64_t m = 0; m < a.m; ++m)
+    for (int64_t j = 0; j < a.n; ++j) {
+      float sum = 0.0f;
+      for (int64_t part = 0; part < s->parts; ++part) {
+        const int64_t row = m * s->parts + part;
+        int32_t total = 0;
+        for (int64_t c = 0; c < ranges; ++c) total += out[(c * s->rows + row) * a.n + j];
+        sum += static_cast<float>(total) * s->sx[row];
+      }
+      a.y[m * a.n + j] = sum;
+    }
+}
+
 template <class V>
 void ProductT(Pool& pool, const ProductArgs& args) {
   if (args.m == 0 || args.n == 0) return;
@@ -220,7 +353,8 @@ void ProductT(Pool& pool, const ProductArgs& args) {
   const ProductArgs& a = s->a;
   s->parts = a.int8 ? 1 : a.t.split;
   s->rows = s->parts * a.m;
-  s->ks = (a.k + 3) / 4 * 4;
+  // rows padded with zeros to 32 bytes (the dot paths read 32 at a time)
+  s->ks = (a.k + 31) / 32 * 32;
   s->xs.assign(s->rows * s->ks, 0);
   s->sx.resize(s->rows);
   const float* fold = a.kn ? a.scale : nullptr;  // kn: v = x * scale
@@ -236,11 +370,16 @@ void ProductT(Pool& pool, const ProductArgs& args) {
   // faster than one from a quarter of the work on (as tiles_avx512.cc)
   const int64_t work = s->rows * a.k * a.n * (s->rows <= kMR ? 4 : 1);
   const int64_t threads = Threads(pool, work);
+  // the thresholds the AVX-512 tiles use, in the same sense
+  if (a.kn && s->rows <= std::min<int64_t>(a.t.kn_dot_rows, kMaxKnRows))
+    return KnDotProduct(pool, threads, s);
   const ProductState* p = s.get();
   Parallel(pool, a.n, ChunkSize(a.n, threads, 4), threads,
            [p](int64_t n0, int64_t n1) {
              if (p->a.kn)
                ProductKn(*p, n0, n1);
+             else if (p->rows < p->a.t.gemm_rows)
+               NkDotRows(*p, n0, n1);
              else
                ProductNk(*p, n0, n1);
            },

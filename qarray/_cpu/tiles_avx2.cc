@@ -105,6 +105,22 @@ struct I8Avx2 {
   static void Store(int32_t* p, Acc a) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a);
   }
+  static Acc LoadAcc(const int32_t* p) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  }
+  // acc's lanes += four-byte dot products of the block and 32 bytes of x
+  static void DotVec(Acc& acc, const W& w, const int8_t* x) {
+    const __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), w.w);
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w.mag, xs),
+                                                  _mm256_set1_epi16(1)));
+  }
+  static int32_t Sum(Acc a) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+    return _mm_cvtsi128_si32(s);
+  }
+  static void Prefetch(const int8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
   // 8 rows (ld apart) of k int8 (k a multiple of 32) -> k / 4 blocks: an 8 x 8
   // transpose of 4-byte groups per 32 k
   static void PackNk8(const int8_t* rows, int64_t ld, int64_t k, int8_t* dst) {
@@ -185,6 +201,10 @@ struct I8AvxVnni : avx2::I8Avx2 {
   static void Dot(Acc& acc, const W& w, int32_t x4) {
     const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(x4), w.w);
     acc = _mm256_dpbusd_avx_epi32(acc, w.mag, x);
+  }
+  static void DotVec(Acc& acc, const W& w, const int8_t* x) {
+    const __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), w.w);
+    acc = _mm256_dpbusd_avx_epi32(acc, w.mag, xs);
   }
 };
 

@@ -90,6 +90,13 @@ struct I8Dotprod {
     vst1q_s32(p, a.val[0]);
     vst1q_s32(p + 4, a.val[1]);
   }
+  static Acc LoadAcc(const int32_t* p) { return {vld1q_s32(p), vld1q_s32(p + 4)}; }
+  static void DotVec(Acc& acc, const W& w, const int8_t* x) {
+    acc.val[0] = vdotq_s32(acc.val[0], w.lo, vld1q_s8(x));
+    acc.val[1] = vdotq_s32(acc.val[1], w.hi, vld1q_s8(x + 16));
+  }
+  static int32_t Sum(Acc a) { return vaddvq_s32(vaddq_s32(a.val[0], a.val[1])); }
+  static void Prefetch(const int8_t* p) { __builtin_prefetch(p); }
   static void PackNk8(const int8_t* rows, int64_t ld, int64_t k, int8_t* dst) {
     for (int64_t g = 0; g < k / 4; ++g)
       for (int c = 0; c < 8; ++c) std::memcpy(dst + g * 32 + 4 * c, rows + c * ld + 4 * g, 4);
