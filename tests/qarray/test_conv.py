@@ -75,32 +75,6 @@ def test_matches_the_reference(rng, x_shape, out, kernel, conv, pads, activation
     np.testing.assert_allclose(f(x[1]), want[1], rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("activations", ["float32", "int8"])
-@pytest.mark.parametrize(
-    "x_shape, out, kernel, conv, pads", GEOMETRIES, ids=GEOMETRY_IDS
-)
-def test_cpu_kernel_matches_the_reference(
-    rng, x_shape, out, kernel, conv, pads, activations
-):
-    """The CPU kernel forced, weight-only (three int8 parts of each example)
-    as well as W8A8, every geometry."""
-    if not _ffi.available():
-        pytest.skip(f"CPU kernels: {_ffi.status()}")
-    groups = conv.get("feature_group_count", 1)
-    x = normal(rng, x_shape)
-    w, qw = quantized(rng, out, x_shape[1] // groups * int(np.prod(kernel)))
-    strides = conv.get("window_strides", (1,) * len(kernel))
-    dilation = conv.get("rhs_dilation", (1,) * len(kernel))
-    want = ref.conv_q(
-        x, *ref.quantize(w), kernel, strides, pads, dilation, groups, activations
-    )
-    prim = ConvQ(jax.typeof(x), jax.typeof(qw), kernel, activations=activations, **conv)
-    got = jax.jit(lambda x, q, s: prim.forward(x, q, s, "kernel"))(
-        x, qw.qvalue, qw.scale
-    )
-    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
-
-
 TRANSPOSED = [  # (x shape, out, kernel, lhs_dilation, pads, groups)
     ((2, 6, 7), 4, (3,), (2,), ((2, 3),), 1),
     ((2, 4, 5, 6), 6, (3, 2), (2, 3), ((1, 2), (1, 1)), 2),

@@ -100,22 +100,6 @@ def test_linear_q_int4_matches_numpy(rng, strategy, m, activations):
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL * np.abs(want).max())
 
 
-@pytest.mark.parametrize("activations", ["float32", "int8"])
-@pytest.mark.parametrize("m", [11, 40])
-def test_int4_kernel_gemm_matches_numpy(rng, m, activations):
-    """The kernel's GEMM (from 32 int8 rows: three parts a row weight-only,
-    one for W4A8): K not a multiple of 64, N not one of 16, rows not one of 4."""
-    if not _ffi.available():
-        pytest.skip(f"CPU kernels: {_ffi.status()}")
-    k, n, group = 96, 33, 32
-    x, w = normal(rng, (m, k)), normal(rng, (n, k))
-    packed, scale = qa.unpack(qa.quantize(jnp.asarray(w), bits=4, group_size=group))
-    want = int4_reference(x, w, group, activations)
-    product = lambda *a: _kernels.linear_int4(*a, activations, "kernel")  # noqa: E731
-    got = jax.jit(product)(x, packed, scale)
-    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL * np.abs(want).max())
-
-
 @pytest.mark.parametrize("m", [3, 64])
 def test_w4a8_error_bound(rng, m):
     """W4A8 differs from weight-only int4 by at most the rounding of x to its

@@ -1,42 +1,25 @@
 """Each matmul_q and linear_q formulation against the NumPy reference, and the
 choice rules."""
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import qarray as qa
-from qarray import _ffi, _kernels, _numerics
+from qarray import _ffi, _kernels
 from support import reference as ref
+from support.cpu_kernels import needs_kernels
 
 # rerun on XLA's formulations alone where the kernels ran (make test)
 pytestmark = pytest.mark.formulations
 
 
-def cpu_has_vnni() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"))
-
-
 def needs(strategy):
-    """The kernel strategy must run wherever the CPU has AVX-512 VNNI (a
-    missing build fails here); elsewhere, with QARRAY_KERNELS=xla, or under
-    another jaxlib than the one that built it (make test-compat), there is
-    nothing to test."""
-    if strategy != "kernel" or _ffi.available():
-        return
-    status = _ffi.status()
-    other_jaxlib = status.startswith("built for jaxlib")  # make test-compat
-    if status == "QARRAY_KERNELS=xla" or not cpu_has_vnni() or other_jaxlib:
-        pytest.skip(f"qarray's CPU kernels do not run here: {status}")
-    pytest.fail(f"the CPU has AVX-512 VNNI but the kernels do not run: {status}")
+    """The kernel strategy must run wherever the CPU has tiles for it
+    (test_cpu_kernels.needs_kernels says when it cannot)."""
+    if strategy == "kernel":
+        needs_kernels()
 
 
 # relative error (Frobenius) each formulation may add to the exact product
@@ -296,96 +279,3 @@ def test_backward_for_x_is_float32_exact(rng, shape, activations):
         got = ct_x(x, g, qvalue, scale)
         assert got.shape == (m, k)
         assert rel_err(got, g.astype(np.float64) @ w_kn.T) <= TOLERANCE["split_int8"]
-
-
-# --- the CPU kernels against the XLA formulations, shape by shape
-
-
-KERNEL_SHAPES = [(1, 4096, 512), (4, 2048, 33), (7, 17, 1000), (64, 256, 256)]
-
-
-@pytest.mark.parametrize("shape", KERNEL_SHAPES, ids=str)
-@pytest.mark.parametrize("layout", ["kn", "nk"])
-@pytest.mark.parametrize("activations", ["float32", "int8"])
-def test_kernel_agrees_with_the_xla_formulations(rng, shape, layout, activations):
-    needs("kernel")
-    m, k, n = shape
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    stored = (k, n) if layout == "kn" else (n, k)
-    qvalue, scale = ref.quantize(rng.standard_normal(stored).astype(np.float32))
-    fn = _kernels.matmul if layout == "kn" else _kernels.linear
-    xla = "chunked"
-    kernel = jax.jit(lambda x, q, s: fn(x, q, s, activations, "kernel"))(
-        x, qvalue, scale
-    )
-    other = jax.jit(lambda x, q, s: fn(x, q, s, activations, xla))(x, qvalue, scale)
-    assert rel_err(kernel, np.asarray(other, np.float64)) <= 2e-6
-    product = ref.matmul_q if layout == "kn" else ref.linear_q
-    assert rel_err(kernel, product(x, qvalue, scale, activations)) <= 1e-6
-
-
-def test_quantize_kernel_rounds_near_ties_like_division(rng):
-    """The kernel multiplies by 1 / scale and divides only near a half-integer:
-    rows built of exact half-integer multiples of their scale and their float32
-    neighbours (where x * (1 / s) and x / s can round apart), rows whose scale
-    would be subnormal (flushed to zero, as XLA's), and one input large enough
-    for the streamed stores: scales bit for bit the XLA formulation's, values
-    NumPy's correctly rounded division by them."""
-    needs("kernel")
-    k = 4096
-    scales = rng.uniform(0.01, 3.0, 48).astype(np.float32)
-    half = rng.integers(-127, 127, (48, k)).astype(np.float32) + np.float32(0.5)
-    rows = half * scales[:, None]
-    step = rng.integers(-2, 3, rows.shape)  # up to two ulps either way
-    rows = np.nextafter(rows, np.where(step > 0, np.inf, -np.inf).astype(np.float32))
-    rows = np.where(step == 0, half * scales[:, None], rows).astype(np.float32)
-    rows[:, 0] = 127 * scales  # each row's absmax sets its scale near `scales`
-    rows[-2:] *= np.float32(1e-38)  # absmax normal, absmax / 127 not
-    large = (rng.standard_normal((2048, k)) * 3).astype(np.float32)
-    for x in (rows, np.concatenate([rows, large])):
-        qvalue, scale = jax.jit(_ffi.quantize_rows)(x)
-        np.testing.assert_array_equal(scale, jax.jit(_numerics.quantize_rows)(x)[1])
-        divisor = np.where(scale > 0, scale, np.float32(1))[:, None]
-        # XLA's threads treat subnormal inputs as zero, the XLA formulation too
-        normal = np.where(np.abs(x) < np.finfo(np.float32).tiny, 0, x)
-        want = np.clip(np.round(normal / divisor), -127, 127)
-        np.testing.assert_array_equal(np.asarray(qvalue), want)
-
-
-def test_kernels_switch_off_with_qarray_kernels_xla():
-    import subprocess
-    import sys
-
-    code = "from qarray import _ffi; print(_ffi.status())"
-    env = {**os.environ, "QARRAY_KERNELS": "xla", "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True
-    )
-    assert out.stdout.strip() == "QARRAY_KERNELS=xla", out.stderr
-
-
-@pytest.mark.parametrize("shape", [(1, 1), (5, 17), (64, 300), (3, 2, 33), (0, 5)])
-def test_quantize_kernel_matches_numpy_and_xla(rng, shape):
-    """quantize's CPU kernel: the XLA formulation's scales bit for bit (the
-    reciprocal of 127), the NumPy reference's values, zero and inf rows; a row
-    with a NaN gets a NaN scale (jnp.max's rule, which XLA's vectorised max
-    keeps at some widths only) and 0 for the NaN entry."""
-    needs("kernel")
-    x = (rng.standard_normal(shape) * 5).astype(np.float32)
-    rows = x.reshape(-1, shape[-1])  # a view: the edits below land in x
-    rows[:1] = 0.0  # an all-zero row: scale 0, values 0
-    rows[1:2, 0] = np.nan  # NaN scale, the NaN entry 0
-    rows[2:3, -1] = np.inf
-    qvalue, scale = jax.jit(_ffi.quantize_rows)(rows)
-    want_q, want_s = jax.jit(_numerics.quantize_rows)(rows)
-    has_nan = np.isnan(rows).any(axis=-1)
-    np.testing.assert_array_equal(np.asarray(scale)[~has_nan], want_s[~has_nan])
-    np.testing.assert_array_equal(np.asarray(qvalue)[~has_nan], want_q[~has_nan])
-    assert np.isnan(np.asarray(scale)[has_nan]).all()
-    assert (np.asarray(qvalue)[np.isnan(rows)] == 0).all()
-    finite = np.isfinite(rows).all(axis=-1)
-    ref_q, _ = ref.quantize(rows[finite])
-    np.testing.assert_array_equal(np.asarray(qvalue)[finite], ref_q)
-    # and through the primitive, any leading axes
-    q = jax.jit(qa.quantize)(x)
-    np.testing.assert_array_equal(qa.unpack(q)[0], np.asarray(qvalue).reshape(shape))
