@@ -2,6 +2,7 @@
 and hot (suite ``kernels``).
 
     .venv/bin/python -m benchmarks.bench_kernels [--quick] [--strategies]
+    QARRAY_CPU_ISA=avx2 .venv/bin/python -m benchmarks.bench_kernels --isa-table
 
 Cold: a many-layer model reads its weights from memory, not from cache: each
 call takes the next of several distinct copies of the weights, together more
@@ -11,7 +12,14 @@ its own copies). Hot: the same weights every call. Ours is the primitive under
 the Tesseract run); the baseline is the faster float32 spelling for the layout
 (``x @ w`` for (K, N); for (N, K) the faster of ``x @ w.T`` and
 ``(w @ x.T).T``). ``--strategies`` adds a row per formulation (the kernel and
-the XLA ones), which is what ``_kernels.choose_strategy`` is set from.
+the XLA ones), which is what ``_kernels.choose_strategy`` is set from. Every
+row names the instruction set its product ran on (``isa``: avx512, avx2,
+i8mm, dotprod for the kernel, ``xla`` for XLA's formulations).
+
+``--isa-table``: issue 37's targets, each problem as the kernel (on the
+instruction set ``QARRAY_CPU_ISA`` forces, or the CPU's best), as XLA's
+formulation (what qarray runs without kernels) and as jitted float32, the
+three interleaved in one run, weights cold; a Markdown table.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import qarray as qa
 from benchmarks._timing import interleaved
 from benchmarks.peer_shapes import last_level_cache_bytes
 from qarray import _ffi, _kernels, _numerics
+from qarray._conv import ConvQ
 
 SHAPES = [
     (1, 4096, 4096),
@@ -140,9 +149,15 @@ def rows_for(layout, shape, reps, cold, strategies=False):
                 "unit": "x faster",
                 "ms": 1e3 * times[(activations, strategy)],
                 "baseline_ms": 1e3 * times[best],
+                "isa": isa_of(chosen),
             }
         )
     return rows
+
+
+def isa_of(strategy: str) -> str:
+    """Where a formulation runs: the kernels' instruction set, or "xla"."""
+    return (_ffi.isa() or "xla") if strategy == "kernel" else "xla"
 
 
 # quantize's throughput (issue 26): GB/s of float32 input, inputs cold
@@ -171,6 +186,7 @@ def quantize_rows(reps=21, shape=QUANTIZE_SHAPE):
             "unit": "GB/s",
             "ms": 1e3 * times["ours"],
             "baseline_ms": 1e3 * times["xla"],
+            "isa": _ffi.isa() or "xla",
         }
     ]
 
@@ -184,12 +200,187 @@ def run(reps=21, strategies=False, shapes=SHAPES):
     return rows
 
 
+# issue 37's targets: (what, shape, activations) -> ratio to float32, cold
+ISA_PRODUCT_SHAPES = [
+    (1, 4096, 4096),
+    (1, 1024, 1024),
+    (16, 4096, 4096),
+    (64, 4096, 4096),
+    (16, 1024, 1024),
+    (64, 1024, 1024),
+]
+
+
+def product_target(shape, activations):
+    if shape[0] == 1:
+        return 2.5 if shape[1] == 4096 else 2.0
+    return 2.0 if activations == "int8" else 1.2
+
+
+def _cold(make, nbytes):
+    """A zero-argument function rotating over copies of ``make()`` beyond
+    the cache."""
+    return rotating([make() for _ in range(copies_beyond_cache(nbytes))])
+
+
+def isa_product_row(layout, shape, activations, reps):
+    m, k, n = shape
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    stored = (k, n) if layout == "kn" else (n, k)
+    w = jnp.asarray(rng.standard_normal(stored), jnp.float32)
+    q, s = jax.block_until_ready(qa.unpack(qa.quantize(w)))
+    next_q = _cold(lambda: (q + 0, s + 0), q.nbytes)
+    next_w = _cold(lambda: w + 0, w.nbytes)
+    fn = _kernels.matmul if layout == "kn" else _kernels.linear
+    xla = _kernels.choose_strategy(m, k, n, activations, "cpu", layout, kernels=False)
+    if layout == "kn":
+        f32 = jax.jit(lambda x, w: x @ w)
+    else:  # the faster spelling at one row (x @ w.T copies w transposed)
+        f32 = jax.jit(lambda x, w: (w @ x.T).T if m == 1 else x @ w.T)
+    ours = jax.jit(lambda x, q, s, st: fn(x, q, s, activations, st), static_argnums=3)
+    fns = {
+        "f32": lambda: f32(x, next_w()),
+        "kernel": lambda: ours(x, *next_q(), "kernel"),
+        "xla": lambda: ours(x, *next_q(), xla),
+    }
+    heavy = m * k * n >= 2**28
+    times = interleaved(fns, reps=max(5, reps // 3) if heavy else reps)
+    op = "matmul_q (kn)" if layout == "kn" else "linear_q (nk)"
+    label = "weight-only" if activations == "float32" else "W8A8"
+    return _isa_row(
+        f"{label} {op}", shape, times, xla, product_target(shape, activations)
+    )
+
+
+def isa_int4_row(activations, reps, shape=(1, 4096, 4096), group=128):
+    m, k, n = shape
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((n, k)), jnp.float32)
+    p, s = jax.block_until_ready(qa.unpack(qa.quantize(w, bits=4, group_size=group)))
+    next_q = _cold(lambda: (p + 0, s + 0), p.nbytes)
+    next_w = _cold(lambda: w + 0, w.nbytes)
+    f32 = jax.jit(lambda x, w: (w @ x.T).T)
+    ours = jax.jit(
+        lambda x, p, s, st: _kernels.linear_int4(x, p, s, activations, st),
+        static_argnums=3,
+    )
+    times = interleaved(
+        {
+            "f32": lambda: f32(x, next_w()),
+            "kernel": lambda: ours(x, *next_q(), "kernel"),
+            "xla": lambda: ours(x, *next_q(), "dequantize"),
+        },
+        reps,
+    )
+    label = "int4 weight-only" if activations == "float32" else "int4 W4A8"
+    target = 3.0 if activations == "float32" else None
+    return _isa_row(f"{label} linear_q (G={group})", shape, times, "dequantize", target)
+
+
+# the CNN surrogate's 3x3 layer (a batch of 64 x 64 fields) and PointNet's
+# pointwise layer (bench_conv's rows with targets)
+ISA_CONV_SHAPES = [
+    (8, 32, (64, 64), 32, (3, 3), "SAME"),
+    (8, 64, (1024,), 128, (1,), "VALID"),
+]
+
+
+def isa_conv_row(shape, activations, reps):
+    batch, cin, spatial, cout, kernel, padding = shape
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((batch, cin, *spatial)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((cout, cin, *kernel)) * 0.1, jnp.float32)
+    qw = qa.quantize(w.reshape(cout, -1))
+    q, s = qa.unpack(qw)
+    space = "DHW"[3 - w.ndim + 2 :]
+    numbers = ("NC" + space, "OI" + space, "NC" + space)
+    f32 = jax.jit(
+        lambda x, w: jax.lax.conv_general_dilated(
+            x, w, (1,) * (w.ndim - 2), padding, dimension_numbers=numbers
+        )
+    )
+    prim = ConvQ(
+        jax.typeof(x), jax.typeof(qw), kernel, padding=padding, activations=activations
+    )
+    ours = jax.jit(lambda x, q, s, st: prim.forward(x, q, s, st), static_argnums=3)
+    # XLA's formulation without kernels: conv_q's default there
+    xla = "float_sums" if activations == "int8" else "dequantized"
+    times = interleaved(
+        {
+            "f32": lambda: f32(x, w),
+            "kernel": lambda: ours(x, q, s, "kernel"),
+            "xla": lambda: ours(x, q, s, xla),
+        },
+        reps,
+    )
+    label = "weight-only" if activations == "float32" else "W8A8"
+    target = 1.5 if activations == "int8" else None
+    shown = (batch, cin, *spatial, cout, *kernel)
+    return _isa_row(f"{label} conv_q {kernel}", shown, times, xla, target)
+
+
+def _isa_row(what, shape, times, xla, target):
+    return {
+        "row": what,
+        "shape": shape,
+        "isa": _ffi.isa() or "xla",
+        "f32_ms": 1e3 * times["f32"],
+        "kernel": times["f32"] / times["kernel"],
+        "xla": times["f32"] / times["xla"],
+        "xla_strategy": xla,
+        "target": target,
+    }
+
+
+def isa_table(reps=21):
+    """Issue 37's rows (see the module doc): kernel, XLA, float32 per row."""
+    if not _ffi.available():
+        raise SystemExit(f"the kernels do not run here: {_ffi.status()}")
+    rows = []
+    for shape in ISA_PRODUCT_SHAPES:
+        for layout in ("nk", "kn"):
+            for activations in ("float32", "int8"):
+                rows.append(isa_product_row(layout, shape, activations, reps))
+    for activations in ("float32", "int8"):
+        rows.append(isa_int4_row(activations, reps))
+    for shape in ISA_CONV_SHAPES:
+        for activations in ("int8", "float32"):
+            rows.append(isa_conv_row(shape, activations, reps))
+    return rows
+
+
+def print_isa_table(rows):
+    isa = rows[0]["isa"] if rows else "?"
+    print(
+        f"| row | shape | jitted f32 ms | kernel ({isa}) | XLA formulation | target |"
+    )
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        target = f">= {r['target']}x" if r["target"] else ""
+        met = (
+            ""
+            if not r["target"]
+            else (" ok" if r["kernel"] >= r["target"] else " MISS")
+        )
+        print(
+            f"| {r['row']} | {r['shape']} | {r['f32_ms']:.3f} | {r['kernel']:.2f}x |"
+            f" {r['xla']:.2f}x ({r['xla_strategy']}) | {target}{met} |"
+        )
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--strategies", action="store_true")
     parser.add_argument("--shapes", default=None, help="e.g. 1x4096x4096,64x1024x1024")
+    parser.add_argument("--isa-table", action="store_true")
     args = parser.parse_args()
+    if args.isa_table:
+        print(f"kernels: {_ffi.status()}")
+        print_isa_table(isa_table(5 if args.quick else 21))
+        raise SystemExit(0)
     shapes = SHAPES
     if args.shapes:
         shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
@@ -198,4 +389,5 @@ if __name__ == "__main__":
         print(
             f"{row['row']:<58} {row['shape']!s:<18} {row['ratio']:6.2f}x "
             f"({row['ms']:.3f} ms vs {row['baseline_ms']:.3f} ms {row['baseline']})"
+            f" [{row.get('isa', '?')}]"
         )

@@ -466,6 +466,55 @@ inline void Int4Chunk(const Int4State& s, int64_t n0, int64_t n1) {
   }
 }
 
+// few rows: dot products straight off the packed rows (no panel), the
+// nibbles widened in registers 32 at a time (I::LoadInt4W), each group's
+// integer sums scaled into float32 lanes, summed across lanes at the end
+template <int R, int NB>
+inline void Int4DotTile(const Int4State& s, int64_t row, int64_t c) {
+  const Int4Args& a = s.a;
+  const int64_t half = a.k / 2, groups = a.k / a.group;
+  typename I::FAcc f[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) f[r][b] = I::FZero();
+  const int8_t* x = s.xs.data() + row * a.k;
+  for (int64_t g = 0; g < groups; ++g) {
+    typename I::Acc acc[R][NB];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < NB; ++b) acc[r][b] = I::Zero();
+    for (int64_t i = g * a.group; i < (g + 1) * a.group; i += 32) {
+      if (i % 128 == 0)  // the next tile's rows, as NkDotTile
+        for (int b = 0; b < NB; ++b) I::Prefetch(reinterpret_cast<const int8_t*>(
+                                         a.q + (c + 2 * NB + b) * half + i / 2));
+      for (int b = 0; b < NB; ++b) {
+        const typename I::W w = I::LoadInt4W(a.q + (c + b) * half + i / 2);
+        for (int r = 0; r < R; ++r) I::DotVec(acc[r][b], w, x + r * a.k + i);
+      }
+    }
+    for (int b = 0; b < NB; ++b) {
+      const float scale = a.scale[(c + b) * groups + g];
+      for (int r = 0; r < R; ++r) f[r][b] = I::FmaScaled(f[r][b], acc[r][b], scale);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* y = a.y + ((row + r) / s.parts) * a.n + c;
+    for (int b = 0; b < NB; ++b) y[b] += I::FSum(f[r][b]) * s.sx[row + r];
+  }
+}
+
+inline void Int4DotRows(const Int4State& s, int64_t n0, int64_t n1) {
+  const Int4Args& a = s.a;
+  for (int64_t r = 0; r < a.m; ++r) std::fill(a.y + r * a.n + n0, a.y + r * a.n + n1, 0.0f);
+  auto rows = [&](auto nb, int64_t c) {
+    constexpr int NB = decltype(nb)::value;
+    int64_t r = 0;
+    for (; r + 2 <= s.rows; r += 2) Int4DotTile<2, NB>(s, r, c);
+    if (r < s.rows) Int4DotTile<1, NB>(s, r, c);
+  };
+  int64_t c = n0;
+  for (; c + 4 <= n1; c += 4) rows(std::integral_constant<int, 4>{}, c);
+  for (; c < n1; ++c) rows(std::integral_constant<int, 1>{}, c);
+}
+
 template <class V>
 void ProductInt4T(Pool& pool, const Int4Args& args) {
   if (args.m == 0 || args.n == 0) return;
@@ -488,7 +537,13 @@ void ProductInt4T(Pool& pool, const Int4Args& args) {
   const int64_t threads = Threads(pool, work);
   const Int4State* p = s.get();
   Parallel(pool, a.n, ChunkSize(a.n, threads, 4), threads,
-           [p](int64_t n0, int64_t n1) { Int4Chunk(*p, n0, n1); }, s);
+           [p](int64_t n0, int64_t n1) {
+             if (p->rows < p->a.t.gemm_rows)
+               Int4DotRows(*p, n0, n1);
+             else
+               Int4Chunk(*p, n0, n1);
+           },
+           s);
 }
 
 // --- conv_q: an implicit GEMM over a padded channels-last copy of x

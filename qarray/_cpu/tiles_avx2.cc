@@ -120,6 +120,29 @@ struct I8Avx2 {
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
     return _mm_cvtsi128_si32(s);
   }
+  // float32 lanes for int4's group sums
+  using FAcc = __m256;
+  static FAcc FZero() { return _mm256_setzero_ps(); }
+  static FAcc FmaScaled(FAcc f, Acc a, float s) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(s), f);
+  }
+  static float FSum(FAcc f) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+  }
+  // 16 packed bytes -> a block of their 32 int4 values in k order (Int4Row
+  // in registers)
+  static W LoadInt4W(const uint8_t* q) {
+    const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(b, low4));
+    const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(b, 4), low4));
+    const __m256i w = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+    return {w, _mm256_abs_epi8(w)};
+  }
   static void Prefetch(const int8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
   // 8 rows (ld apart) of k int8 (k a multiple of 32) -> k / 4 blocks: an 8 x 8
   // transpose of 4-byte groups per 32 k

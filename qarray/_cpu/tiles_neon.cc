@@ -97,6 +97,17 @@ struct I8Dotprod {
   }
   static int32_t Sum(Acc a) { return vaddvq_s32(vaddq_s32(a.val[0], a.val[1])); }
   static void Prefetch(const int8_t* p) { __builtin_prefetch(p); }
+  using FAcc = float32x4_t;
+  static FAcc FZero() { return vdupq_n_f32(0.0f); }
+  static FAcc FmaScaled(FAcc f, Acc a, float s) {
+    return vfmaq_n_f32(f, vcvtq_f32_s32(vaddq_s32(a.val[0], a.val[1])), s);
+  }
+  static float FSum(FAcc f) { return vaddvq_f32(f); }
+  static W LoadInt4W(const uint8_t* q) {
+    alignas(16) int8_t v[32];
+    Int4Row(q, v);
+    return LoadW(v);
+  }
   static void PackNk8(const int8_t* rows, int64_t ld, int64_t k, int8_t* dst) {
     for (int64_t g = 0; g < k / 4; ++g)
       for (int c = 0; c < 8; ++c) std::memcpy(dst + g * 32 + 4 * c, rows + c * ld + 4 * g, 4);
