@@ -610,14 +610,19 @@ inline void ConvLines(const ConvState& c, int64_t l0, int64_t l1) {
           int32_t out[MR][16];
           ConvTile<MR>(c, e, o0, o1, o2, pair, out);
           const int64_t cols = std::min<int64_t>(16, c.og - 16 * pair);
-          for (int64_t j = 0; j < cols; ++j) {
-            const int64_t o = 16 * pair + j;
-            const float s = a.scale[ch0 + o];
-            float* dst = y + o * c.positions + o2;
-            for (int r = 0; r < MR; ++r) {
-              const float v = static_cast<float>(out[r][j]) * sx * s;
-              dst[r] = part ? dst[r] + v : v;
-            }
+          // scaled in whole rows of 16 (vectorized), then written channel by
+          // channel, MR positions each, into y's (channels, positions) layout
+          alignas(32) float scale[16] = {}, v[MR][16];
+          for (int64_t j = 0; j < cols; ++j) scale[j] = sx * a.scale[ch0 + 16 * pair + j];
+          for (int r = 0; r < MR; ++r)
+            for (int j = 0; j < 16; ++j) v[r][j] = static_cast<float>(out[r][j]) * scale[j];
+          float* dst = y + 16 * pair * c.positions + o2;
+          if (part == 0) {
+            for (int64_t j = 0; j < cols; ++j)
+              for (int r = 0; r < MR; ++r) dst[j * c.positions + r] = v[r][j];
+          } else {
+            for (int64_t j = 0; j < cols; ++j)
+              for (int r = 0; r < MR; ++r) dst[j * c.positions + r] += v[r][j];
           }
         }
       });
