@@ -255,6 +255,8 @@ inline void NkDotRows(const ProductState& s, int64_t n0, int64_t n1) {
   for (int64_t r = 0; r < a.m; ++r) std::fill(a.y + r * a.n + n0, a.y + r * a.n + n1, 0.0f);
   auto rows = [&](auto nb, int64_t c) {
     constexpr int NB = decltype(nb)::value;
+    // weight-only's one row of x (three parts) in one pass over the weights
+    if (s.rows == 3) return NkDotTile<3, NB>(s, 0, c);
     int64_t r = 0;
     for (; r + 2 <= s.rows; r += 2) NkDotTile<2, NB>(s, r, c);
     if (r < s.rows) NkDotTile<1, NB>(s, r, c);
@@ -506,6 +508,7 @@ inline void Int4DotRows(const Int4State& s, int64_t n0, int64_t n1) {
   for (int64_t r = 0; r < a.m; ++r) std::fill(a.y + r * a.n + n0, a.y + r * a.n + n1, 0.0f);
   auto rows = [&](auto nb, int64_t c) {
     constexpr int NB = decltype(nb)::value;
+    if (s.rows == 3) return Int4DotTile<3, NB>(s, 0, c);  // as NkDotRows
     int64_t r = 0;
     for (; r + 2 <= s.rows; r += 2) Int4DotTile<2, NB>(s, r, c);
     if (r < s.rows) Int4DotTile<1, NB>(s, r, c);
