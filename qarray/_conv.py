@@ -55,7 +55,7 @@ PADDINGS = ("VALID", "SAME", "SAME_LOWER")
 # i.e. C/groups * prod(kernel) <= 1040) and "int8_conv" asks XLA for int8 x
 # int8 -> int32, which XLA:CPU runs as a slow generic loop; "kernel" is
 # qarray's CPU kernel (an implicit int8 GEMM over a padded channels-last copy
-# of x, qarray/_cpu/kernels.cc), the default for int8 activations on CPU
+# of x, qarray/_cpu/conv.cc), the default for int8 activations on CPU
 # (weight-only, its three int8 parts of x measured slower than the
 # dequantized float32 convolution: make bench, suite conv).
 CONV_STRATEGIES = ("dequantized", "float_sums", "int8_conv", "kernel")

@@ -241,7 +241,8 @@ def linear(x, qvalue, scale, activations="float32", strategy=None):
 
 # rows up to which the int4 CPU kernel beats dequantizing and a float32 dot
 # (``make bench``, suite int4): its float32 tiles for one row, then (from
-# kInt4GemmRows in kernels.cc: two rows) the int8 GEMM with the nibbles
+# kInt4GemmRows in tiles_avx512.cc: two rows; the other tiles from
+# KERNEL_GEMM_ROWS int8 rows) the int8 GEMM with the nibbles
 # unpacked into its panel and each group's sums scaled in the tile, on three
 # int8 parts a row of x (weight-only) or one (W4A8)
 INT4_KERNEL_MAX_ROWS = {"float32": 256, "int8": 4096}

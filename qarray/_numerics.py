@@ -12,9 +12,9 @@ int4, per group of ``G`` entries of a row: the same with ``QMAX4``, values
 in ``[-7, 7]`` packed two a byte as 4-bit two's complement, the low nibble
 holding the even index.
 
-The C++ kernels' row quantizer (``qarray/_cpu/kernels.cc``, ``QuantizeRow``)
-computes the same values; ``tests/qarray/test_numerics.py`` holds them to
-these.
+The C++ kernels' one row quantizer (``qarray/_cpu/quantize_row.h``, NaN rows
+included) computes the same values; ``tests/qarray/test_cpu_kernels.py`` and
+the C++ test program (``make test-kernels``) hold them to these.
 """
 
 from __future__ import annotations
