@@ -186,6 +186,14 @@ class ResidualCache:
         """The cotangents at ``paths`` (input paths, ``layers.[0].w``) for
         output ``cotangents`` (every differentiable output, by name), from
         the pullback ``apply`` kept for these inputs; None if none was kept."""
+        run = self.pullback(fn, inputs, paths)
+        return None if run is None else run(cotangents)
+
+    def pullback(self, fn: Callable, inputs: dict, paths) -> Callable | None:
+        """The pullback ``apply`` kept for these inputs, taken out of the
+        cache, as a function of the output cotangents (``vjp``'s second
+        half, which the endpoints run in the batcher's turn: the lookup
+        needs none); None if none was kept."""
         self._applies_without_vjp = 0  # VJPs follow applies: store again
         if not self._entries:
             return None
@@ -194,7 +202,8 @@ class ResidualCache:
             entry = self._take(key)
         if entry is None:
             return None
-        return _run_pullback(entry.pullback, cotangents, tuple(sorted(paths)))
+        paths = tuple(sorted(paths))
+        return lambda cotangents: _run_pullback(entry.pullback, cotangents, paths)
 
     def _take(self, key: _HostKey) -> _Entry | None:
         """The entry under ``key``, marked read (lock held)."""

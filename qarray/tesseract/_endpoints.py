@@ -101,12 +101,9 @@ class Endpoints:
             name: cotangents.get(name, np.zeros(shape, np.float32))
             for name, shape in shapes.items()
         }
-        cache = self.runtime.cache
-        cached = self.runtime.batcher.call(
-            lambda: cache.vjp(self.run, request, full, vjp_inputs)
-        )
-        if cached is not None:
-            return cached
+        pullback = self.runtime.cache.pullback(self.run, request, vjp_inputs)
+        if pullback is not None:  # apply kept it: no forward pass, no merging
+            return self.runtime.batcher.call(lambda: pullback(full))
         job = self.rows.job(
             "vjp",
             request if mergeable else None,
