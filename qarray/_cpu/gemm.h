@@ -3,27 +3,30 @@
 // namespace, after their target pragma, with their I and their vector type V
 // for the row quantizer). AVX-512 keeps its own tuned paths (tiles_avx512.cc).
 //
-// Every product is a GEMM of int8 rows against int8 weights packed in panels:
+// Products run on int8 rows of x against the int8 (or int4) weights:
 //   x side: s8 rows (x quantized per row, or split in `split` int8 parts
 //           each quantizing what the previous left: float32 precision),
-//           k padded with zeros to a multiple of 4, one scale per row;
-//   panel:  blocks of 8 output channels x 4 consecutive k (32 bytes, channel
-//           c's four bytes at 4c), K/4 of them per block, an even number of
-//           blocks (a zero block last where needed), built per call from the
-//           weights (packing.h's layouts: nk rows, kn rows, int4 nibbles);
-//   tile:   MR rows x 16 channels (two blocks) of int32 sums in registers,
-//           four bytes of a row broadcast against each block: I::Dot.
-// Panels stay in L2 (kPanelBytes) while every block of rows passes over them,
-// so the weights are read from memory once a call. Sums of int8 products are
-// exact in int32 (K < 2^17 at 127 x 128 a product), then scaled in float32.
+//           padded with zeros to a multiple of 32 bytes, one scale per row;
+//   few rows (below gemm_rows; kn: up to kn_dot_rows): dot products straight
+//           off the weights (NkDotRows, KnDotProduct, Int4DotRows);
+//   more rows: a GEMM on panels, blocks of 8 output channels x 4 consecutive
+//           k (32 bytes, channel c's four bytes at 4c), K/4 steps a block, an
+//           even number of blocks, packed per call from the weights (PackNk,
+//           PackKn, PackInt4), each used while in L2 (kPanelBytes) by every
+//           block of rows: tiles of MR rows x 16 channels of int32 sums in
+//           registers, four bytes of a row broadcast against each block.
+// Sums of int8 products are exact in int32 while K < 2^17 (127 x 128 a
+// product), then scaled in float32.
 //
-// I provides: kPairs (and PairSteps: two rows at a time, i8mm's smmla),
-// Acc (8 int32 lanes), W (a loaded 32-byte block), Zero(),
-// LoadW(p), Dot(acc, w, x4) (acc[c] += sum_j w[4c + j] * x4's byte j),
-// Store(int32_t* 8, acc), PackNk8(rows, ld, k, dst) (8 full rows of k int8
-// -> k/4 blocks; k a multiple of 4... or any: it reads k4 * 4 bytes of rows
-// padded by the caller), KnQuads(rows[4], j, dst) (32 columns of 4 kn rows ->
-// four blocks in column order), Int4Row(q16 -> 32 int8 in k order).
+// I provides: kPairs (and PairSteps: two rows at a time, i8mm's smmla); Acc
+// (8 int32 lanes), W (a loaded 32-byte block), Zero(), LoadW(p), LoadAcc(p),
+// Store(p, acc), Dot(acc, w, x4) (acc[c] += sum_j w[4c + j] * x4's byte j),
+// DotVec(acc, w, x32) (lane-wise partial sums of 32 products), Sum(acc);
+// FAcc, FZero(), FmaScaled(f, acc, s), FSum(f) (int4's group scaling);
+// PackNk8(rows, ld, k, dst) (8 rows of k int8, k a multiple of 32 -> k / 4
+// blocks), KnQuads(rows[4], j, out[4][32]) (32 columns of 4 kn rows -> four
+// blocks in column order), Int4Row(q, out) and LoadInt4W(q) (16 packed bytes
+// -> 32 int8 in k order), Prefetch(p).
 
 constexpr int kMR = 4;  // rows per tile (16 ymm registers: 8 sums, 4 weights)
 constexpr int64_t kMaxKnRows = 16;  // int8 rows of layout kn's dot path at most
