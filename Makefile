@@ -48,11 +48,12 @@ test-kernels-arm:
 	scripts/test_kernels.sh arm
 
 # the inner loop (about a minute on 2 cores): the numerics, the batcher and
-# the resident Tesseract in-process, settings and the upstream workarounds;
+# the resident Tesseract in-process, settings, the upstream workarounds and
+# the package boundaries;
 # `make test` before a commit
 FAST_TESTS := tests/qarray/test_numerics.py tests/tesseract/test_settings.py \
 	tests/tesseract/test_workarounds.py tests/tesseract/test_inprocess.py \
-	tests/tesseract/test_batching.py
+	tests/tesseract/test_batching.py tests/test_boundaries.py
 test-fast: setup
 	$(PY) -m pytest -q -x $(FAST_TESTS)
 
