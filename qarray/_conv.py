@@ -34,13 +34,13 @@ from jax.experimental.hijax import (
 
 from . import _ffi, _kernels, _numerics
 from ._ops import (
-    ACTIVATION_PRECISIONS,
     _explicit_spec,
     _product_rule,
     _require_float32,
     _require_qarray,
     _sum_to_type,
     _union_mat,
+    check_activations,
     dequantize,
     type_str,
 )
@@ -149,11 +149,7 @@ class ConvQ(HiPrim):
             "lhs_dilation", 1 if lhs_dilation is None else lhs_dilation, nsp
         )
         (groups,) = _positive_ints("feature_group_count", feature_group_count, 1)
-        if activations not in ACTIVATION_PRECISIONS:
-            raise ValueError(
-                f"conv_q requires activations in {ACTIVATION_PRECISIONS}, got "
-                f"{activations!r}."
-            )
+        check_activations("conv_q", activations)
         _require_float32("conv_q", "x", x_aval, min_rank=1)
         _require_qarray("conv_q", "qw", qw_aval)
         operands = f"x: {type_str(x_aval)}, qw: {type_str(qw_aval)}"

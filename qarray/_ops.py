@@ -49,6 +49,16 @@ PRECISIONS = ("int8", "int4", "float32")
 LAYOUTS = ("kn", "nk")
 
 
+def check_activations(owner: str, activations) -> None:
+    """A ValueError unless ``activations`` is one of ``ACTIVATION_PRECISIONS``
+    (what every primitive and layer with an ``activations`` parameter says)."""
+    if activations not in ACTIVATION_PRECISIONS:
+        raise ValueError(
+            f"{owner} requires activations in {ACTIVATION_PRECISIONS}, got "
+            f"{activations!r}."
+        )
+
+
 def type_str(aval) -> str:
     """Short type string for error messages: ``f32[2,3]``, ``q8[4,5]``."""
     if isinstance(aval, QArrayTy):
@@ -277,11 +287,7 @@ class _QProduct(HiPrim):
 
     def __init__(self, x_aval, qw_aval, activations="float32"):
         name = self.op_name
-        if activations not in ACTIVATION_PRECISIONS:
-            raise ValueError(
-                f"{name} requires activations in {ACTIVATION_PRECISIONS}, got "
-                f"{activations!r}."
-            )
+        check_activations(name, activations)
         _require_float32(name, "x", x_aval, min_rank=1)
         _require_qarray(name, "qw", qw_aval)
         operands = self.operands_fmt.format(x=type_str(x_aval), qw=type_str(qw_aval))

@@ -6,10 +6,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .._ops import PRECISIONS
+from .._ops import ACTIVATION_PRECISIONS, PRECISIONS
 from ._calibrate import METHODS
 
-ACTIVATION_MODES = ("float32", "int8")
 STATIC_MODES = (False, True, "tensor", "channel")
 CLIPS = ("mse", "absmax")
 
@@ -47,7 +46,7 @@ class QuantConfig:
 
     def __post_init__(self):
         _one_of("precision", self.precision, PRECISIONS)
-        _one_of("activations", self.activations, ACTIVATION_MODES)
+        _one_of("activations", self.activations, ACTIVATION_PRECISIONS)
         _one_of("method", self.method, METHODS)
         _one_of("clip", self.clip, CLIPS)
         if self.static not in STATIC_MODES or not isinstance(self.static, bool | str):

@@ -13,10 +13,10 @@ from jax import lax
 
 from .._numerics import relative_error
 from .._ops import (
-    ACTIVATION_PRECISIONS,
     DEFAULT_GROUP_SIZE,
     LAYOUTS,
     PRECISIONS,
+    check_activations,
     dequantize,
     linear_q,
     matmul_q,
@@ -46,11 +46,7 @@ def _require(name: str, a, dtype, min_rank: int, owner: str = "Linear") -> None:
 def check_modes(owner: str, activations, weight, qvalue, scale, stored: str) -> None:
     """A layer's ``activations`` value, and that it has exactly one of float
     ``weight`` (trainable) and the stored parts (``stored`` names them)."""
-    if activations not in ACTIVATION_PRECISIONS:
-        raise ValueError(
-            f"{owner} requires activations in {ACTIVATION_PRECISIONS}, got "
-            f"{activations!r}."
-        )
+    check_activations(owner, activations)
     if (weight is None) == (qvalue is None and scale is None):
         got = "both" if weight is not None else "neither"
         raise TypeError(
