@@ -472,7 +472,9 @@ inline void Int4Chunk(const Int4State& s, int64_t n0, int64_t n1) {
 }
 
 // few rows: dot products straight off the packed rows (no panel), the
-// nibbles widened in registers 32 at a time (I::LoadInt4W), each group's
+// nibbles widened in registers 32 at a time (I::LoadInt4W: 16 bytes' low
+// nibbles, then their high ones, so x's rows are permuted to match, each 32
+// entries as its 16 even then its 16 odd ones: PermuteEvenOdd), each group's
 // integer sums scaled into float32 lanes, summed across lanes at the end
 template <int R, int NB>
 inline void Int4DotTile(const Int4State& s, int64_t row, int64_t c) {
@@ -521,6 +523,18 @@ inline void Int4DotRows(const Int4State& s, int64_t n0, int64_t n1) {
   for (; c < n1; ++c) rows(std::integral_constant<int, 1>{}, c);
 }
 
+// each 32 entries of each row as its 16 even entries, then its 16 odd ones
+inline void PermuteEvenOdd(std::vector<int8_t>& xs) {
+  int8_t block[32];
+  for (size_t i = 0; i + 32 <= xs.size(); i += 32) {
+    for (int j = 0; j < 16; ++j) {
+      block[j] = xs[i + 2 * j];
+      block[16 + j] = xs[i + 2 * j + 1];
+    }
+    std::memcpy(xs.data() + i, block, 32);
+  }
+}
+
 template <class V>
 void ProductInt4T(Pool& pool, const Int4Args& args) {
   if (args.m == 0 || args.n == 0) return;
@@ -539,6 +553,7 @@ void ProductInt4T(Pool& pool, const Int4Args& args) {
     SplitRowsT<V>(a.x, nullptr, a.m, a.k, a.k, static_cast<int>(s->parts), s->xs.data(),
                   nullptr, s->sx.data());
   }
+  if (s->rows < a.t.gemm_rows) PermuteEvenOdd(s->xs);  // k: a multiple of 32
   const int64_t work = s->rows * a.k * a.n * (s->rows <= kMR ? 4 : 1);
   const int64_t threads = Threads(pool, work);
   const Int4State* p = s.get();

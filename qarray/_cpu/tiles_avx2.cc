@@ -132,15 +132,20 @@ struct I8Avx2 {
     s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
     return _mm_cvtss_f32(s);
   }
-  // 16 packed bytes -> a block of their 32 int4 values in k order (Int4Row
-  // in registers)
+  // 16 packed bytes -> a block of their 16 low nibbles' values (even k),
+  // then their 16 high ones (odd k): the bytes in both lanes, the upper lane
+  // shifted by 4, the low 4 bits of each byte looked up as 4-bit two's
+  // complement
   static W LoadInt4W(const uint8_t* q) {
-    const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(b, low4));
-    const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(b, 4), low4));
-    const __m256i w = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+    const __m256i b =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    const __m256i nibbles =
+        _mm256_and_si256(_mm256_srlv_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+                         _mm256_set1_epi8(0x0F));
+    const __m256i table = _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2,
+                                           -1, 0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3,
+                                           -2, -1);
+    const __m256i w = _mm256_shuffle_epi8(table, nibbles);
     return {w, _mm256_abs_epi8(w)};
   }
   static void Prefetch(const int8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }

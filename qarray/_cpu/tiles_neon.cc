@@ -103,10 +103,12 @@ struct I8Dotprod {
     return vfmaq_n_f32(f, vcvtq_f32_s32(vaddq_s32(a.val[0], a.val[1])), s);
   }
   static float FSum(FAcc f) { return vaddvq_f32(f); }
+  // 16 packed bytes -> their 16 low nibbles' values (even k), then their
+  // 16 high ones (odd k), as 4-bit two's complement
   static W LoadInt4W(const uint8_t* q) {
-    alignas(16) int8_t v[32];
-    Int4Row(q, v);
-    return LoadW(v);
+    const uint8x16_t b = vld1q_u8(q);
+    const int8x16_t table = {0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1};
+    return {vqtbl1q_s8(table, vandq_u8(b, vdupq_n_u8(0x0F))), vqtbl1q_s8(table, vshrq_n_u8(b, 4))};
   }
   static void PackNk8(const int8_t* rows, int64_t ld, int64_t k, int8_t* dst) {
     for (int64_t g = 0; g < k / 4; ++g)
