@@ -28,6 +28,7 @@ from jax import lax
 
 import qarray as qa
 from benchmarks._timing import interleaved
+from benchmarks.bench_kernels import isa_of
 from qarray._conv import CONV_STRATEGIES, ConvQ
 
 # (batch, in channels, spatial, out channels, kernel, padding)
@@ -123,6 +124,7 @@ def rows_for(shape, reps):
                 "unit": "x faster",
                 "ms": 1e3 * times[(activations, strategy)],
                 "baseline_ms": 1e3 * times["f32"],
+                "isa": isa_of(how),
             }
         )
     rows.append(

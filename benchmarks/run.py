@@ -60,8 +60,8 @@ def fmt(value) -> str:
 
 def table(rows) -> str:
     lines = [
-        "| row | shape (M, K, N) | result | target | met | baseline |",
-        "|---|---|---|---|---|---|",
+        "| row | shape (M, K, N) | result | target | met | baseline | isa |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         ok = met(row)
@@ -72,7 +72,9 @@ def table(rows) -> str:
         )
         lines.append(
             f"| {row['row']} | {tuple(row['shape'])} | {fmt(row['ratio'])} "
-            f"{row['unit']} | {target} | {mark} | {row['baseline']} |"
+            f"{row['unit']} | {target} | {mark} | {row['baseline']} "
+            # where the kernel suites' product ran (bench_kernels.isa_of)
+            f"| {row.get('isa', '-')} |"
         )
     return "\n".join(lines)
 
