@@ -57,10 +57,21 @@ arm)
     $cxx -march=armv8-a $common $src/tiles_neon.cc -static -o build/kernels_test_arm
     run="qemu-aarch64 -cpu max -L /usr/aarch64-linux-gnu build/kernels_test_arm"
     isas=$($run --list)
+    # the instruction sets side by side (each run is one emulated thread of work)
+    pids=""
+    for isa in $isas; do
+        QARRAY_CPU_ISA=$isa $run >"build/kernels_test_arm.$isa.log" 2>&1 &
+        pids="$pids $!"
+    done
+    failed=0
+    for pid in $pids; do
+        wait "$pid" || failed=1
+    done
     for isa in $isas; do
         echo "test_kernels: QARRAY_CPU_ISA=$isa $run"
-        QARRAY_CPU_ISA=$isa $run
+        cat "build/kernels_test_arm.$isa.log"
     done
+    [ "$failed" = 0 ] || exit 1
     # a CPU with dotprod and no i8mm (Neoverse N1: Graviton 2, Ampere Altra)
     # must get the dotprod tiles by itself
     picked=$(qemu-aarch64 -cpu neoverse-n1 build/kernels_test_arm --list | head -n 1)
