@@ -32,7 +32,8 @@ test: setup browser test-kernels
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 	@if $(PY) -c "import sys, qarray._ffi as f; sys.exit(not f.available())"; then \
 		echo "QARRAY_KERNELS=xla $(PY) -m pytest -m formulations ..."; \
-		QARRAY_KERNELS=xla $(PY) -m pytest -q -m formulations tests/qarray tests/test_recipes.py; \
+		QARRAY_KERNELS=xla $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile \
+			-m formulations tests/qarray tests/test_recipes.py; \
 	else \
 		echo "no XLA rerun: qarray's CPU kernels do not run here, the run above was XLA's"; \
 		$(PY) -c "import qarray._ffi as f; print('  qarray._ffi.status():', f.status())"; \
