@@ -137,8 +137,7 @@ class ResidualCache:
         """Keep at most ``size`` entries from now on (0: off, and emptied)."""
         with self._lock:
             self.size = size
-            while len(self._entries) > size:
-                self._entries.popitem(last=False)
+            self._evict()
 
     def pays(self, flops: int, elements: int, linear: bool) -> bool:
         """Whether apply should store its pullback.
@@ -178,9 +177,20 @@ class ResidualCache:
         with self._lock:
             self._entries[key] = _Entry(pullback)
             self._entries.move_to_end(key)
-            while len(self._entries) > self.size:
-                self._entries.popitem(last=False)
+            self._evict()
         return out
+
+    def _evict(self) -> None:
+        """Down to ``size`` entries (lock held): read ones first, oldest
+        first, then the oldest unread. A read entry's VJP has come, and one
+        still to come is another client's open step: with as many clients as
+        entries, each client's apply and VJP always meet (test_replicas)."""
+        while len(self._entries) > self.size:
+            read = next((k for k, e in self._entries.items() if e.read), None)
+            if read is None:
+                self._entries.popitem(last=False)
+            else:
+                del self._entries[read]
 
     def vjp(self, fn: Callable, inputs: dict, cotangents: dict, paths) -> dict | None:
         """The cotangents at ``paths`` (input paths, ``layers.[0].w``) for

@@ -307,3 +307,33 @@ def test_a_training_loop_keeps_one_pullback(api_module, rng, monkeypatch):
     got = api_module.vector_jacobian_product(pending, {"x"}, {"y"}, {"y": g})
     want = net.vjp(other, g)["x"]
     np.testing.assert_allclose(got["x"], want, rtol=RTOL, atol=ATOL)
+
+
+def test_a_full_cache_drops_read_pullbacks_before_unread_ones(
+    api_module, rng, monkeypatch
+):
+    """As many open steps as entries: a full cache makes room by dropping a
+    pullback whose VJP has come (even one read more recently) rather than the
+    oldest still waiting for its VJP (the 8-client test in test_replicas)."""
+    from tesseract_core.runtime import jax_recipes
+
+    cache = api_module.RUNTIME.cache
+    cache.resize(0)
+    cache.resize(2)
+
+    def recompute(*args, **kwargs):
+        raise AssertionError("the VJP recomputed instead of using the cache")
+
+    monkeypatch.setattr(jax_recipes, "jax_vjp", recompute)
+    waiting, done, new = (net.three_layer(rng) for _ in range(3))
+    g = net.normal(rng, net.forward(waiting).shape)
+    models = [api_module.InputSchema.model_validate(i) for i in (waiting, done, new)]
+    api_module.apply(models[0])  # a slow client's step
+    api_module.apply(models[1])
+    api_module.vector_jacobian_product(models[1], {"x"}, {"y"}, {"y": g})
+    api_module.apply(models[2])  # three entries for two places
+    assert len(cache) == 2
+    for model, inputs in ((models[0], waiting), (models[2], new)):
+        got = api_module.vector_jacobian_product(model, {"x"}, {"y"}, {"y": g})
+        want = net.vjp(inputs, g)["x"]
+        np.testing.assert_allclose(got["x"], want, rtol=RTOL, atol=ATOL)
