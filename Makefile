@@ -8,7 +8,7 @@ PORT ?= 8000
 HOST ?= 127.0.0.1
 SCRATCH ?= $(or $(TMPDIR),/tmp)/qarray-serve
 
-.PHONY: test-kernels test-kernels-arm
+.PHONY: test-kernels test-kernels-arm test-kernels-avx512-emulated
 .PHONY: setup test test-fast test-image lint serve bench bench-peers soak test-compat clean docs browser gpu-check
 
 setup: $(STAMP)
@@ -47,6 +47,9 @@ test-kernels:
 	scripts/test_kernels.sh arm
 test-kernels-arm:
 	scripts/test_kernels.sh arm
+# the AVX-512 tiles through SIMDe over AVX2 (native runs it on CPUs without AVX-512)
+test-kernels-avx512-emulated:
+	scripts/test_kernels.sh avx512-emulated
 
 # the inner loop (about a minute on 2 cores): the numerics, the batcher and
 # the resident Tesseract in-process, settings, the upstream workarounds and

@@ -8,13 +8,18 @@
 #   scripts/test_kernels.sh arm      the aarch64 tiles, cross-built with
 #                                    aarch64-linux-gnu-g++ and run under
 #                                    qemu-aarch64 -cpu max (dotprod, then i8mm)
+#   scripts/test_kernels.sh avx512-emulated
+#                                    the AVX-512 tiles on an x86-64 CPU without
+#                                    AVX-512: their intrinsics from SIMDe over AVX2
+#                                    (-DQARRAY_EMULATE_AVX512); native runs this
+#                                    itself where the CPU has no AVX-512
 #
 # arm installs Debian's g++-aarch64-linux-gnu and qemu-user when they are
 # missing and this runs as root with apt-get; otherwise it says what to
 # install and exits 0 (the x86 run is the one every machine can do).
 set -eu
 cd "$(dirname "$0")/.."
-mode=${1:?usage: scripts/test_kernels.sh native|arm}
+mode=${1:?usage: scripts/test_kernels.sh native|arm|avx512-emulated}
 src=qarray/_cpu
 mkdir -p build
 common="-O2 -std=c++17 -pthread -I$src $src/tests/kernels_test.cc $src/dispatch.cc"
@@ -37,6 +42,40 @@ native)
         echo "test_kernels: QARRAY_CPU_ISA=$isa build/kernels_test"
         QARRAY_CPU_ISA=$isa build/kernels_test
     done
+    # x86-64 without AVX-512: its tiles through SIMDe instead (with it they ran above)
+    case "$tiles $isas" in
+    *tiles_avx512.cc*avx512*) ;;
+    *tiles_avx512.cc*) sh scripts/test_kernels.sh avx512-emulated ;;
+    esac
+    ;;
+avx512-emulated)
+    cxx=${CXX:-g++}
+    case $("$cxx" -dumpmachine) in
+    x86_64*) ;;
+    *) echo "test_kernels: the AVX-512 tiles are x86-64's, not $("$cxx" -dumpmachine)'s"; exit 0 ;;
+    esac
+    has_simde() {
+        echo '#include <simde/x86/avx512.h>' | "$cxx" -x c++ -std=c++17 -mavx2 -fsyntax-only - >/dev/null 2>&1
+    }
+    if ! has_simde && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "test_kernels: installing libsimde-dev (apt-get)"
+        apt-get install -y -q libsimde-dev >/dev/null 2>&1 ||
+            { apt-get update -q >/dev/null 2>&1 &&
+              apt-get install -y -q libsimde-dev >/dev/null 2>&1; } || true
+    fi
+    if ! has_simde; then
+        echo "test_kernels: SKIPPED the emulated AVX-512 tiles: no SIMDe (Debian: apt-get install libsimde-dev)"
+        exit 0
+    fi
+    # shellcheck disable=SC2086
+    "$cxx" $common -mavx2 -mfma -Wno-psabi -DQARRAY_EMULATE_AVX512 \
+        $src/tiles_avx512.cc $src/tiles_avx2.cc -o build/kernels_test_avx512_emulated
+    if ! build/kernels_test_avx512_emulated --list 2>/dev/null | grep -qx avx512; then
+        echo "test_kernels: SKIPPED the emulated AVX-512 tiles: SIMDe's build needs AVX2 and FMA"
+        exit 0
+    fi
+    echo "test_kernels: QARRAY_CPU_ISA=avx512 build/kernels_test_avx512_emulated (SIMDe)"
+    QARRAY_CPU_ISA=avx512 build/kernels_test_avx512_emulated
     ;;
 arm)
     cxx=aarch64-linux-gnu-g++
@@ -82,7 +121,7 @@ arm)
     echo "test_kernels: a Neoverse N1 (no i8mm) runs dotprod"
     ;;
 *)
-    echo "usage: scripts/test_kernels.sh native|arm" >&2
+    echo "usage: scripts/test_kernels.sh native|arm|avx512-emulated" >&2
     exit 2
     ;;
 esac

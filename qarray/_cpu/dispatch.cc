@@ -48,9 +48,15 @@ std::vector<const Isa*> Supported() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#ifdef QARRAY_EMULATE_AVX512
+  // test builds only (make test-kernels-avx512-emulated): the AVX-512 tiles are
+  // compiled over SIMDe's emulation on AVX2, so they run wherever AVX2 does
+  if (avx2) out.push_back(&kAvx512);
+#else
   if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
     out.push_back(&kAvx512);
+#endif
   // AVX-VNNI (Alder Lake and later, Zen 5): the same tiles with vpdpbusd
   if (avx2) out.push_back(HasAvxVnni() ? &kAvx2Vnni : &kAvx2);
 #elif defined(__aarch64__)

@@ -35,14 +35,22 @@
 // linker for code that runs on a CPU without it); dispatch.cc calls them only
 // where cpuid reports AVX-512 F, BW, VL and VNNI.
 
+#ifdef QARRAY_EMULATE_AVX512  // test builds only: SIMDe's AVX-512 on AVX2, no target below
+#include "tests/avx512_emulation.h"
+#else
 #include <immintrin.h>
+#endif
 
 #include "common.h"
 
+#ifndef QARRAY_EMULATE_AVX512
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
 
 #define QARRAY_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#else
+#define QARRAY_AVX512
+#endif
 
 namespace qarray::cpu::avx512 {
 
@@ -1411,7 +1419,9 @@ void Quantize(Pool& pool, const QuantizeArgs& a) { QuantizeT<VecAvx512>(pool, a)
 
 }  // namespace qarray::cpu::avx512
 
+#ifndef QARRAY_EMULATE_AVX512
 #pragma GCC pop_options
+#endif
 
 namespace qarray::cpu {
 extern const Isa kAvx512 = {"avx512",          avx512::Product,
