@@ -33,6 +33,7 @@ from ._conv import Conv
 from ._gptq import gptq
 from ._linear import Linear
 from ._scales import (
+    awq_clip,
     awq_scale,
     channel_statistics,
     columns,
@@ -126,7 +127,8 @@ class Calibration:
     "rtn": the rounding), ``smoothquant`` (alpha, or None), ``static``
     (False, "tensor" or "channel": the activation ranges) and ``clip`` (how a
     static range is chosen: "mse" or "absmax", ``static_scale``), GPTQ's
-    ``damp`` and ``act_order``."""
+    ``damp`` and ``act_order``, and whether AWQ clips its scaled weights
+    (``awq_clip``, ``_scales.awq_clip``; False: the channel scale alone)."""
 
     method: str = "gptq"
     smoothquant: float | None = None
@@ -134,6 +136,7 @@ class Calibration:
     clip: str = "mse"
     damp: float = 0.01
     act_order: bool = False
+    awq_clip: bool = True
 
     def channel_scale(self, layer, stored, w, features, inputs):
         """The layer's per-input-channel scale ``(C,)``, or None: none
@@ -176,7 +179,12 @@ def _choose(layer, stored, inputs, calibration: Calibration):
     elif s is None:
         chosen = stored
     else:  # round-to-nearest of the scaled weights
-        scaled = jnp.asarray((w * s_cols).reshape(layer.weight.shape), jnp.float32)
+        scaled = jnp.asarray(w * s_cols, jnp.float32)
+        if calibration.method == "awq" and calibration.awq_clip:
+            # their clipped values: the stored scales are their max |w|
+            group_size = stored.group_size if stored.precision == "int4" else None
+            scaled, _ = awq_clip(w * s_cols, features[0], s_cols, group_size=group_size)
+        scaled = scaled.reshape(layer.weight.shape)
         trainable = dataclasses.replace(stored, weight=scaled, qvalue=None, scale=None)
         chosen = trainable.frozen()
     back = np.asarray(dequantize(chosen.quantized()), np.float64).reshape(w.shape)

@@ -1,5 +1,6 @@
-"""Per-input-channel scales chosen on calibration inputs: AWQ's search,
-SmoothQuant's migration, and static activation ranges.
+"""Per-input-channel scales chosen on calibration inputs: AWQ's search (and
+its clipping of the scaled weights), SmoothQuant's migration, and static
+activation ranges.
 
 A layer's weights ``W (out, K)`` (a convolution's ``(out, C * prod(kernel))``,
 C outermost) see inputs whose channel ``c`` feeds ``W``'s columns of that
@@ -7,7 +8,10 @@ channel. With a channel scale ``s (C,)`` the layer computes ``(x / s) @
 Q(W * s)^T`` (``s`` repeated over a kernel's positions): large ``s`` where
 the inputs are large gives those weights finer steps (AWQ, Lin et al. 2023),
 and moves the input's outlier channels into the weights (SmoothQuant, Xiao
-et al. 2022), where per-row int8 activations lose them.
+et al. 2022), where per-row int8 activations lose them. AWQ then clips the
+scaled weights (``awq_clip``): each row's (int4: each group's) range shrunk
+to the ratio of ``AWQ_CLIP_GRID`` whose rounding moves that row's outputs on
+the calibration inputs the least.
 """
 
 from __future__ import annotations
@@ -18,12 +22,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._numerics import (
+    dequantize_groups,
+    dequantize_rows,
+    quantize_groups,
+    quantize_rows,
+)
 from .._ops import dequantize, quantize
 
 # AWQ's grid of exponents: s = mean|x|^alpha, alpha = 0 (round-to-nearest)
 # to 0.95 (Lin et al.'s n_grid = 20)
 AWQ_GRID = tuple(i / 20 for i in range(20))
 _FLOOR = 1e-4  # the least scale: channels no input reaches are not blown up
+# AWQ's clipping ratios of a row's (int4: a group's) max |w|: 1 (no clipping)
+# down to 0.525 in 20 steps (llm-awq's auto_clip: 1 to 0.55 by 0.05)
+AWQ_CLIP_GRID = tuple(1 - i / 40 for i in range(20))
+_CLIP_ROWS = 256  # weight rows per compiled step of the clipping search, at most
+_CLIP_SWEEPS = 2  # int4: passes over a row's groups
 
 
 def channel_statistics(inputs: np.ndarray, channel_axis: int):
@@ -106,3 +121,119 @@ def awq_scale(w, features, x_mean, *, bits: int, group_size: int | None):
         )
     best = AWQ_GRID[int(np.argmin(errors))]
     return awq_candidate(x_mean, best), errors
+
+
+def _roundtrip(w, group_size: int | None):
+    """``w (rows, K)`` quantized and dequantized as the stored layer does it
+    (``_numerics``: int8 per row, or int4 per group of ``group_size``)."""
+    if group_size is None:
+        return dequantize_rows(*quantize_rows(w))
+    return dequantize_groups(*quantize_groups(w, group_size))
+
+
+def _clipped(groups, top, ratio):
+    """``groups (rows, n, G)`` clipped to ``+-ratio * top`` (``top`` their
+    max |w|, ``ratio`` broadcast against it): the one formula the search
+    measures and the stored layer quantizes."""
+    bound = ratio * top
+    return jnp.clip(groups, -bound, bound)
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "sweeps"))
+def _clip_search(w, rows, ratios, *, group_size, sweeps):
+    """The index into ``ratios`` of each row's (int4: each group's) clip,
+    ``(out, groups)``, for the weights ``w (out, K)`` and the error rows
+    ``rows (m, K)`` of their inputs (``awq_clip``)."""
+    n, k = w.shape
+    size = k if group_size is None else group_size
+    count = k // size
+    groups = w.reshape(n, count, size)
+    top = jnp.max(jnp.abs(groups), axis=-1, keepdims=True)
+    blocks = rows.reshape(rows.shape[0], count, size)
+
+    def moved(ratio):  # what rounding the clipped weights moves them by
+        back = _roundtrip(_clipped(groups, top, ratio).reshape(n, k), group_size)
+        return groups - back.reshape(groups.shape)
+
+    deltas = jax.lax.map(moved, ratios)  # (ratios, out, groups, G)
+
+    def share(delta):  # each group's share of its row's output error
+        return jnp.sum(jnp.einsum("mgj,ngj->mng", blocks, delta) ** 2, axis=0)
+
+    own = jnp.argmin(jax.lax.map(share, deltas), axis=0)  # (out, groups)
+    if count == 1:
+        return own
+
+    def outputs(choice):  # rows @ (the chosen moves)^T: (m, out)
+        chosen = jnp.take_along_axis(deltas, choice[None, ..., None], axis=0)[0]
+        return jnp.einsum("mgj,ngj->mn", blocks, chosen)
+
+    # a row starts from its groups' own choices, or unclipped where those
+    # move its outputs more (the cross terms of correlated inputs): the
+    # search never ends above no clipping
+    none = jnp.zeros_like(own)
+    better = jnp.sum(outputs(own) ** 2, 0) <= jnp.sum(outputs(none) ** 2, 0)
+    choice = jnp.where(better[:, None], own, none)
+
+    def step(carry, g):  # group g's ratio of least row error, the rest fixed
+        out, choice = carry
+        block, candidates = blocks[:, g], deltas[:, :, g]
+        old = jnp.take_along_axis(candidates, choice[None, :, g, None], axis=0)[0]
+        rest = out - block @ old.T
+        tried = rest[None] + jnp.einsum("mj,anj->amn", block, candidates)
+        pick = jnp.argmin(jnp.sum(tried**2, axis=1), axis=0)
+        new = jnp.take_along_axis(candidates, pick[None, :, None], axis=0)[0]
+        return (rest + block @ new.T, choice.at[:, g].set(pick)), None
+
+    carry = (outputs(choice), choice)
+    for _ in range(sweeps):
+        carry, _ = jax.lax.scan(step, carry, jnp.arange(count))
+    return carry[1]
+
+
+@functools.partial(jax.jit, static_argnames=("group_size",))
+def _clip_to(w, ratio, *, group_size):
+    """``w (rows, K)`` with each row (group) clipped to ``ratio (rows,
+    groups)`` times its max |w|."""
+    n, k = w.shape
+    size = k if group_size is None else group_size
+    groups = w.reshape(n, k // size, size)
+    top = jnp.max(jnp.abs(groups), axis=-1, keepdims=True)
+    return _clipped(groups, top, ratio[..., None]).reshape(n, k)
+
+
+def awq_clip(w, features, s_cols, *, group_size: int | None):
+    """AWQ's clipping (llm-awq's ``auto_clip``) of the scaled weights ``w
+    (out, K)`` (``W * s``): each row's values clipped to ``r`` times its
+    max |w| (int4: each group's of ``group_size`` columns, the group's
+    scale), ``r`` from ``AWQ_CLIP_GRID`` (1: no clipping), for the least
+    output error ``||F (w_row - Q(clip(w_row)))^T||^2`` of the row, ``F =
+    features / s`` the inputs the weights see (``features (n, K)``).
+
+    int8: every ratio tried per row. int4: each group first takes the ratio
+    of its own share of the error (``F_g (w_g - Q(clip(w_g)))``, llm-awq's
+    choice), or a row none where that moves its outputs more than no
+    clipping; then ``_CLIP_SWEEPS`` passes over the groups give each in turn
+    the ratio of least row error with the others as they are (correlated
+    inputs couple the groups' errors), so no row ends above its unclipped
+    error on ``features``.
+
+    Returns (the clipped weights, float32 ``(out, K)``, which the layer
+    quantizes: their max |w| sets the stored scales; the ratios ``(out,
+    groups)``, int8 one group)."""
+    rows = _error_rows(np.asarray(features) / np.asarray(s_cols))
+    rows = jnp.asarray(rows, jnp.float32)
+    grid = jnp.asarray(AWQ_CLIP_GRID, jnp.float32)
+    w32 = jnp.asarray(w, jnp.float32)
+    groups = w32.shape[1] // (group_size or w32.shape[1])
+    # rows per step: the (m, rows, groups) errors of one ratio stay ~64 MB
+    step = int(np.clip(2**24 // (rows.shape[0] * groups), 8, _CLIP_ROWS))
+    options = {"group_size": group_size}
+    clipped, ratios = [], []
+    for start in range(0, w32.shape[0], step):
+        chunk = w32[start : start + step]
+        index = _clip_search(chunk, rows, grid, sweeps=_CLIP_SWEEPS, **options)
+        ratio = grid[index]
+        clipped.append(_clip_to(chunk, ratio, **options))
+        ratios.append(np.asarray(ratio))
+    return jnp.concatenate(clipped), np.concatenate(ratios)
