@@ -13,8 +13,9 @@ import pytest
 
 import qarray.nn as qnn
 from qarray.checkpoint import load_quantized, save_tree
-from qarray.nn._calibrate import CLIP_RATIOS
-from qarray.nn._scales import AWQ_GRID
+from qarray.nn._calibrate import CLIP_RATIOS, Calibration, calibrated
+from qarray.nn._quantize import quantized
+from qarray.nn._scales import AWQ_CLIP_GRID, AWQ_GRID, awq_clip
 from support import reference as ref
 from support.models import Outliers
 
@@ -41,11 +42,107 @@ def numpy_awq(w, b, x, group_size):
     return np.array(errors), scales
 
 
+def rtn(values, qmax):
+    """Round-to-nearest of one row or group: scale max|v| / qmax (float32),
+    values rounded half to even and clipped; (dequantized, float32)."""
+    values = np.asarray(values, np.float32)
+    scale = np.float32(np.abs(values).max() / np.float32(qmax))
+    if scale == 0:
+        return np.zeros_like(values)
+    q = np.clip(np.round(values / scale), -qmax, qmax)
+    return (q * scale).astype(np.float32)
+
+
+def numpy_clip(scaled, inputs, group_size, sweeps=2):
+    """AWQ's clipping search by brute force, row by row in float64 (the
+    output error through the inputs themselves): the index into
+    AWQ_CLIP_GRID of each row's (group's) clip, and the clipped weights.
+    int8 (group_size None): the ratio of least ||X (w - Q(clip(w)))||^2;
+    int4: each group's of its own share ||X_g (w_g - Q(clip(w_g)))||^2, or
+    none where that leaves the row worse than no clipping, then ``sweeps``
+    passes giving each group in turn the ratio of least row error."""
+    scaled = np.asarray(scaled, np.float32)
+    x = np.asarray(inputs, np.float64)
+    out, k = scaled.shape
+    size = k if group_size is None else group_size
+    qmax = 127 if group_size is None else 7
+    count = k // size
+    grid = np.asarray(AWQ_CLIP_GRID, np.float32)
+    choice = np.zeros((out, count), int)
+    clipped = np.empty_like(scaled)
+
+    def cut(seg, r):
+        bound = grid[r] * np.abs(seg).max()  # float32, as the layer computes it
+        return np.clip(seg, -bound, bound)
+
+    for row in range(out):
+        segs = [scaled[row, g * size : (g + 1) * size] for g in range(count)]
+        moved = np.array(
+            [[seg - rtn(cut(seg, r), qmax) for seg in segs] for r in range(len(grid))],
+            np.float64,
+        )  # (ratios, groups, G)
+        cols = [x[:, g * size : (g + 1) * size] for g in range(count)]
+
+        def row_error(pick, moved=moved, cols=cols):
+            y = sum(cols[g] @ moved[pick[g], g] for g in range(count))
+            return np.sum(y**2)
+
+        own = [
+            int(np.argmin([np.sum((cols[g] @ moved[r, g]) ** 2)
+                           for r in range(len(grid))]))
+            for g in range(count)
+        ]  # fmt: skip
+        pick = own
+        if count > 1:
+            none = [0] * count
+            pick = list(own if row_error(own) <= row_error(none) else none)
+            for _ in range(sweeps):
+                for g in range(count):
+                    tries = []
+                    for r in range(len(grid)):
+                        pick[g] = r
+                        tries.append(row_error(pick))
+                    pick[g] = int(np.argmin(tries))
+        choice[row] = pick
+        clipped[row] = np.concatenate([cut(segs[g], pick[g]) for g in range(count)])
+    return choice, clipped
+
+
+@pytest.mark.parametrize("group_size", [None, 8])
+def test_awq_clip_against_brute_force(rng, group_size):
+    """awq_clip's ratios and clipped weights are the brute force's
+    (numpy_clip, through x / s), on correlated inputs with skewed channels;
+    its choices move the outputs less than no clipping, and clip some rows
+    (groups)."""
+    mix = rng.standard_normal((8, 32)) * np.geomspace(0.2, 4, 32)
+    x = (rng.standard_normal((120, 8)) @ mix).astype(np.float32)
+    w = rng.standard_normal((6, 32)).astype(np.float32)
+    s_cols = rng.uniform(0.5, 2.0, 32)
+    scaled = (w * s_cols).astype(np.float32)
+    got, ratios = awq_clip(scaled, x, s_cols, group_size=group_size)
+    index, want = numpy_clip(scaled, x / s_cols, group_size)
+    np.testing.assert_array_equal(ratios, np.asarray(AWQ_CLIP_GRID, np.float32)[index])
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert (index > 0).any()  # something was clipped
+    qmax = 127 if group_size is None else 7
+    size = group_size or 32
+
+    def error(weights):
+        back = np.stack(
+            [np.concatenate([rtn(row[i : i + size], qmax) for i in range(0, 32, size)])
+             for row in weights]
+        )  # fmt: skip
+        return np.sum(((x / s_cols) @ (scaled - back).T.astype(np.float64)) ** 2)
+
+    assert error(want) < error(scaled)
+
+
 def test_awq_search_against_brute_force(rng):
     """A tiny layer (K = 16, int4 G = 8) whose inputs have outlier channels:
     the scale AWQ keeps is the brute-force search's best (its error the
-    least of the grid's), the stored weights roundtrip4(W * s), and the
-    layer computes (x / s) @ W^T + b."""
+    least of the grid's), the stored weights those of W * s clipped by the
+    brute-force clipping search (numpy_clip), and the layer computes (x /
+    s) @ W'^T + b."""
     k1, _ = jax.random.split(jax.random.key(0))
     dense = eqx.nn.Linear(16, 6, key=k1)
     x = outlier_inputs(rng, 200, 16)
@@ -59,7 +156,8 @@ def test_awq_search_against_brute_force(rng):
     chosen = np.sum((y - x.astype(np.float64) @ back.T) ** 2)
     assert chosen == pytest.approx(errors.min(), rel=1e-3)
     assert errors.min() < 0.8 * errors[0]  # alpha = 0 is round-to-nearest
-    values, scale = ref.quantize4((w * s).astype(np.float32), 8)
+    _, clipped = numpy_clip((w * s).astype(np.float32), x / s, 8)
+    values, scale = ref.quantize4(clipped, 8)
     np.testing.assert_array_equal(np.asarray(got.qvalue), ref.pack4(values))
     np.testing.assert_allclose(np.asarray(got.scale), scale, rtol=1e-6)
     want = (x / s) @ ref.dequantize4(values, scale).astype(np.float64).T + b
@@ -296,8 +394,9 @@ def test_clear_errors(rng):
 
 def test_awq_of_a_convolution(rng):
     """A Conv2d's channel scale (one per input channel, over its kernel's
-    positions): the layer computes conv(x / s, roundtrip4(W * s)) + b, and
-    AWQ's output error on the data is below round-to-nearest's."""
+    positions): the layer computes conv(x / s, roundtrip4(W')) + b, W' the
+    brute-force clip of W * s on the im2col patches of x / s (numpy_clip),
+    and AWQ's output error on the data is below round-to-nearest's."""
     conv = eqx.nn.Conv2d(4, 6, 3, padding=1, key=jax.random.key(3))
     x = rng.standard_normal((12, 4, 6, 6)).astype(np.float32)
     x[:, 1] *= 30.0  # an outlier channel
@@ -307,7 +406,13 @@ def test_awq_of_a_convolution(rng):
     assert s.shape == (4,)
     w = np.asarray(conv.weight)
     scaled = (w * s[None, :, None, None]).astype(np.float32).reshape(6, -1)
-    values, scale = ref.quantize4(scaled, 12)
+    padded = np.pad(x / s[:, None, None], ((0, 0), (0, 0), (1, 1), (1, 1)))
+    patches = np.stack(
+        [padded[:, :, i : i + 3, j : j + 3].reshape(12, -1)
+         for i in range(6) for j in range(6)], axis=1,
+    ).reshape(-1, 36)  # fmt: skip
+    _, clipped = numpy_clip(scaled, patches, 12)
+    values, scale = ref.quantize4(clipped, 12)
     back = ref.dequantize4(values, scale).reshape(w.shape).astype(np.float64)
     geometry = ((1, 1), ((1, 1), (1, 1)), (1, 1))
     b = np.asarray(conv.bias)
@@ -317,3 +422,44 @@ def test_awq_of_a_convolution(rng):
     awq_error = np.linalg.norm(want - y)
     rtn_error = np.linalg.norm(np.asarray(jax.vmap(rtn)(x), np.float64) - y)
     assert awq_error < rtn_error
+
+
+def skewed_inputs(rng, mixing, n):
+    """Correlated inputs of skewed channel scales (a few dozen directions,
+    channel c's scale from 0.2 to 3), as a layer's usually are."""
+    return (rng.standard_normal((n, mixing.shape[0])) @ mixing).astype(np.float32)
+
+
+def test_awq_clipping_on_correlated_skewed_inputs(rng):
+    """int4 (G = 32) on correlated, channel-skewed inputs: AWQ with its
+    clipping search moves the outputs less than AWQ's channel scale alone
+    (on the calibration inputs: never more, by construction) and less than
+    round-to-nearest; on held-out inputs, the issue's target: at most 0.85x
+    RTN's error (measured 0.68x; the scale alone 0.98x)."""
+    k = 128
+    mixing = (rng.standard_normal((24, k)) + 0.2 * np.eye(24, k)) * np.linspace(
+        0.2, 3, k
+    )
+    x, held_out = skewed_inputs(rng, mixing, 256), skewed_inputs(rng, mixing, 256)
+    dense = eqx.nn.Linear(k, 64, key=jax.random.key(4))
+
+    def awq(clip):
+        return calibrated(
+            dense,
+            x,
+            lambda layer: quantized(layer, "int4", 32),
+            Calibration(method="awq", awq_clip=clip),
+        )
+
+    rtn = qnn.quantize(dense, precision="int4", group_size=32)
+
+    def error(layer, inputs):
+        y = np.asarray(jax.vmap(dense)(inputs), np.float64)
+        got = np.asarray(jax.vmap(layer)(inputs), np.float64)
+        return np.linalg.norm(got - y) / np.linalg.norm(y)
+
+    clipped, scaled = awq(True), awq(False)
+    assert error(clipped, x) <= error(scaled, x) < 1.01 * error(rtn, x)
+    assert error(clipped, x) < 0.85 * error(rtn, x)
+    ratio = error(clipped, held_out) / error(rtn, held_out)
+    assert ratio <= 0.85, ratio
