@@ -14,7 +14,7 @@ import pytest
 import qarray.nn as qnn
 from qarray.checkpoint import load_quantized, save_tree
 from qarray.nn._calibrate import CLIP_RATIOS, Calibration, calibrated
-from qarray.nn._quantize import quantized
+from qarray.nn._kinds import quantized
 from qarray.nn._scales import AWQ_CLIP_GRID, AWQ_GRID, awq_clip
 from support import reference as ref
 from support.models import Outliers
