@@ -5,17 +5,43 @@ key=k)`` trains a low-rank correction next to frozen int8 / int4 weights, and
 A ``Linear`` with stored weights ``W (N, K)`` becomes ``LoRA(base, a, b)``:
 ``y = base(x) + (alpha / rank) * (x a^T) b^T`` with ``a (rank, K)`` small
 random and ``b (N, rank)`` zero (so the adapted model starts as the base).
-A ``Conv``'s adapter is a ``rank``-channel convolution with the layer's
-kernel, stride, padding and dilation (``a (rank, C, *kernel)``), then a
-1 x 1 one (``b (N, rank)``); groups 1. The base's arrays are frozen: only
-``a`` and ``b`` are adapter leaves (``lora_spec`` marks them for
-``eqx.partition``), so gradients, optimiser state and the wire carry only
-those; the base's products read its quantized payload, and no float copy of
-its weights exists (``merge`` makes one, once, at the end).
+The other kinds, all in the same "nk" sense (``merge`` adds ``(alpha /
+rank) b a`` to the weights the base multiplies by):
+
+- ``Conv`` and ``ConvTranspose`` (groups 1): a ``rank``-channel convolution
+  (transposed convolution) with the layer's kernel, stride, padding,
+  output padding and dilation (``a (rank, C, *kernel)``), then a 1 x 1 one
+  (``b (N, rank)``).
+- ``Embedding`` (table ``(V, dim)``), as peft's: ``index -> b a[:, index]``,
+  ``a (rank, V)`` (its input is one-hot: ``a`` starts uniform in +-1),
+  ``b (dim, rank)``.
+- ``eqx.nn.GRUCell`` / ``LSTMCell``: their ``weight_ih`` and ``weight_hh``
+  are bias-free ``Linear`` layers once quantized, each adapted as one
+  (``LoRA @ x``, as the cell applies them): two adapters per cell.
+- ``SpectralConv`` (complex weights ``(C, N, *modes)``): ``a (rank, C,
+  *modes)`` complex, a ``rank``-channel Fourier layer with the base's modes,
+  then ``b (N, rank)`` complex, shared by every mode, on the kept modes
+  (no transform between them): ``dW[:, :, m] = (b a[:, :, m])^T``; real and
+  imaginary parts on a trailing axis of 2, as ``SpectralConv.weight`` (real
+  leaves for the optimiser and the wire). It is the convolution's adapter
+  with the modes for the kernel: ``2 rank (C prod(modes) + N)`` parameters
+  against the layer's ``2 C N prod(modes)`` (about ``rank / N``), where a
+  per-mode ``b (N, rank, *modes)`` (a rank-``rank`` update of each mode's
+  matrix) costs ``2 rank (C + N) prod(modes)`` (twice as many for C = N)
+  and a mode-independent ``a (rank, C)`` (``4 rank (C + N)``) can only add
+  the same channel mixing to every mode. The example
+  (examples/neural_operator/qlora.py) measures the three on the FNO.
+
+The base's arrays are frozen: only ``a`` and ``b`` are adapter leaves
+(``lora_spec`` marks them for ``eqx.partition``), so gradients, optimiser
+state and the wire carry only those; the base's products read its quantized
+payload, and no float copy of its weights exists (``merge`` makes one, once,
+at the end).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -26,7 +52,9 @@ from jax import lax
 
 from .._ops import dequantize
 from ._conv import Conv, ConvTranspose
+from ._embedding import Embedding
 from ._linear import Linear
+from ._spectral import SpectralConv
 
 
 class Adapter(eqx.Module):
@@ -49,9 +77,10 @@ class Adapter(eqx.Module):
 
 
 class LoRA(eqx.Module):
-    """A frozen quantized layer (``base``: a ``qarray.nn.Linear`` or
-    ``Conv``) and its trainable low-rank adapter ``a``, ``b`` (module doc);
-    called as the base is."""
+    """A frozen quantized layer (``base``: a stored ``qarray.nn.Linear``,
+    ``Conv``, ``ConvTranspose``, ``Embedding`` or ``SpectralConv``) and its
+    trainable low-rank adapter ``a``, ``b`` (module doc); called as the base
+    is (``lora @ x`` too, as a recurrent cell applies its matrices)."""
 
     base: Any
     a: jax.Array
@@ -62,18 +91,58 @@ class LoRA(eqx.Module):
     def rank(self) -> int:
         return self.a.shape[0]
 
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def _frozen(self):
+        return jax.tree.map(lax.stop_gradient, self.base)
+
     def __call__(self, x, *, key=None):
         del key
-        frozen = jax.tree.map(lax.stop_gradient, self.base)
-        return frozen(x) + (self.alpha / self.rank) * self.update(x)
+        frozen = self._frozen()
+        if isinstance(frozen, SpectralConv):  # one FFT pair for base and adapter
+            weight = frozen.spectral_weight()
+            letters = "xyz"[: len(frozen.modes)]
+
+            def mix(kept):
+                base = jnp.einsum(
+                    f"...i{letters},io{letters}->...o{letters}", kept, weight
+                )
+                return base + self.scaling * self._spectral_update(kept)
+
+            return frozen.through_modes(x, mix)
+        return frozen(x) + self.scaling * self.update(x)
+
+    def __matmul__(self, x):
+        """``(W + (alpha / rank) b a) @ x`` for ``x (K,)`` or ``(K, B)``: a
+        ``Linear`` inside an ``eqx.nn.GRUCell`` / ``LSTMCell``."""
+        x = jnp.asarray(x)
+        return self._frozen() @ x + self.scaling * (self.b @ (self.a @ x))
+
+    def _spectral_update(self, kept):
+        """The adapter on a ``SpectralConv``'s kept modes ``(..., C, *modes)``
+        (complex): ``sum_r b[o, r] sum_i a[r, i, m] kept[i, m]``."""
+        a = lax.complex(self.a[..., 0], self.a[..., 1])  # (rank, C, *modes)
+        b = lax.complex(self.b[..., 0], self.b[..., 1])  # (N, rank)
+        letters = "xyz"[: a.ndim - 2]
+        low = jnp.einsum(f"...i{letters},ri{letters}->...r{letters}", kept, a)
+        return jnp.einsum(f"or,...r{letters}->...o{letters}", b, low)
 
     def update(self, x):
-        """The adapter's term ``(x a^T) b^T`` (a convolution: the ``rank``
-        channels of the kernel-shaped ``a``, then ``b`` pointwise)."""
+        """The adapter's term before its ``alpha / rank`` (module doc): ``(x
+        a^T) b^T``; a convolution's: the ``rank`` channels of the
+        kernel-shaped ``a`` with the layer's geometry, then ``b`` pointwise;
+        an embedding's ``b a[:, x]``; a spectral convolution's: its kept
+        modes through ``a`` then ``b``, back to space."""
         x = jnp.asarray(x)
-        if isinstance(self.base, Linear):
-            return Adapter(self.a, self.b, float(self.rank))(x)
         base = self.base
+        if isinstance(base, Linear):
+            return Adapter(self.a, self.b, float(self.rank))(x)
+        if isinstance(base, Embedding):
+            return jnp.einsum("nr,r...->...n", self.b, jnp.take(self.a, x, axis=1))
+        if isinstance(base, SpectralConv):
+            return base.through_modes(x, self._spectral_update)
         nsp = len(base.kernel_size)
         space = "DHW"[3 - nsp :]
         numbers = ("NC" + space, "OI" + space, "NC" + space)
@@ -92,34 +161,70 @@ class LoRA(eqx.Module):
         return out if batched else out[0]
 
 
-def _widths(layer) -> tuple[int, int, tuple[int, ...]]:
-    """(inputs, outputs, the kernel) of a stored quantized layer."""
+ADAPTED = "Linear, Conv, ConvTranspose, Embedding, SpectralConv"
+
+
+def _shapes(layer, rank: int) -> tuple[tuple, tuple]:
+    """(a.shape, b.shape) of a stored quantized layer's adapter."""
     if isinstance(layer, Conv):
-        if layer.groups != 1 or isinstance(layer, ConvTranspose):
+        if layer.groups != 1:
             raise TypeError(
-                "lora adapts convolutions of groups 1 (not transposed ones), got "
+                "lora adapts convolutions (and transposed ones) of groups 1, got "
                 f"{type(layer).__name__} with groups={layer.groups}."
             )
-        return layer.in_channels, layer.out_channels, tuple(layer.kernel_size)
-    shape = jax.typeof(layer.quantized()).shape  # (N, K) "nk", (K, N) "kn"
-    n, k = shape if layer.layout == "nk" else shape[::-1]
-    return k, n, ()
+        a = (rank, layer.in_channels, *layer.kernel_size)
+        return a, (layer.out_channels, rank)
+    if isinstance(layer, SpectralConv):  # complex: real and imaginary parts
+        return (rank, layer.in_channels, *layer.modes, 2), (
+            layer.out_channels,
+            rank,
+            2,
+        )
+    shape = jax.typeof(layer.quantized()).shape
+    if isinstance(layer, Embedding):  # (num_embeddings, dim): one-hot K
+        return (rank, shape[0]), (shape[1], rank)
+    n, k = shape if layer.layout == "nk" else shape[::-1]  # (N, K) "nk", (K, N)
+    return (rank, k), (n, rank)
+
+
+def _bound(layer, a_shape) -> float:
+    """The half-width of ``a``'s uniform initialisation: ``1 / sqrt(fan_in)``
+    (an embedding's input is one-hot: 1); a spectral convolution's, its own
+    weights' scale ``1 / (in * out)`` (FNO's initialisation: the adapter's
+    first steps move its weights by a similar fraction as a dense layer's)."""
+    if isinstance(layer, Embedding):
+        return 1.0
+    if isinstance(layer, SpectralConv):
+        return 1.0 / (layer.in_channels * layer.out_channels)
+    return 1.0 / math.sqrt(math.prod(a_shape[1:]))
 
 
 def _adaptable(node) -> bool:
-    """What ``lora`` adapts: a stored quantized ``Linear`` or ``Conv``."""
+    """What ``lora`` adapts: a stored quantized ``Linear`` (a recurrent
+    cell's matrices included), ``Conv``, ``ConvTranspose``, ``Embedding``
+    or ``SpectralConv``."""
+    if isinstance(node, Embedding | SpectralConv):
+        return not node.trainable and node.precision != "float32"
     return isinstance(node, Linear | Conv) and not node.trainable
+
+
+def _adapted(model, where):
+    return [
+        node
+        for node in jax.tree.leaves(model, is_leaf=_adaptable)
+        if _adaptable(node) and (where is None or where(node))
+    ]
 
 
 def adapter_shapes(model, rank: int, where=None) -> list[tuple[tuple, tuple]]:
     """``(a.shape, b.shape)`` of each adapter ``lora(model, rank)`` makes,
-    in tree order: ``a (rank, K, *kernel)``, ``b (N, rank)``."""
-    shapes = []
-    for node in jax.tree.leaves(model, is_leaf=_adaptable):
-        if _adaptable(node) and (where is None or where(node)):
-            k, n, kernel = _widths(node)
-            shapes.append(((rank, k, *kernel), (n, rank)))
-    return shapes
+    in tree order: a ``Linear``'s ``a (rank, K)``, ``b (N, rank)`` (a
+    recurrent cell: one each for ``weight_ih`` then ``weight_hh``); a
+    ``Conv`` / ``ConvTranspose``'s ``a (rank, C, *kernel)``, ``b (N,
+    rank)``; an ``Embedding``'s ``a (rank, num_embeddings)``, ``b (dim,
+    rank)``; a ``SpectralConv``'s ``a (rank, C, *modes, 2)``, ``b (N, rank,
+    2)`` (real and imaginary parts)."""
+    return [_shapes(node, rank) for node in _adapted(model, where)]
 
 
 def with_adapters(model, adapters, *, alpha: float, where=None):
@@ -139,15 +244,17 @@ def with_adapters(model, adapters, *, alpha: float, where=None):
 
 
 def lora(model, rank: int, *, alpha: float | None = None, where=None, key):
-    """``model`` with every stored quantized ``Linear`` and ``Conv`` (that
-    ``where(layer)`` accepts) wrapped in a ``LoRA`` of ``rank`` (``alpha``
-    defaults to ``rank``: a scale of 1); ``a`` uniform in
-    ``+-1 / sqrt(fan_in)``, ``b`` zero."""
+    """``model`` with every stored quantized layer (``Linear``, a recurrent
+    cell's matrices, ``Conv``, ``ConvTranspose``, ``Embedding``,
+    ``SpectralConv``) that ``where(layer)`` accepts wrapped in a ``LoRA`` of
+    ``rank`` (``alpha`` defaults to ``rank``: a scale of 1); ``a`` uniform
+    in ``+-1 / sqrt(fan_in)`` (``_bound``), ``b`` zero."""
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"lora requires a positive int rank, got {rank!r}.")
     adapters = []
-    for i, (a, b) in enumerate(adapter_shapes(model, rank, where)):
-        bound = 1.0 / math.sqrt(math.prod(a[1:]))
+    for i, node in enumerate(_adapted(model, where)):
+        a, b = _shapes(node, rank)
+        bound = _bound(node, a)
         sub = jax.random.fold_in(key, i)
         adapters.append(
             (
@@ -176,18 +283,40 @@ def lora_spec(model):
     return jax.tree.map(spec, model, is_leaf=_is_lora)
 
 
+def delta(node: LoRA):
+    """``(alpha / rank) b a``, the adapter's weights in the base's own
+    layout: ``(N, K)``, ``(N, C, *kernel)``, an embedding's table ``(V,
+    dim)``, a spectral convolution's complex ``(C, N, *modes)``."""
+    if isinstance(node.base, SpectralConv):
+        a = lax.complex(node.a[..., 0], node.a[..., 1])
+        b = lax.complex(node.b[..., 0], node.b[..., 1])
+        return node.scaling * jnp.einsum("or,ri...->io...", b, a)
+    product = node.scaling * jnp.einsum("nr,r...->n...", node.b, node.a)
+    return product.T if isinstance(node.base, Embedding) else product
+
+
 def merge(model):
     """``model`` with every ``LoRA`` folded into its base: a trainable
-    (float32 weights, quantized every call) layer of the base's precision,
-    ``W + (alpha / rank) b a``; ``qnn.freeze`` stores it quantized again.
-    Eager."""
+    (float32 weights, quantized every call) layer of the base's kind and
+    precision, ``W + (alpha / rank) b a`` (``delta``); ``qnn.freeze``
+    stores it quantized again. Eager."""
 
     def fold(node: LoRA):
         base = node.base
+        change = delta(node)
+        if isinstance(base, SpectralConv):
+            weight = base.spectral_weight() + change
+            parts = jnp.stack([jnp.real(weight), jnp.imag(weight)], axis=-1)
+            return dataclasses.replace(
+                base, weight=parts, qvalue=None, scale=None, stored_error=None
+            )
         w = dequantize(base.quantized())
-        delta = (node.alpha / node.rank) * jnp.einsum("nr,r...->n...", node.b, node.a)
+        if isinstance(base, Embedding):
+            return Embedding(
+                w + change, precision=base.precision, group_size=base.group_size
+            )
         if isinstance(base, Linear):
-            dense = w + delta.reshape(w.shape) if base.layout == "nk" else w + delta.T
+            dense = w + change.reshape(w.shape) if base.layout == "nk" else w + change.T
             return Linear(
                 dense,
                 base.bias,
@@ -197,9 +326,13 @@ def merge(model):
                 group_size=base.group_size,
             )
         shape = (base.out_channels, base.in_channels, *base.kernel_size)
-        dense = w.reshape(shape) + delta
-        return Conv(
-            dense,
+        extra = (
+            {"output_padding": base.output_padding}
+            if isinstance(base, ConvTranspose)
+            else {}
+        )
+        return type(base)(
+            w.reshape(shape) + change,
             base.bias,
             stride=base.stride,
             padding=base.padding,
@@ -208,6 +341,7 @@ def merge(model):
             activations=base.activations,
             precision=base.precision,
             group_size=base.group_size,
+            **extra,
         )
 
     return jax.tree.map(

@@ -188,6 +188,21 @@ class SpectralConv(eqx.Module):
     def __call__(self, x, *, key=None):
         """``x (..., in_channels, *spatial)``; ``key`` is accepted and unused."""
         del key
+        weight = self.spectral_weight()
+        letters = "xyz"[: len(self.modes)]
+        return self.through_modes(
+            x,
+            lambda kept: jnp.einsum(
+                f"...i{letters},io{letters}->...o{letters}", kept, weight
+            ),
+        )
+
+    def through_modes(self, x, mix):
+        """The layer with ``mix`` for its weights: an rFFT of ``x (...,
+        in_channels, *spatial)``, ``mix`` of the kept modes (complex ``(...,
+        in_channels, *modes) -> (..., out_channels, *modes)``), every other
+        frequency zero, the inverse rFFT (what ``qnn.lora``'s adapter shares
+        with the base: one transform for both)."""
         x = jnp.asarray(x)
         nsp = len(self.modes)
         if x.ndim < nsp + 1 or x.shape[-nsp - 1] != self.in_channels:
@@ -210,11 +225,7 @@ class SpectralConv(eqx.Module):
             for i, (n, m) in enumerate(zip(spatial, self.modes, strict=True))
         ]
         grid = np.ix_(*index)
-        kept = spectrum[(..., slice(None), *grid)]  # (..., in, *modes)
-        letters = "xyz"[:nsp]
-        mixed = jnp.einsum(
-            f"...i{letters},io{letters}->...o{letters}", kept, self.spectral_weight()
-        )
+        mixed = mix(spectrum[(..., slice(None), *grid)])  # (..., out, *modes)
         out = jnp.zeros((*x.shape[: -nsp - 1], self.out_channels, *limits), mixed.dtype)
         out = out.at[(..., slice(None), *grid)].set(mixed)
         return jnp.fft.irfftn(out, s=spatial, axes=axes).astype(x.dtype)

@@ -32,9 +32,11 @@ adapters as per-example adapters), up to ``QARRAY_MAX_BATCH_ROWS`` rows.
 
 ``lora_rank=r`` exposes LoRA adapters on the resident model as inputs: the
 API's InputSchema declares ``lora: TESSERACT.Lora = None``, a list of one
-``{a, b}`` (or null) per stored quantized Linear and Conv of the model (tree
-order, ``TESSERACT.lora_shapes``); a request's adapters are added to those
-layers (``qarray.nn.with_adapters``) before ``forward`` runs, and are
+``{a, b}`` (or null) per stored quantized layer of the model (Linear, Conv,
+ConvTranspose, Embedding, SpectralConv, a recurrent cell's two matrices; tree
+order, ``TESSERACT.lora_shapes``: ``qarray.nn.adapter_shapes``); a request's
+adapters are added to those layers (``qarray.nn.with_adapters``) before
+``forward`` runs, and are
 differentiable (``lora.[i].a``, ``lora.[i].b``): a client fine-tunes the
 resident int8 / int4 model (QLoRA) by sending and receiving the adapters.
 """
@@ -144,8 +146,9 @@ class ModelTesseract:
         self.lora_shapes = adapter_shapes(self.model, rank)
         if not self.lora_shapes:
             raise RuntimeError(
-                "lora_rank: the model has no stored quantized Linear or Conv layer "
-                "to adapt"
+                "lora_rank: the model has no stored quantized layer to adapt "
+                "(Linear, Conv, ConvTranspose, Embedding, SpectralConv, a "
+                "GRUCell's or LSTMCell's matrices)"
             )
         self.lora_alpha = float(rank if alpha is None else alpha)
         weights = Annotated[
@@ -154,10 +157,13 @@ class ModelTesseract:
 
         class Adapter(BaseModel):
             """One layer's LoRA adapter: ``(alpha / rank) (x a^T) b^T``
-            added to its output (a convolution's ``a`` is kernel-shaped)."""
+            added to its output (a convolution's ``a`` is kernel-shaped, a
+            SpectralConv's complex: ``qarray.nn.adapter_shapes``)."""
 
-            a: weights = Field(description="(rank, K, *kernel)")
-            b: weights = Field(description="(N, rank)")
+            a: weights = Field(
+                description="(rank, K, *kernel); SpectralConv: (rank, C, *modes, 2)"
+            )
+            b: weights = Field(description="(N, rank); SpectralConv: (N, rank, 2)")
 
             model_config = ConfigDict(extra="forbid")
 
