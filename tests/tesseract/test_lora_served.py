@@ -456,3 +456,114 @@ def test_a_model_tesseract_with_lora_rank(tmp_path, rng, monkeypatch):
             t.apply({"x": x, "lora": [None, None, bad]})
         with pytest.raises(Exception, match="the model has 3 adapted layers"):
             t.apply({"x": x, "lora": [None]})
+
+
+EVERY_MODEL = """
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+import qarray.nn as qnn
+
+
+class Every(eqx.Module):
+    up: eqx.nn.ConvTranspose1d
+    embed: eqx.nn.Embedding
+    gru: eqx.nn.GRUCell
+    spectral: qnn.SpectralConv
+
+    def __init__(self, key):
+        k = jax.random.split(key, 4)
+        self.up = eqx.nn.ConvTranspose1d(2, 3, 4, stride=2, padding=1, key=k[0])
+        self.embed = eqx.nn.Embedding(5, 3, key=k[1])
+        self.gru = eqx.nn.GRUCell(3, 3, key=k[2])
+        self.spectral = qnn.SpectralConv(3, 2, 3, key=k[3])
+
+    def __call__(self, x):
+        h = self.up(x)  # (3, 16)
+        state = self.gru(self.embed(2), jnp.tanh(h.mean(-1)))
+        return self.spectral(h * state[:, None])
+"""
+
+EVERY_API = SMALL_API.replace("small_model import Small", "every_model import Every")
+EVERY_API = EVERY_API.replace("Small(", "Every(").replace(
+    "small.safetensors", "every.safetensors"
+)
+
+
+def test_a_model_tesseract_adapts_every_quantized_kind(tmp_path, rng, monkeypatch):
+    """ModelTesseract(lora_rank=2) on a ConvTranspose1d, an Embedding, a
+    GRUCell and a SpectralConv: the request's adapters have
+    qnn.adapter_shapes' shapes (the cell two, the spectral complex), y is
+    the in-process adapted model's, and the VJP w.r.t. every a and b is
+    jax.vjp's of it (y is linear in each b: also against NumPy differences
+    of served outputs)."""
+    import importlib.util
+    import sys
+
+    import jax
+
+    import qarray.nn as qnn
+    from qarray.checkpoint import save_tree
+
+    monkeypatch.delenv("QARRAY_MODEL", raising=False)
+    (tmp_path / "every_model.py").write_text(EVERY_MODEL)
+    (tmp_path / "every_api.py").write_text(EVERY_API)
+    spec = importlib.util.spec_from_file_location(
+        "every_model", tmp_path / "every_model.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["every_model"] = module
+    spec.loader.exec_module(module)
+    stored = qnn.quantize(module.Every(jax.random.key(5)))
+    save_tree(tmp_path / "every.safetensors", stored)
+    shapes = qnn.adapter_shapes(stored, 2)
+    assert shapes == [
+        ((2, 2, 4), (3, 2)),  # up
+        ((2, 5), (3, 2)),  # embed: a (rank, V)
+        ((2, 3), (9, 2)),  # gru.weight_ih
+        ((2, 3), (9, 2)),  # gru.weight_hh
+        ((2, 3, 3, 2), (2, 2, 2)),  # spectral: complex parts last
+    ]
+    lora = [{"a": net.normal(rng, a) / 2, "b": net.normal(rng, b) / 2}
+            for a, b in shapes]  # fmt: skip
+    pairs = [(e["a"], e["b"]) for e in lora]
+    adapted = qnn.with_adapters(stored, pairs, alpha=4.0)
+    x = net.normal(rng, (3, 2, 8))
+    want = np.asarray(jax.vmap(adapted)(x))
+    base = np.asarray(jax.vmap(stored)(x))
+    assert np.abs(want - base).max() > 0.1 * np.abs(base).max()
+    g = net.normal(rng, want.shape)
+    _, pullback = jax.vjp(lambda p: jax.vmap(qnn.with_adapters(
+        stored, p, alpha=4.0))(x), pairs)  # fmt: skip
+    (cotangents,) = pullback(g)
+    with Tesseract.from_tesseract_api(str(tmp_path / "every_api.py")) as t:
+        got = t.apply({"x": x, "lora": lora})["y"]
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(t.apply({"x": x})["y"], base, rtol=RTOL, atol=ATOL)
+        paths = {f"lora.[{i}].{k}" for i in range(len(lora)) for k in "ab"}
+        grads = t.vector_jacobian_product(
+            {"x": x, "lora": lora}, paths, {"y"}, {"y": g}
+        )
+        for i, pair in enumerate(cotangents):
+            for name, value in zip("ab", pair, strict=True):
+                assert np.abs(value).max() > 0
+                np.testing.assert_allclose(
+                    grads[f"lora.[{i}].{name}"], value, rtol=RTOL, atol=ATOL
+                )
+        # the spectral adapter's b: y is linear in it, so each entry's
+        # cotangent is sum(g * (y(b = unit) - y(b = 0))) of served outputs
+        zero = [*lora[:4], {**lora[4], "b": 0 * lora[4]["b"]}]
+        at_zero = t.apply({"x": x, "lora": zero})["y"]
+        for idx in [(0, 0, 0), (1, 1, 1), (0, 1, 1)]:
+            unit = np.zeros_like(lora[4]["b"])
+            unit[idx] = 1.0
+            moved = t.apply({"x": x, "lora": [*lora[:4], {**lora[4], "b": unit}]})
+            np.testing.assert_allclose(
+                grads["lora.[4].b"][idx], np.sum(g * (moved["y"] - at_zero)),
+                rtol=1e-3, atol=1e-4,
+            )  # fmt: skip
+        with pytest.raises(Exception, match=r"lora.\[4\].b must be \(2, 2, 2\)"):
+            t.apply(
+                {"x": x, "lora": [*lora[:4], {**lora[4], "b": lora[4]["b"][..., 0]}]}
+            )
