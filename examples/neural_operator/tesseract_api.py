@@ -1,12 +1,10 @@
 """A Fourier neural operator for the steady heat equation, served int8 (or
-int4) with gradients.
+int4) with gradients: log_k (B, 32, 32) -> u (B, 32, 32) (fno.py).
 
-log_k (B, 32, 32), log-conductivity fields -> u (B, 32, 32), temperatures
-(fno.py). The weights come from fno.safetensors beside this file (QARRAY_MODEL
-overrides it): a float32 file is quantized to int8 at start-up, a stored one
-(the pipeline's fno_int4.safetensors) is served as stored.
-qarray.tesseract.ModelTesseract gives the endpoints, the request guard, the
-limits and the residual cache.
+The weights: fno.safetensors beside this file (QARRAY_MODEL overrides it),
+float32 quantized to int8 at start-up, or a stored int4 file (the pipeline's
+fno_int4.safetensors) as stored. ModelTesseract gives the endpoints, guard,
+limits and residual cache; ``lora``, rank-1 adapters (qlora.py).
 """
 
 from pathlib import Path
@@ -29,6 +27,7 @@ TESSERACT = ModelTesseract(
     FNO(jax.random.key(0)),
     forward,
     model_file=Path(__file__).with_name("fno.safetensors"),
+    lora_rank=1,
     batch_inputs=["log_k"],  # concurrent requests merge along B
 )
 RUNTIME = TESSERACT.runtime  # qarray-serve reads the settings here
@@ -39,6 +38,9 @@ class InputSchema(BaseModel):
     log_k: Annotated[Fields, TESSERACT.limits.array("float32")] = Field(
         description=f"Log-conductivity fields, (B, {GRID}, {GRID}) on the unit "
         "square's cell centres."
+    )
+    lora: TESSERACT.Lora = Field(
+        None, description="Adapters {a, b} or null per layer (qnn.adapter_shapes)."
     )
 
 

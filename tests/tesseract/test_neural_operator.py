@@ -2,6 +2,9 @@
 by qarray.tesseract.ModelTesseract, against a NumPy FNO (numpy.fft) with the
 committed weights; and the example's pipeline, short."""
 
+import json
+import os
+import subprocess
 import sys
 
 import jax
@@ -137,3 +140,30 @@ def test_pipeline_short(tmp_path):
         assert results[f"inverse, {precision}, served: final loss"] < 1.5 * local + 1e-2
     assert "| int4 |" in (tmp_path / "table.md").read_text()
     assert (tmp_path / "neural_operator.png").stat().st_size > 10_000
+
+
+def test_qlora_short(tmp_path):
+    """qlora.py, a few steps on a few fields: the int4 FNO resident, its
+    adapters (the spectral ones complex) trained over HTTP through
+    tesseract-jax, the served outputs those of the adapted model in-process,
+    the test error down, at most a tenth of the full fine-tune's trainable
+    parameters, and the table written."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLE / "qlora.py"), "--steps", "8",
+         "--train-count", "16", "--test-count", "4", "--batch", "8",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+        env=env | {"JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((tmp_path / "qlora.json").read_text())
+    rows = summary["rows"]
+    qlora = rows["QLoRA (int4 base + adapters, HTTP)"]
+    assert qlora["served vs in-process max |du|"] < 1e-4
+    assert qlora["wire bytes / full-weight step"] < 0.2
+    assert summary["QLoRA trainable share"] <= 0.1
+    before = rows["int4 base (before)"]["test error (shifted family)"]
+    assert qlora["test error (shifted family)"] < before
+    assert "| QLoRA" in (tmp_path / "qlora.md").read_text()
+    assert (tmp_path / "qlora.png").stat().st_size > 10_000
