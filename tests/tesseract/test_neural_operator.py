@@ -151,7 +151,7 @@ def test_qlora_short(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     result = subprocess.run(
         [sys.executable, str(EXAMPLE / "qlora.py"), "--steps", "8",
-         "--train-count", "16", "--test-count", "4", "--batch", "8",
+         "--train-count", "8", "--test-count", "4", "--batch", "4",
          "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600,
         env=env | {"JAX_PLATFORMS": "cpu"},
