@@ -1,5 +1,7 @@
 """qnn.lora (QLoRA adapters on quantized layers) and qnn.merge against NumPy:
-values and gradients w.r.t. a, b and x, int8 and int4, with and without jit."""
+values and gradients w.r.t. a, b and x, int8 and int4, with and without jit;
+Linear and Conv, then ConvTranspose, Embedding, GRUCell / LSTMCell and
+SpectralConv."""
 
 import equinox as eqx
 import jax
