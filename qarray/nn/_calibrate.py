@@ -10,7 +10,8 @@ as ``qnn.evaluate`` does) with that layer wrapped in a recorder
 input channel (AWQ's search, SmoothQuant's migration or static per-channel
 ranges, ``_scales``), the weights times it rounded by GPTQ (its ``H = X^T X``,
 a convolution's over its im2col patches, one per group: ``_gptq.gptq``) or
-to nearest, and a static activation scale; the layer is stored with them.
+to nearest (AWQ's clipped first: ``_scales.awq_clip``, a range per row or
+int4 group), and a static activation scale; the layer is stored with them.
 Every other layer is quantized as ``qnn.quantize`` does it (round-to-nearest).
 """
 
