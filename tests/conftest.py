@@ -20,6 +20,18 @@ os.environ.setdefault(
     "TESSERACT_OUTPUT_PATH", tempfile.mkdtemp(prefix="qarray-test-runs-")
 )
 
+# XLA's compiled programs kept on disk for the whole run (every xdist worker,
+# every server a test starts, the XLA rerun): many tests build the same
+# functions again (a new jit wrapper, a new server process), and a hit skips
+# XLA's compile, most of a small test's time. Under .pytest_cache: a fresh
+# clone starts empty; jax keys the entries by program, options and version.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    os.path.join(os.path.dirname(os.path.dirname(__file__)), ".pytest_cache", "jax"),
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
