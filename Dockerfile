@@ -27,15 +27,20 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/qarray
-COPY pyproject.toml README.md tesseract_requirements.txt ./
+# the pinned requirements first, in a layer of their own: a change to qarray
+# (its code, pyproject.toml, the README) rebuilds only the layer below
+COPY tesseract_requirements.txt ./
 COPY scripts/install.sh scripts/build_kernels.sh scripts/
-COPY qarray/ qarray/
 RUN case "$JAX" in \
         cuda13) jax_option= ;; \
         cpu) jax_option=--cpu ;; \
         *) echo "build argument JAX must be cuda13 or cpu, got '$JAX'" >&2; exit 2 ;; \
     esac \
     && python -m venv /opt/venv \
+    && scripts/install.sh /opt/venv/bin/python requirements $jax_option
+COPY pyproject.toml README.md ./
+COPY qarray/ qarray/
+RUN if [ "$JAX" = cpu ]; then jax_option=--cpu; else jax_option=; fi \
     && scripts/install.sh /opt/venv/bin/python runtime $jax_option \
     && test -f /opt/venv/lib/python*/site-packages/qarray/_cpu/libqarray_cpu.so
 

@@ -9,7 +9,7 @@ HOST ?= 127.0.0.1
 SCRATCH ?= $(or $(TMPDIR),/tmp)/qarray-serve
 
 .PHONY: test-kernels test-kernels-arm test-kernels-avx512-emulated
-.PHONY: setup test test-fast test-image lint serve bench bench-peers soak test-compat clean docs browser gpu-check
+.PHONY: setup test test-fast image test-image lint serve bench bench-peers soak test-compat clean docs browser gpu-check
 
 setup: $(STAMP)
 
@@ -43,8 +43,7 @@ test: setup browser test-kernels
 # without XLA: once for each instruction set this CPU has, then the aarch64
 # tiles under qemu where the cross tools are (or install: root on Debian)
 test-kernels:
-	scripts/test_kernels.sh native
-	scripts/test_kernels.sh arm
+	scripts/test_kernels.sh all
 test-kernels-arm:
 	scripts/test_kernels.sh arm
 # the AVX-512 tiles through SIMDe over AVX2 (native runs it on CPUs without AVX-512)
@@ -80,14 +79,18 @@ IMAGE ?= qarray:test
 CNN_IMAGE ?= qarray-cnn-surrogate:test
 OPERATOR_IMAGE ?= qarray-neural-operator:test
 BASE_IMAGE ?=
-test-image: setup
+# `make image` builds the three; `make test-image` builds them (layers cached)
+# and tests them, a test file per process
+image:
 	docker build --network host --build-arg JAX=cpu \
 		$(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t $(IMAGE) .
 	docker build --build-arg QARRAY_IMAGE=$(IMAGE) -t $(CNN_IMAGE) examples/cnn_surrogate
 	docker build --build-arg QARRAY_IMAGE=$(IMAGE) -t $(OPERATOR_IMAGE) examples/neural_operator
+test-image: setup image
 	QARRAY_TEST_IMAGE=$(IMAGE) QARRAY_TEST_CNN_IMAGE=$(CNN_IMAGE) \
 		QARRAY_TEST_OPERATOR_IMAGE=$(OPERATOR_IMAGE) \
-		$(if $(BASE_IMAGE),BASE_IMAGE=$(BASE_IMAGE)) $(PY) -m pytest tests/image
+		$(if $(BASE_IMAGE),BASE_IMAGE=$(BASE_IMAGE)) \
+		$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests/image
 
 lint: setup
 	$(PY) -m ruff check .

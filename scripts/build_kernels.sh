@@ -43,17 +43,25 @@ include=$("$python" -c 'import jax; print(jax.ffi.include_dir())')
 # and qarray/_ffi.py uses it only under that jaxlib
 built_for=$("$python" -c 'import jaxlib; print(jaxlib.__version__)')
 tmp="$out.tmp.$$"
-sources=""
+objects=$(mktemp -d)
+trap 'rm -rf "$objects" "$tmp"' EXIT
+# one compiler per source file, side by side (the tile files take longest),
+# then one link
+pids=""
 for f in product.cc product_int4.cc conv.cc quantize.cc dispatch.cc $tiles; do
-    sources="$sources qarray/_cpu/$f"
+    "$cxx" -O3 -std=c++17 -fPIC -isystem "$include" -Iqarray/_cpu \
+        -c "qarray/_cpu/$f" -o "$objects/${f%.cc}.o" &
+    pids="$pids $!"
 done
-# shellcheck disable=SC2086
-if "$cxx" -O3 -std=c++17 -shared -fPIC \
-    -I"$include" -Iqarray/_cpu $sources -o "$tmp"; then
+compiled=1
+for pid in $pids; do
+    wait "$pid" || compiled=0
+done
+if [ "$compiled" = 1 ] && "$cxx" -shared -pthread "$objects"/*.o -o "$tmp"; then
     mv "$tmp" "$out"
     echo "$built_for" >"${out%.so}.jaxlib"
     echo "build_kernels: built $out (jaxlib $built_for; tiles: $tiles)"
 else
-    rm -f "$tmp" "$out" "${out%.so}.jaxlib"
+    rm -f "$out" "${out%.so}.jaxlib"
     echo "build_kernels: the kernels did not compile (above): qarray will use its XLA formulations" >&2
 fi

@@ -2,6 +2,8 @@
 # The C++ test program of qarray's CPU kernels (qarray/_cpu/tests/kernels_test.cc:
 # every handler against a plain C++ reference, odd shapes), built without XLA.
 #
+#   scripts/test_kernels.sh all      native and arm side by side (their logs
+#                                    printed in turn): what `make test` runs
 #   scripts/test_kernels.sh native   this machine's tiles, run once for each
 #                                    instruction set this CPU has
 #                                    (QARRAY_CPU_ISA forces each in turn)
@@ -19,11 +21,47 @@
 # install and exits 0 (the x86 run is the one every machine can do).
 set -eu
 cd "$(dirname "$0")/.."
-mode=${1:?usage: scripts/test_kernels.sh native|arm|avx512-emulated}
+mode=${1:?usage: scripts/test_kernels.sh all|native|arm|avx512-emulated}
 src=qarray/_cpu
 mkdir -p build
 common="-O2 -std=c++17 -pthread -I$src $src/tests/kernels_test.cc $src/dispatch.cc"
+armcxx=aarch64-linux-gnu-g++
+
+# apt-get install PACKAGES where this runs as root with apt-get (else nothing)
+apt_install() {
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "test_kernels: installing $* (apt-get)"
+        apt-get install -y -q "$@" >/dev/null 2>&1 ||
+            { apt-get update -q >/dev/null 2>&1 &&
+              apt-get install -y -q "$@" >/dev/null 2>&1; } || true
+    fi
+}
+has_simde() {
+    echo '#include <simde/x86/avx512.h>' |
+        "${CXX:-g++}" -x c++ -std=c++17 -mavx2 -fsyntax-only - >/dev/null 2>&1
+}
+has_arm_tools() {
+    command -v $armcxx >/dev/null 2>&1 && command -v qemu-aarch64 >/dev/null 2>&1
+}
 case "$mode" in
+all)
+    # each part is mostly one compiler or one emulated thread: two cores run
+    # both at once, after one apt-get for what either lacks (two would race
+    # for dpkg's lock)
+    case $("${CXX:-g++}" -dumpmachine) in
+    x86_64*) has_simde || apt_install libsimde-dev ;;
+    esac
+    has_arm_tools || apt_install g++-aarch64-linux-gnu qemu-user
+    sh scripts/test_kernels.sh native >build/test_kernels.native.log 2>&1 &
+    native=$!
+    sh scripts/test_kernels.sh arm >build/test_kernels.arm.log 2>&1 &
+    arm=$!
+    failed=0
+    wait $native || failed=1
+    wait $arm || failed=1
+    cat build/test_kernels.native.log build/test_kernels.arm.log
+    [ "$failed" = 0 ] || { echo "test_kernels: FAILED (above)"; exit 1; }
+    ;;
 native)
     cxx=${CXX:-g++}
     case $("$cxx" -dumpmachine) in
@@ -54,15 +92,7 @@ avx512-emulated)
     x86_64*) ;;
     *) echo "test_kernels: the AVX-512 tiles are x86-64's, not $("$cxx" -dumpmachine)'s"; exit 0 ;;
     esac
-    has_simde() {
-        echo '#include <simde/x86/avx512.h>' | "$cxx" -x c++ -std=c++17 -mavx2 -fsyntax-only - >/dev/null 2>&1
-    }
-    if ! has_simde && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        echo "test_kernels: installing libsimde-dev (apt-get)"
-        apt-get install -y -q libsimde-dev >/dev/null 2>&1 ||
-            { apt-get update -q >/dev/null 2>&1 &&
-              apt-get install -y -q libsimde-dev >/dev/null 2>&1; } || true
-    fi
+    has_simde || apt_install libsimde-dev
     if ! has_simde; then
         echo "test_kernels: SKIPPED the emulated AVX-512 tiles: no SIMDe (Debian: apt-get install libsimde-dev)"
         exit 0
@@ -78,16 +108,9 @@ avx512-emulated)
     QARRAY_CPU_ISA=avx512 build/kernels_test_avx512_emulated
     ;;
 arm)
-    cxx=aarch64-linux-gnu-g++
-    if ! command -v $cxx >/dev/null 2>&1 || ! command -v qemu-aarch64 >/dev/null 2>&1; then
-        if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-            echo "test_kernels: installing g++-aarch64-linux-gnu and qemu-user (apt-get)"
-            apt-get install -y -q g++-aarch64-linux-gnu qemu-user >/dev/null 2>&1 ||
-                { apt-get update -q >/dev/null 2>&1 &&
-                  apt-get install -y -q g++-aarch64-linux-gnu qemu-user >/dev/null 2>&1; } || true
-        fi
-    fi
-    if ! command -v $cxx >/dev/null 2>&1 || ! command -v qemu-aarch64 >/dev/null 2>&1; then
+    cxx=$armcxx
+    has_arm_tools || apt_install g++-aarch64-linux-gnu qemu-user
+    if ! has_arm_tools; then
         echo "test_kernels: SKIPPED the aarch64 tiles: no $cxx or qemu-aarch64"
         echo "test_kernels: (Debian: apt-get install g++-aarch64-linux-gnu qemu-user)"
         exit 0
@@ -121,7 +144,7 @@ arm)
     echo "test_kernels: a Neoverse N1 (no i8mm) runs dotprod"
     ;;
 *)
-    echo "usage: scripts/test_kernels.sh native|arm|avx512-emulated" >&2
+    echo "usage: scripts/test_kernels.sh all|native|arm|avx512-emulated" >&2
     exit 2
     ;;
 esac
