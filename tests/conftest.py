@@ -52,3 +52,42 @@ def rng():
 def pytest_configure(config):
     if PLATFORM == "cpu":
         assert len(jax.devices()) == 8, "tests/conftest.py must run before jax starts"
+
+
+# `make test` runs files on two xdist workers (--dist loadfile), each taking
+# the next file off one queue when it is free. xdist's default queue puts the
+# files with the most tests first, and ours that take longest have few (they
+# start servers, run examples): last in the queue, one worker ran them alone
+# for minutes at the end. The Makefile passes --no-loadscope-reorder and these
+# go first, longest first (from `pytest --durations=0`); the rest keep their
+# order. Only the wall time depends on this list.
+LONGEST_FIRST = (
+    "tesseract/test_reliability.py",
+    "tesseract/test_neural_operator.py",
+    "tesseract/test_accuracy_cli.py",
+    "tesseract/test_cnn_surrogate.py",
+    "qarray/test_gptq.py",
+    "tesseract/test_mesh.py",
+    "qarray/test_calibration.py",
+    "tesseract/test_regression_cases.py",
+    "tesseract/test_soak.py",
+    "qarray/test_lora.py",
+    "tesseract/test_pressure.py",
+    "tesseract/test_resident.py",
+    "tesseract/test_resident_example.py",
+)
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def pytest_collection_modifyitems(config, items):
+    missing = [p for p in LONGEST_FIRST if not os.path.exists(os.path.join(TESTS, p))]
+    if missing:
+        raise pytest.UsageError(
+            f"tests/conftest.py LONGEST_FIRST names no file: {missing}"
+        )
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+
+    def longest_first(item):
+        return rank.get(os.path.relpath(str(item.path), TESTS), len(rank))
+
+    items.sort(key=longest_first)  # stable: the rest keep their order
