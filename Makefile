@@ -29,10 +29,10 @@ $(STAMP): pyproject.toml tesseract_requirements.txt scripts/install.sh \
 TEST_WORKERS ?= 2
 test: setup browser test-kernels
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -q --site-dir $(SCRATCH)-site
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 	@if $(PY) -c "import sys, qarray._ffi as f; sys.exit(not f.available())"; then \
 		echo "QARRAY_KERNELS=xla $(PY) -m pytest -m formulations ..."; \
-		QARRAY_KERNELS=xla $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		QARRAY_KERNELS=xla $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile \
 			-m formulations tests/qarray tests/test_recipes.py; \
 	else \
 		echo "no XLA rerun: qarray's CPU kernels do not run here, the run above was XLA's"; \
@@ -90,7 +90,7 @@ test-image: setup image
 	QARRAY_TEST_IMAGE=$(IMAGE) QARRAY_TEST_CNN_IMAGE=$(CNN_IMAGE) \
 		QARRAY_TEST_OPERATOR_IMAGE=$(OPERATOR_IMAGE) \
 		$(if $(BASE_IMAGE),BASE_IMAGE=$(BASE_IMAGE)) \
-		$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests/image
+		$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests/image
 
 lint: setup
 	$(PY) -m ruff check .
