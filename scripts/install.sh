@@ -27,24 +27,24 @@ cd "$(dirname "$0")/.."
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 
-# uv installs the same pins as pip in seconds where pip takes minutes (parallel
-# downloads, no bytecode step; `make setup` measured ~190 s -> ~40 s, most of
-# it the kernels' compile): fetched from PyPI into the scratch folder, not into
-# PYTHON's environment, and trusting the system's certificates as pip does.
-# pip where uv cannot be had or fails. The image compiles bytecode (its
-# containers start faster).
+# uv installs the same pins as pip in a fraction of its time (parallel
+# downloads and bytecode compiles; `make setup` measured ~190 s -> ~50 s, most
+# of it the kernels' compile): fetched from PyPI into the scratch folder, not
+# into PYTHON's environment, and trusting the system's certificates as pip
+# does. pip where uv cannot be had or fails. Bytecode compiled at install as
+# pip does: where PYTHONDONTWRITEBYTECODE is set (these machines) nothing
+# else would, and every server a test starts compiled jax again (2.2x slower
+# server tests, measured).
 UV_VERSION=0.13.9
 uv=
 if "$python" -m pip install --disable-pip-version-check --no-input -q \
     --target "$scratch/uv" "uv==$UV_VERSION" >/dev/null 2>&1 && [ -x "$scratch/uv/bin/uv" ]; then
     uv=$scratch/uv/bin/uv
 fi
-compile=
-[ "$mode" = dev ] || compile=--compile-bytecode
 pip_install() { "$python" -m pip install --disable-pip-version-check --no-input -q "$@"; }
 pip() {
     if [ -n "$uv" ]; then
-        "$uv" pip install --python "$python" --system-certs -q $compile "$@" && return 0
+        "$uv" pip install --python "$python" --system-certs --compile-bytecode -q "$@" && return 0
         echo "install.sh: uv failed (above): pip instead" >&2
     fi
     pip_install "$@"
