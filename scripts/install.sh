@@ -28,7 +28,7 @@ scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 
 # uv installs the same pins as pip in a fraction of its time (parallel
-# downloads and bytecode compiles; `make setup` measured ~190 s -> ~50 s, most
+# downloads and bytecode compiles; `make setup` measured ~200 s -> ~60 s, half
 # of it the kernels' compile): fetched from PyPI into the scratch folder, not
 # into PYTHON's environment, and trusting the system's certificates as pip
 # does. pip where uv cannot be had or fails. Bytecode compiled at install as
