@@ -41,13 +41,12 @@ if "$python" -m pip install --disable-pip-version-check --no-input -q \
     --target "$scratch/uv" "uv==$UV_VERSION" >/dev/null 2>&1 && [ -x "$scratch/uv/bin/uv" ]; then
     uv=$scratch/uv/bin/uv
 fi
-pip_install() { "$python" -m pip install --disable-pip-version-check --no-input -q "$@"; }
 pip() {
     if [ -n "$uv" ]; then
         "$uv" pip install --python "$python" --system-certs --compile-bytecode -q "$@" && return 0
         echo "install.sh: uv failed (above): pip instead" >&2
     fi
-    pip_install "$@"
+    "$python" -m pip install --disable-pip-version-check --no-input -q "$@"
 }
 
 requirements=tesseract_requirements.txt
