@@ -30,6 +30,7 @@ import contextlib
 import functools
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,6 +87,9 @@ class Batcher:
         # merged calls so far, the jobs they answered, and merged calls that
         # failed and fell back to each job alone (tests, benchmarks)
         self.batches = self.merged_jobs = self.fallbacks = 0
+        # computed calls by their rows (a merged batch, or a job alone):
+        # what GET /metrics reports as a histogram
+        self.rows_seen: Counter[int] = Counter()
 
     def run(self, job: Job) -> Any:
         """``job``'s answer (its exception raised), once a batch computed it."""
@@ -159,6 +163,10 @@ class Batcher:
             self.batches += merged is not None
             self.merged_jobs += len(batch) if merged is not None else 0
             self.fallbacks += merged is None
+        if merged is not None:
+            self.rows_seen[sum(job.rows for job in batch)] += 1
+        else:
+            self.rows_seen.update(job.rows for job in batch)
         for job, (result, error) in zip(batch, answers, strict=True):
             job.result, job.error, job.done = result, error, True
         self._cond.notify_all()

@@ -32,6 +32,7 @@ from importlib import resources
 from pathlib import Path
 
 from ._guard import RequestGuard, validation_error_response
+from ._metrics import MetricsRoute
 from ._settings import Settings, SettingsError
 from ._workarounds import endpoints_off_event_loop, install_nodelay_listener
 
@@ -172,7 +173,8 @@ def create_app():
     app.add_exception_handler(RequestValidationError, validation_error_response)
     config = get_config()
     docs = OfflineDocs(app, title=f"{config.name or 'Tesseract'} - API docs")
-    return RequestGuard(docs, settings, input_dir=Path(config.input_path))
+    metrics = MetricsRoute(docs, runtime.batcher if runtime is not None else None)
+    return RequestGuard(metrics, settings, input_dir=Path(config.input_path))
 
 
 def _stop_when_closed(fd: int) -> None:
