@@ -3,14 +3,22 @@
 A resident model served by ``qarray-serve`` (int8, dynamic batching on, the
 defaults) against the same model in float32 served by stock
 ``tesseract-runtime serve`` (benchmarks/dense_api.py, its weights stored
-``(K, N)``: the faster float32 spelling), one worker each. Each client is a
-thread with its own keep-alive connection sending the same kind of request
-as fast as it is answered (its own x, and cotangent for a VJP); 1, 4, 16 and
-64 clients. Request kinds: one-row and 16-row applies, one-row
-``vector_jacobian_product`` with respect to x; models: 4 relu layers 4096
-wide and 3 relu layers 2048 wide (plus a lone VJP at 2 layers 1024 wide). Every
-level is warmed (batch sizes compiled) before it is measured; ours and dense
+``(K, N)``: the faster float32 spelling), one worker each. The load comes
+from ``wrk`` (C: ``benchmarks/wrk.py``; a Python client of threads on the
+same cores measures itself): one keep-alive connection per client, each
+sending the same kind of request as fast as it is answered, the bodies
+(distinct x, and cotangents for a VJP) taken in turn; 1, 4, 16 and 64
+clients. A Python client checks ours' answers against NumPy before each
+model is loaded (``check_answers``), and each level of ours reports the
+rows of the calls its batcher computed (``GET /metrics``). Request kinds:
+one-row and 16-row applies, one-row ``vector_jacobian_product`` with
+respect to x; models: 4 relu layers 4096 wide and 3 relu layers 2048 wide
+(plus a lone VJP at 2 layers 1024 wide). Every level is warmed (batch sizes compiled) before it is measured; ours and dense
 alternate level by level, ``runs`` times; rows give medians and spreads.
+
+``workers_rows``: ``--num-workers 2`` against one worker; ``memory_rows``:
+their memory (PSS, ``/proc/PID/smaps_rollup``: the workers map one copy of
+the weights).
 
 The FNO example's Tesseract (examples/neural_operator) is measured the same
 way with batching on against itself with batching off
@@ -22,18 +30,18 @@ way with batching on against itself with batching off
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import statistics
 import tempfile
-import threading
-import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 
 from benchmarks import bench_e2e
-from support.server import ROOT, RUNTIME, b64, serve
+from benchmarks.wrk import run_wrk
+from qarray.tesseract import _metrics as metrics
+from support.server import ROOT, RUNTIME, b64, decode, serve, server_pss
 
 OURS, DENSE = ROOT / "tesseract_api.py", ROOT / "benchmarks/dense_api.py"
 FNO = ROOT / "examples/neural_operator/tesseract_api.py"
@@ -73,49 +81,65 @@ def _body(rng, kind: str, rows: int, k: int, n: int, field: str = "x") -> bytes:
     return json.dumps(payload).encode()
 
 
-def measure(url: str, bodies: list[bytes], endpoint: str, seconds: float) -> dict:
-    """req/s and latency percentiles with one client thread per body."""
-    host, port = url.removeprefix("http://").split(":")
-    latencies: list[float] = []
-    errors: list[str] = []
-    ready = threading.Barrier(len(bodies) + 1)
-    stop = [0.0]
+def batch_rows(url: str) -> dict | None:
+    """The server's batcher counters (``GET /metrics``), or None (stock)."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+            return metrics.parse(response.read().decode())
+    except OSError:
+        return None
 
-    def client(body: bytes) -> None:
-        conn = http.client.HTTPConnection(host, int(port), timeout=300)
-        mine = []
-        ready.wait()
-        while time.monotonic() < stop[0]:
-            start = time.perf_counter()
-            conn.request(
-                "POST", f"/{endpoint}", body, {"Content-Type": "application/json"}
-            )
-            response = conn.getresponse()
-            response.read()
-            if response.status != 200:
-                errors.append(f"{response.status}")
-                break
-            mine.append(time.perf_counter() - start)
-        conn.close()
-        latencies.extend(mine)
 
-    threads = [threading.Thread(target=client, args=(b,)) for b in bodies]
-    for t in threads:
-        t.start()
-    stop[0] = time.monotonic() + seconds
-    began = time.monotonic()
-    ready.wait()
-    for t in threads:
-        t.join()
-    if errors:
-        raise RuntimeError(f"{endpoint}: answers {sorted(set(errors))}")
-    elapsed = time.monotonic() - began
-    latencies.sort()
+def _histogram(before: dict | None, after: dict | None) -> dict | None:
+    """Calls per rows bucket between two ``batch_rows`` readings, and the
+    mean rows per call."""
+    if not before or not after:
+        return None
+    calls = after["calls"] - before["calls"]
+    rows = after["rows_total"] - before["rows_total"]
+    cumulative = {k: v - before["rows"].get(k, 0) for k, v in after["rows"].items()}
+    buckets, below = {}, 0
+    for bound, count in cumulative.items():
+        buckets[bound] = count - below
+        below = count
     return {
-        "rps": len(latencies) / elapsed,
-        "p50": 1e3 * latencies[len(latencies) // 2],
-        "p99": 1e3 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+        "calls": calls,
+        "mean_rows": rows / max(calls, 1),
+        "buckets": buckets,
+        "kernels": after.get("kernels"),
     }
+
+
+def check_answers(url: str, model_file: Path, width: int, rows: int = 3) -> float:
+    """The served y of a few rows against a float64 NumPy forward pass of
+    the model file's weights quantized as the contract says (the Python
+    client: ``wrk`` reads no answer); the largest relative error, an
+    AssertionError past 1e-4."""
+    from qarray.checkpoint import load_model
+    from support.network import forward_one
+
+    layers = [
+        {
+            "w": layer.w,
+            "layout": layer.layout,
+            "activation": layer.activation,
+            **({} if layer.bias is None else {"bias": layer.bias}),
+        }
+        for layer in load_model(model_file)
+    ]
+    x = np.random.default_rng(7).standard_normal((rows, width)).astype(np.float32)
+    body = json.dumps({"inputs": {"x": b64(x)}}).encode()
+    request = urllib.request.Request(
+        f"{url}/apply", body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        y = decode(json.loads(response.read()))["y"]
+    worst = 0.0
+    for i in range(rows):
+        want, _ = forward_one(x[i], layers)
+        worst = max(worst, float(np.linalg.norm(y[i] - want) / np.linalg.norm(want)))
+    assert worst < 1e-4, f"served y differs from NumPy by {worst:.2e} (relative)"
+    return worst
 
 
 def _levels(servers: dict, make_body, endpoint, clients, runs, seconds, warm):
@@ -124,13 +148,29 @@ def _levels(servers: dict, make_body, endpoint, clients, runs, seconds, warm):
     for _ in range(runs):
         for c in clients:
             for name, url in servers.items():
-                bodies = [make_body(i) for i in range(c)]
+                # distinct bodies, at least 16 of them, taken in turn
+                bodies = [make_body(i) for i in range(max(c, 16))]
                 for _ in range(WARM_ROUNDS):  # until the batch sizes are compiled
-                    warmed = measure(url, bodies, endpoint, warm)
+                    warmed = _measure_level(url, bodies, c, endpoint, warm)
                     if warmed["p99"] < WARM_TAIL * warmed["p50"]:
                         break
-                out[name][c].append(measure(url, bodies, endpoint, seconds))
+                before = batch_rows(url)
+                result = _measure_level(url, bodies, c, endpoint, seconds)
+                result["batches"] = _histogram(before, batch_rows(url))
+                out[name][c].append(result)
     return out
+
+
+def _measure_level(url, bodies, clients, endpoint, seconds) -> dict:
+    """req/s and latency percentiles with ``wrk``; a RuntimeError on any
+    non-2xx answer or socket error."""
+    stats = run_wrk(url, f"/{endpoint}", bodies, clients, seconds)
+    if stats["non_2xx"] or stats["socket_errors"]:
+        raise RuntimeError(
+            f"{endpoint}: {stats['non_2xx']} non-2xx answers, "
+            f"{stats['socket_errors']} socket errors at {clients} clients"
+        )
+    return {"rps": stats["rps"], "p50": stats["p50_ms"], "p99": stats["p99_ms"]}
 
 
 def _summary(samples: list[dict], key: str) -> tuple[float, float, float]:
@@ -204,6 +244,8 @@ def _rows(name, kind, rows, width, results, targets, baseline, clients):
                 "baseline_p50_ms": b50,
                 "baseline_p99_ms": b99,
                 "clients": c,
+                # the batcher's calls in ours' last run of this level
+                "batches": ours[-1].get("batches"),
             }
         )
         if (name, kind, rows, c) == P99_TARGET[:4]:
@@ -295,6 +337,7 @@ def run(runs=3, seconds=4.0, warm=1.5, clients=CLIENTS) -> list[dict]:
                 tmp, {"QARRAY_MODEL": str(ours_file)}, {"QARRAY_MODEL": str(dense_file)}
             ) as urls:
                 urls = {"ours": urls["ours"], "baseline": urls["dense"]}
+                check_answers(urls["ours"], ours_file, width)
                 for kind, rows_, targets in kinds:
                     rng = np.random.default_rng(rows_)
                     endpoint = "apply" if kind == "apply" else "vector_jacobian_product"
@@ -310,7 +353,70 @@ def run(runs=3, seconds=4.0, warm=1.5, clients=CLIENTS) -> list[dict]:
                     )
         rows += _fno_rows(tmp, clients, runs, seconds, warm)
         rows += workers_rows(tmp, runs=runs, seconds=seconds, warm=warm)
+        rows += memory_rows(tmp)
     return rows
+
+
+def memory_rows(tmp: Path, depth: int = 4, width: int = 8192) -> list[dict]:
+    """PSS of ``--num-workers 2`` against one worker, a resident int8 model
+    of ``depth`` x ``width``^2 (256 MiB by default) stored quantized, both
+    workers answering (each client on its own connection: uvicorn hands
+    connections to whichever worker accepts) and their answers equal to one
+    worker's."""
+    from qarray.checkpoint import save_model
+
+    rng = np.random.default_rng(3)
+    model = tmp / f"int8-{depth}x{width}.safetensors"
+    save_model(
+        model,
+        [
+            {
+                "w_q": {
+                    "qvalue": rng.integers(-127, 128, (width, width), dtype=np.int8),
+                    "scale": np.full(width, 1 / (127 * np.sqrt(width)), np.float32),
+                },
+                "layout": "nk",
+                "activation": "relu",
+            }
+            for _ in range(depth)
+        ],
+    )
+    x = rng.standard_normal((2, width)).astype(np.float32)
+    body = json.dumps({"inputs": {"x": b64(x)}}).encode()
+    pss, answers = {}, {}
+    for workers in (1, 2):
+        folder = Path(tempfile.mkdtemp(dir=tmp))
+        env = {"QARRAY_MODEL": str(model)}
+        with serve(folder, OURS, env=env, workers=workers, timeout=600) as url:
+            ys = []
+            for _ in range(8 * workers):  # new connections: both workers answer
+                request = urllib.request.Request(
+                    f"{url}/apply", body, {"Content-Type": "application/json"}
+                )
+                with urllib.request.urlopen(request, timeout=120) as response:
+                    ys.append(decode(json.loads(response.read()))["y"])
+            answers[workers] = ys
+            pss[workers] = server_pss(url)
+    same = all(np.array_equal(y, answers[1][0]) for y in answers[1] + answers[2])
+    if not same:
+        raise RuntimeError("2 workers' answers differ from one worker's")
+    total = {w: sum(p.values()) for w, p in pss.items()}
+    return [
+        {
+            "row": f"load: memory, resident int8 {depth} x {width}^2 "
+            f"({model.stat().st_size / 2**20:.0f} MiB), 2 workers, total PSS",
+            "shape": (depth, width, width),
+            "baseline": "one worker's PSS",
+            "ratio": total[2] / total[1],
+            "target": 1.3,
+            "lower_is_better": True,
+            "unit": "x",
+            "pss_mib": {
+                str(w): {str(pid): round(v / 2**20) for pid, v in p.items()}
+                for w, p in pss.items()
+            },
+        }
+    ]
 
 
 def table(rows) -> str:

@@ -165,3 +165,16 @@ def server_rss(url) -> int:
         with contextlib.suppress(psutil.NoSuchProcess):
             total += proc.memory_info().rss
     return total
+
+
+def server_pss(url) -> dict[int, int]:
+    """Proportional set size (bytes) of a server's processes by pid
+    (``/proc/PID/smaps_rollup``: a page shared by n processes counts 1/n in
+    each, so their sum is what the server holds)."""
+    sizes = {}
+    for proc in server_processes(url):
+        with contextlib.suppress(OSError, psutil.NoSuchProcess):
+            for line in Path(f"/proc/{proc.pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    sizes[proc.pid] = int(line.split()[1]) * 1024
+    return sizes

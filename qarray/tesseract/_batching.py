@@ -56,6 +56,10 @@ class Job:
     done: bool = field(default=False, init=False)
     result: Any = field(default=None, init=False)
     error: BaseException | None = field(default=None, init=False)
+    # set (under the batcher's lock) when the job is done or its thread is
+    # to lead the next batch: a wake-up for this thread alone
+    wake: threading.Event = field(default_factory=threading.Event, init=False)
+    leads: bool = field(default=False, init=False)
 
 
 class Batcher:
@@ -67,6 +71,12 @@ class Batcher:
     ``max_running``: batches computing at once; ``context()``: a context
     manager every computation runs in (e.g. ``jax.set_mesh(mesh)``, which
     holds for the thread that sets it only).
+
+    Each waiting thread sleeps on its own job's event: a finished batch wakes
+    the threads of its jobs and, when a compute slot is free, the thread of
+    the oldest queued job to lead the next one; nothing wakes every waiter
+    (64 clients would make every batch wake 64 threads, each taking the GIL
+    in turn: a serial cost per batch that grew with the clients).
     """
 
     def __init__(
@@ -80,9 +90,11 @@ class Batcher:
         self.wait_s = wait_ms / 1000
         self.max_running = max_running
         self.context = context
+        # the lock of the queue and the counts; a leader waiting out wait_ms
+        # waits on it for arrivals
         self._cond = threading.Condition()
         self._queue: list[Job] = []
-        self._running = 0
+        self._running = 0  # batches computing, and leaders chosen to compute
         self._forming = False  # a leader is waiting out wait_ms
         # merged calls so far, the jobs they answered, and merged calls that
         # failed and fell back to each job alone (tests, benchmarks)
@@ -95,14 +107,28 @@ class Batcher:
         """``job``'s answer (its exception raised), once a batch computed it."""
         with self._cond:
             self._queue.append(job)
-            self._cond.notify_all()
-            while not job.done:
-                if self._running < self.max_running and not self._forming:
-                    batch = self._take()
-                    if batch:
-                        self._compute(batch)
-                        continue
-                self._cond.wait()
+            if self._forming:
+                self._cond.notify_all()  # only a forming leader waits on it
+            lead = self._running < self.max_running and not self._forming
+            if lead:
+                self._running += 1
+        while True:
+            if lead:
+                self._lead()
+            with self._cond:
+                if not job.done and not job.leads:
+                    # its batch's leader or the next one's promotion sets it
+                    self._cond.release()
+                    try:
+                        job.wake.wait()
+                    finally:
+                        self._cond.acquire()
+                job.wake.clear()
+                # a thread chosen to lead holds a reserved slot: it leads
+                # (or hands the slot back) even when another batch answered it
+                lead, job.leads = job.leads, False
+                if job.done and not lead:
+                    break
         if job.error is not None:
             raise job.error
         return job.result
@@ -110,6 +136,43 @@ class Batcher:
     def call(self, fn: Callable[[], Any]) -> Any:
         """``fn()``, a computation that never merges, in its turn."""
         return self.run(Job(None, 1, fn))
+
+    def _lead(self) -> None:
+        """Take the next batch and compute it, in a slot the caller reserved
+        (``_running`` counts it); then wake the next leader."""
+        with self._cond:
+            batch = self._take()
+        try:
+            answers, merged = self._compute(batch) if batch else ([], None)
+        except BaseException as error:  # every job gets it; the slot is freed
+            answers, merged = [(None, error)] * len(batch), None
+        with self._cond:
+            self._running -= 1
+            if len(batch) > 1:
+                self.batches += merged is not None
+                self.merged_jobs += len(batch) if merged is not None else 0
+                self.fallbacks += merged is None
+            if merged is not None:
+                self.rows_seen[sum(job.rows for job in batch)] += 1
+            else:
+                self.rows_seen.update(job.rows for job in batch)
+            for job, (result, error) in zip(batch, answers, strict=True):
+                job.result, job.error, job.done = result, error, True
+                job.wake.set()
+            self._promote()
+
+    def _promote(self) -> None:
+        """Reserve free slots for the oldest queued jobs' threads and wake
+        them to lead (lock held)."""
+        if self._forming:
+            return
+        for job in self._queue:
+            if self._running >= self.max_running:
+                break
+            if not job.leads:
+                job.leads = True
+                self._running += 1
+                job.wake.set()
 
     def _take(self) -> list[Job]:
         """The next batch, out of the queue (lock held)."""
@@ -143,33 +206,18 @@ class Batcher:
         key = self._queue[0].key
         return sum(job.rows for job in self._queue if job.key == key)
 
-    def _compute(self, batch: list[Job]) -> None:
-        """Compute ``batch`` with the lock released; answers set (lock held)."""
-        self._running += 1
-        self._cond.release()
+    def _compute(self, batch: list[Job]) -> tuple[list, list | None]:
+        """Each job's (result, error), computed with the lock released, and
+        the merged call's answers (None where each job ran alone)."""
         merged = None
-        try:
-            with self.context():
-                if len(batch) > 1:
-                    try:
-                        merged = [(r, None) for r in batch[0].together(batch)]
-                    except Exception:  # each alone: one's error stays its own
-                        pass
-                answers = merged or [_alone(job) for job in batch]
-        finally:
-            self._cond.acquire()
-            self._running -= 1
-        if len(batch) > 1:
-            self.batches += merged is not None
-            self.merged_jobs += len(batch) if merged is not None else 0
-            self.fallbacks += merged is None
-        if merged is not None:
-            self.rows_seen[sum(job.rows for job in batch)] += 1
-        else:
-            self.rows_seen.update(job.rows for job in batch)
-        for job, (result, error) in zip(batch, answers, strict=True):
-            job.result, job.error, job.done = result, error, True
-        self._cond.notify_all()
+        with self.context():
+            if len(batch) > 1:
+                try:
+                    merged = [(r, None) for r in batch[0].together(batch)]
+                except Exception:  # each alone: one's error stays its own
+                    pass
+            answers = merged or [_alone(job) for job in batch]
+        return answers, merged
 
 
 def _alone(job: Job) -> tuple[Any, BaseException | None]:

@@ -20,10 +20,13 @@ import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Literal
 from tesseract_core.runtime.tree_transforms import get_at_path
 
 from .._jit import Parts, packed, unpacked
@@ -32,11 +35,19 @@ from ._jit import merge_request, split_request
 # QArray residuals leave the compiled forward pass as their parts
 # (qarray.jit's): a hi-typed value makes every call of a jitted function that
 # takes or gives one take JAX's Python dispatch path (more than a small
-# network's whole backward pass); they are packed again inside
+# network's whole backward pass); they are packed again inside.
+#
+# Residuals that are functions of the constants alone (a resident model's
+# weights, which a linear layer's pullback needs) are not kept: as outputs of
+# the compiled call they would be copies, one copy of the whole model per
+# kept pullback (8 by default). The pullback's call computes them again from
+# the live constants instead (no work: they are the weights' parts), and
+# keeps only what depends on the request.
 
 
-@functools.partial(jax.jit, static_argnames=("fn", "static", "outputs"))
-def _forward_with_pullback(arrays, constants, fn, static, outputs):
+def _residuals(arrays, constants, fn, static, outputs):
+    """Traced: ``fn``'s outputs and its pullback's residuals (QArrays as
+    parts) as leaves, with the pullback's structure."""
     inputs = merge_request(arrays, static)
     # every inexact array of the request is differentiated; constants (the
     # server's own arrays) are not
@@ -47,11 +58,63 @@ def _forward_with_pullback(arrays, constants, fn, static, outputs):
         return {name: out[name] for name in outputs}, out
 
     _, pullback, out = jax.vjp(forward, diff, has_aux=True)
-    return out, jax.tree.map(unpacked, pullback)
+    leaves, structure = jax.tree.flatten(jax.tree.map(unpacked, pullback))
+    return out, leaves, structure
 
 
-@functools.partial(jax.jit, static_argnames="paths")
-def _run_pullback(pullback, cotangents, paths: tuple[str, ...]):
+@dataclass(frozen=True)
+class _Signature:
+    """What a kept pullback was traced from, besides the arrays' values."""
+
+    fn: Callable
+    static: tuple
+    outputs: tuple[str, ...]
+    arrays: tuple  # (shape, dtype) of each request array (None: not an array)
+    keep: tuple[bool, ...]  # per residual leaf: depends on the request
+
+
+def _request_dependent(fn, static, outputs, arrays, constants) -> tuple[bool, ...]:
+    """Per residual leaf, whether it depends on the request's arrays (else
+    on the constants alone): a walk over the traced forward pass, each
+    equation's outputs depending on whatever its inputs depend on."""
+    like = [
+        None if a is None else jax.ShapeDtypeStruct(np.shape(a), a.dtype)
+        for a in arrays
+    ]
+    closed = jax.make_jaxpr(lambda a, c: _residuals(a, c, fn, static, outputs)[1])(
+        like, constants
+    )
+    jaxpr = closed.jaxpr
+    count = len(jax.tree.leaves(like))
+    request = set(jaxpr.invars[:count])
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, Literal) and v in request for v in eqn.invars):
+            request.update(eqn.outvars)
+    return tuple(not isinstance(v, Literal) and v in request for v in jaxpr.outvars)
+
+
+@functools.partial(jax.jit, static_argnames=("signature",))
+def _forward_with_pullback(arrays, constants, signature: _Signature):
+    out, leaves, _ = _residuals(
+        arrays, constants, signature.fn, signature.static, signature.outputs
+    )
+    return out, [leaf for leaf, k in zip(leaves, signature.keep, strict=True) if k]
+
+
+@functools.partial(jax.jit, static_argnames=("signature", "paths"))
+def _run_pullback(kept, constants, cotangents, signature: _Signature, paths):
+    # the residuals of the constants again, from a forward pass on zeros that
+    # XLA drops (nothing that is kept reads it)
+    zeros = [None if like is None else jnp.zeros(*like) for like in signature.arrays]
+    _, leaves, structure = _residuals(
+        zeros, constants, signature.fn, signature.static, signature.outputs
+    )
+    given = iter(kept)
+    leaves = [
+        next(given) if k else leaf
+        for leaf, k in zip(leaves, signature.keep, strict=True)
+    ]
+    pullback = jax.tree.unflatten(structure, leaves)
     pullback = jax.tree.map(packed, pullback, is_leaf=lambda n: isinstance(n, Parts))
     (input_cotangents,) = pullback(cotangents)
     # only the requested cotangents leave the call: XLA drops the products of
@@ -95,10 +158,13 @@ class _HostKey:
 
 
 class _Entry:
-    """A kept pullback, and whether a VJP has read it."""
+    """A kept pullback (its request-dependent residuals, the constants it
+    ran on and how it was traced), and whether a VJP has read it."""
 
-    def __init__(self, pullback):
-        self.pullback = pullback
+    def __init__(self, kept, constants, signature: _Signature):
+        self.kept = kept
+        self.constants = constants
+        self.signature = signature
         self.read = False
 
 
@@ -124,6 +190,7 @@ class ResidualCache:
         self.min_intensity = min_intensity
         self._entries: OrderedDict = OrderedDict()
         self._lock = threading.Lock()  # endpoints run on several threads
+        self._keep: dict = {}  # residuals to keep, per request signature
         # applies since the last VJP request: past ``size`` of them the traffic
         # is inference, and storing pullbacks only costs (residual buffers on
         # every apply: make bench, suite e2e, resident rows); the next VJP
@@ -170,15 +237,31 @@ class ResidualCache:
     def apply(self, fn: Callable, inputs: dict, constants=(), outputs=("y",)) -> dict:
         """``fn(inputs, *constants)``, keeping its pullback for ``vjp``."""
         arrays, static = split_request(inputs)
-        out, pullback = _forward_with_pullback(
-            arrays, tuple(constants), fn=fn, static=static, outputs=tuple(outputs)
-        )
+        constants, outputs = tuple(constants), tuple(outputs)
+        signature = self._signature(fn, static, outputs, arrays, constants)
+        out, kept = _forward_with_pullback(arrays, constants, signature=signature)
         key = _HostKey(fn, arrays, static)
         with self._lock:
-            self._entries[key] = _Entry(pullback)
+            self._entries[key] = _Entry(kept, constants, signature)
             self._entries.move_to_end(key)
             self._evict()
         return out
+
+    def _signature(self, fn, static, outputs, arrays, constants) -> _Signature:
+        """The pullback's signature: which residuals to keep, found once per
+        request signature (a trace, no compile)."""
+        like = tuple(
+            None if a is None else (np.shape(a), np.asarray(a).dtype) for a in arrays
+        )
+        leaves, structure = jax.tree.flatten(constants)
+        shapes = tuple((np.shape(c), np.dtype(c.dtype)) for c in leaves)
+        traced = (fn, static, outputs, like, structure, shapes)
+        keep = self._keep.get(traced)
+        if keep is None:
+            keep = _request_dependent(fn, static, outputs, arrays, constants)
+            with self._lock:
+                self._keep[traced] = keep
+        return _Signature(fn, static, outputs, like, keep)
 
     def _evict(self) -> None:
         """Down to ``size`` entries (lock held): read ones first, oldest
@@ -213,7 +296,13 @@ class ResidualCache:
         if entry is None:
             return None
         paths = tuple(sorted(paths))
-        return lambda cotangents: _run_pullback(entry.pullback, cotangents, paths)
+        return lambda cotangents: _run_pullback(
+            entry.kept,
+            entry.constants,
+            cotangents,
+            signature=entry.signature,
+            paths=paths,
+        )
 
     def _take(self, key: _HostKey) -> _Entry | None:
         """The entry under ``key``, marked read (lock held)."""

@@ -18,6 +18,7 @@ from ._network import Network
 from ._resident import load_resident
 from ._settings import Settings
 from ._shapes import LayerShapes, linear_shapes
+from ._shared_weights import load_shared, shared_folder
 
 
 @dataclass(frozen=True)
@@ -56,11 +57,22 @@ class Runtime:
         load_model: Callable[[str, jax.sharding.Mesh | None], Any] = load_resident,
     ) -> Runtime:
         """``load_model(path, mesh)`` loads ``settings.model`` (default: the
-        Tesseract contract's network; ``ModelTesseract`` gives its own)."""
+        Tesseract contract's network; ``ModelTesseract`` gives its own); the
+        workers of one ``qarray-serve serve --num-workers N`` map one copy
+        of it (``_shared_weights``; not on a mesh, whose placement is each
+        process's own)."""
         mesh = make_mesh(settings.mesh) if settings.mesh else None
         if mesh is not None:
             jax.set_mesh(mesh)
-        resident = load_model(settings.model, mesh) if settings.model else None
+        resident = None
+        if settings.model:
+            folder = shared_folder()
+            if folder is not None and mesh is None:
+                resident = load_shared(
+                    settings.model, lambda: load_model(settings.model, None), folder
+                )
+            else:
+                resident = load_model(settings.model, mesh)
         cache = ResidualCache(
             settings.vjp_cache_size,
             settings.vjp_cache_min_flops,

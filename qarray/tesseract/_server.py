@@ -10,8 +10,11 @@ package (``fastapi-offline``) instead of a CDN, so they render on machines
 without internet access.
 
 Each worker keeps up to 256 MiB of freed heap mapped for the next request
-(glibc's malloc, ``keep_freed_memory``): page faults on fresh memory cost more
-than the rest of a big request on the VMs this was measured on.
+(``_memory.keep_freed_memory``): page faults on fresh memory cost more than
+the rest of a big request on the VMs this was measured on.
+
+With ``--num-workers N`` and ``QARRAY_MODEL`` the workers map one read-only
+copy of the resident weights (``_shared_weights``) instead of loading N.
 
 With ``--num-workers N`` each worker takes its own 1/N of the cores this
 process may run on (``os.sched_setaffinity``, before JAX starts: XLA sizes
@@ -22,9 +25,9 @@ cores/N threads instead of N pools of all the cores competing for them
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -32,46 +35,11 @@ from importlib import resources
 from pathlib import Path
 
 from ._guard import RequestGuard, validation_error_response
+from ._memory import keep_freed_memory
 from ._metrics import MetricsRoute
 from ._settings import Settings, SettingsError
+from ._shared_weights import SHARED_WEIGHTS_ENV, make_shared_folder
 from ._workarounds import endpoints_off_event_loop, install_nodelay_listener
-
-# glibc's malloc gives a freed block of more than its (dynamic) threshold back
-# to the system, so every big buffer of the next request (the body, its str,
-# the base64 strings, the decoded arrays) is fresh memory again, and its page
-# faults cost more than the rest of the request on these VMs
-# (docs/performance-notes.md). Blocks up to 32 MiB (glibc's largest mmap
-# threshold) come from the heap, and up to SERVE_KEEP_FREED_BYTES of free
-# heap stays mapped for the next request. MALLOC_*_ in the environment win.
-SERVE_MMAP_THRESHOLD_BYTES = 32 * 2**20
-SERVE_KEEP_FREED_BYTES = 256 * 2**20
-
-
-def keep_freed_memory() -> bool:
-    """Tune glibc's malloc for a server of big requests (see above); False
-    where it cannot (not glibc) or the environment already does."""
-    if {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"} & set(os.environ):
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
-    return bool(
-        mallopt(m_mmap_threshold, SERVE_MMAP_THRESHOLD_BYTES)
-        and mallopt(m_trim_threshold, SERVE_KEEP_FREED_BYTES)
-    )
-
-
-def release_freed_memory() -> None:
-    """Hand the pages freed so far back to the OS (after loading a model,
-    whose float32 file is read and dropped): glibc's allocator keeps them in
-    the process otherwise, and the resident model would look 2-3x its size."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
-
 
 # set by main for its workers: a folder of one lock file per worker slot
 _WORKER_SLOTS = "QARRAY_SERVE_WORKER_SLOTS"
@@ -214,19 +182,27 @@ def serve(argv: list[str]) -> int | None:
 
     if args.parent_pipe_fd is not None:
         _stop_when_closed(args.parent_pipe_fd)
+    shared = None
     if args.num_workers > 1:  # each worker its share of the cores
         slots = tempfile.mkdtemp(prefix="qarray-serve-workers-")
         os.environ[_WORKER_SLOTS] = f"{slots}:{args.num_workers}"
+        # and one copy of the resident weights for all of them
+        shared = make_shared_folder()
+        os.environ[SHARED_WEIGHTS_ENV] = str(shared)
         install_nodelay_listener()
 
     import uvicorn
 
-    uvicorn.run(
-        "qarray.tesseract._server:create_app",
-        factory=True,
-        host=args.host,
-        port=args.port,
-        workers=args.num_workers,
-        timeout_keep_alive=60,
-    )
+    try:
+        uvicorn.run(
+            "qarray.tesseract._server:create_app",
+            factory=True,
+            host=args.host,
+            port=args.port,
+            workers=args.num_workers,
+            timeout_keep_alive=60,
+        )
+    finally:
+        if shared is not None:  # the segment is memory while it exists
+            shutil.rmtree(shared, ignore_errors=True)
     return None

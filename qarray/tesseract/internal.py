@@ -35,7 +35,7 @@ _WHERE = {
     "make_mesh": "._mesh",
     "on_mesh": "._mesh",
     "load_resident": "._resident",
-    "keep_freed_memory": "._server",
+    "keep_freed_memory": "._memory",
     "SettingsError": "._settings",
     "install_gradient_path_check": "._workarounds",
 }
