@@ -13,8 +13,9 @@ model is loaded (``check_answers``), and each level of ours reports the
 rows of the calls its batcher computed (``GET /metrics``). Request kinds:
 one-row and 16-row applies, one-row ``vector_jacobian_product`` with
 respect to x; models: 4 relu layers 4096 wide and 3 relu layers 2048 wide
-(plus a lone VJP at 2 layers 1024 wide). Every level is warmed (batch sizes compiled) before it is measured; ours and dense
-alternate level by level, ``runs`` times; rows give medians and spreads.
+(plus a lone VJP at 2 layers 1024 wide). Every level is warmed (batch
+sizes compiled) before it is measured; ours and dense alternate level by
+level, ``runs`` times; rows give medians and spreads.
 
 ``workers_rows``: ``--num-workers 2`` against one worker; ``memory_rows``:
 their memory (PSS, ``/proc/PID/smaps_rollup``: the workers map one copy of
