@@ -420,3 +420,116 @@ def test_served_batch_isolates_a_bad_request(tmp_path, resident, rng):
         assert body["layers"] is None
         want, _ = net.forward_one(x, layers)
         np.testing.assert_allclose(decode(body["y"]), want, rtol=RTOL, atol=ATOL)
+
+
+def test_batcher_wakes_only_the_answered_threads_and_the_next_leader():
+    # every waiting thread sleeps on its own job's event: a finished batch
+    # sets the events of its jobs and of the next leader, no other
+    batcher = Batcher(max_rows=2, max_running=1)
+    release, holder = _busy(batcher)
+    jobs, _ = _jobs(batcher, 6)
+    sets = []
+    for job in jobs:  # count the wake-ups each job's thread gets
+        original = job.wake.set
+        job.wake.set = lambda original=original, job=job: (
+            sets.append(job.payload),
+            original(),
+        )
+    threads, results = _run_all(batcher, jobs)
+    _wait_queued(batcher, 6)
+    release.set()
+    for t in [holder, *threads]:
+        t.join(30)
+    assert sorted(results) == [("together", i) for i in range(6)]
+    assert batcher.batches == 3
+    # 6 answers and at most one promotion per batch (a notify_all would have
+    # woken every queued thread at each of the 4 computations: 15 and more)
+    assert len(sets) <= 6 + 3, sets
+
+
+def test_a_batch_starts_while_the_previous_ones_answers_are_handed_back():
+    # the next leader is chosen when a batch's answers are set, before the
+    # threads of that batch go on with their responses: a thread that takes
+    # its time after its answer (encoding a response) delays no batch
+    batcher = Batcher(max_rows=1, max_running=1)
+    release, holder = _busy(batcher)
+    second_started = threading.Event()
+    encoding_done = threading.Event()
+
+    def first():
+        return "first"
+
+    def second():
+        second_started.set()
+        return "second"
+
+    out = {}
+
+    def client_first():
+        out["first"] = batcher.run(Job("k", 1, first))
+        # the response of the first request: still being written while the
+        # second request's batch must already compute
+        out["overlap"] = second_started.wait(30)
+        encoding_done.set()
+
+    def client_second():
+        out["second"] = batcher.run(Job("k", 1, second))
+
+    threads = [threading.Thread(target=client_first)]
+    threads[0].start()
+    _wait_queued(batcher, 1)
+    threads.append(threading.Thread(target=client_second))
+    threads[1].start()
+    _wait_queued(batcher, 2)
+    release.set()
+    for t in [holder, *threads]:
+        t.join(30)
+    assert out == {"first": "first", "second": "second", "overlap": True}
+    assert encoding_done.is_set()
+
+
+def test_a_leader_that_raises_frees_its_slot():
+    batcher = Batcher(max_rows=4, max_running=1)
+
+    def boom():
+        raise KeyboardInterrupt  # not an Exception: the slot must still free
+
+    with pytest.raises(KeyboardInterrupt):
+        batcher.run(Job(None, 1, boom))
+    assert batcher.run(Job(None, 1, lambda: "next")) == "next"
+    assert batcher._running == 0
+
+
+def test_metrics_report_rows_per_computed_call():
+    from qarray.tesseract._metrics import parse, render
+
+    batcher = Batcher(max_rows=3, max_running=1)
+    release, holder = _busy(batcher)
+    jobs, _ = _jobs(batcher, 5)
+    threads, _ = _run_all(batcher, jobs)
+    _wait_queued(batcher, 5)
+    release.set()
+    for t in [holder, *threads]:
+        t.join(30)
+    seen = parse(render(batcher, "available (test)"))
+    # the holder alone (1 row), then 3 rows and 2 rows merged
+    assert seen["calls"] == 3 and seen["rows_total"] == 6
+    assert seen["rows"]["1"] == 1 and seen["rows"]["2"] == 2
+    assert seen["rows"]["4"] == 3 and seen["rows"]["+Inf"] == 3
+    assert seen["merged_requests"] == 5 and seen["fallbacks"] == 0
+    assert seen["kernels"] == "available (test)" and seen["pid"] == os.getpid()
+
+
+def test_served_metrics_count_a_merged_batch(resident, tmp_path, rng):
+    _, _, path = resident
+    with serve(tmp_path, env={"QARRAY_MODEL": str(path)}) as url:
+        before = requests.get(f"{url}/metrics", timeout=30)
+        assert before.status_code == 200
+        assert before.headers["content-type"].startswith("text/plain")
+        x = rng.standard_normal((3, 6)).astype(np.float32)
+        requests.post(f"{url}/apply", json={"inputs": {"x": b64(x)}}, timeout=60)
+        from qarray.tesseract._metrics import parse
+
+        after = parse(requests.get(f"{url}/metrics", timeout=30).text)
+        assert after["calls"] >= 1 and after["rows_total"] >= 3
+        assert requests.post(f"{url}/metrics", timeout=30).status_code == 405
