@@ -70,7 +70,9 @@ class _Signature:
     static: tuple
     outputs: tuple[str, ...]
     arrays: tuple  # (shape, dtype) of each request array (None: not an array)
-    keep: tuple[bool, ...]  # per residual leaf: depends on the request
+    # per residual leaf: depends on the request (None: keep every residual,
+    # where the trace could not tell)
+    keep: tuple[bool, ...] | None
 
 
 def _request_dependent(fn, static, outputs, arrays, constants) -> tuple[bool, ...]:
@@ -98,6 +100,8 @@ def _forward_with_pullback(arrays, constants, signature: _Signature):
     out, leaves, _ = _residuals(
         arrays, constants, signature.fn, signature.static, signature.outputs
     )
+    if signature.keep is None:
+        return out, leaves
     return out, [leaf for leaf, k in zip(leaves, signature.keep, strict=True) if k]
 
 
@@ -109,11 +113,14 @@ def _run_pullback(kept, constants, cotangents, signature: _Signature, paths):
     _, leaves, structure = _residuals(
         zeros, constants, signature.fn, signature.static, signature.outputs
     )
-    given = iter(kept)
-    leaves = [
-        next(given) if k else leaf
-        for leaf, k in zip(leaves, signature.keep, strict=True)
-    ]
+    if signature.keep is None:
+        leaves = list(kept)
+    else:
+        given = iter(kept)
+        leaves = [
+            next(given) if k else leaf
+            for leaf, k in zip(leaves, signature.keep, strict=True)
+        ]
     pullback = jax.tree.unflatten(structure, leaves)
     pullback = jax.tree.map(packed, pullback, is_leaf=lambda n: isinstance(n, Parts))
     (input_cotangents,) = pullback(cotangents)
@@ -254,13 +261,16 @@ class ResidualCache:
             None if a is None else (np.shape(a), np.asarray(a).dtype) for a in arrays
         )
         leaves, structure = jax.tree.flatten(constants)
-        shapes = tuple((np.shape(c), np.dtype(c.dtype)) for c in leaves)
+        shapes = tuple((np.shape(c), str(getattr(c, "dtype", ""))) for c in leaves)
         traced = (fn, static, outputs, like, structure, shapes)
-        keep = self._keep.get(traced)
-        if keep is None:
-            keep = _request_dependent(fn, static, outputs, arrays, constants)
+        if traced not in self._keep:
+            try:
+                keep = _request_dependent(fn, static, outputs, arrays, constants)
+            except Exception:  # the compiled call reports what is wrong
+                keep = None
             with self._lock:
                 self._keep[traced] = keep
+        keep = self._keep[traced]
         return _Signature(fn, static, outputs, like, keep)
 
     def _evict(self) -> None:
