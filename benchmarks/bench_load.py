@@ -424,18 +424,20 @@ def table(rows) -> str:
     """Throughput and latency per level (the docs' load section)."""
     lines = [
         "| model, request | clients | ours req/s | baseline req/s | ratio (spread) "
-        "| ours p50 / p99 ms | baseline p50 / p99 ms |",
-        "|---|---|---|---|---|---|---|",
+        "| ours p50 / p99 ms | baseline p50 / p99 ms | ours rows a call |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "rps" not in r:
             continue
         name = r["row"].removeprefix("load: ").rsplit(",", 2)[0]
+        batches = r.get("batches")
+        mean = "-" if not batches else f"{batches['mean_rows']:.1f}"
         lines.append(
             f"| {name} | {r['clients']} | {r['rps']:.0f} | {r['baseline_rps']:.0f} | "
             f"{r['ratio']:.2f} ({r['spread'][0]:.2f}-{r['spread'][1]:.2f}) | "
             f"{r['p50_ms']:.0f} / {r['p99_ms']:.0f} | "
-            f"{r['baseline_p50_ms']:.0f} / {r['baseline_p99_ms']:.0f} |"
+            f"{r['baseline_p50_ms']:.0f} / {r['baseline_p99_ms']:.0f} | {mean} |"
         )
     return "\n".join(lines)
 

@@ -71,6 +71,18 @@ def _busy(batcher):
     return release, thread
 
 
+def _run_queued(batcher, jobs):
+    """``jobs`` queued while the batcher's slot is held, then released:
+    their results, once every thread is done."""
+    release, holder = _busy(batcher)
+    threads, results = _run_all(batcher, jobs)
+    _wait_queued(batcher, len(jobs))
+    release.set()
+    for t in [holder, *threads]:
+        t.join(30)
+    return results
+
+
 def _wait_queued(batcher, count):
     deadline = time.monotonic() + 30
     while len(batcher._queue) < count:
@@ -80,13 +92,8 @@ def _wait_queued(batcher, count):
 
 def test_batcher_merges_what_queued_while_busy():
     batcher = Batcher(max_rows=3, max_running=1)
-    release, holder = _busy(batcher)
     jobs, calls = _jobs(batcher, 5)
-    threads, results = _run_all(batcher, jobs)
-    _wait_queued(batcher, 5)
-    release.set()
-    for t in [holder, *threads]:
-        t.join(30)
+    results = _run_queued(batcher, jobs)
     # in arrival order, at most max_rows rows a call: 3, then the other 2
     merged = [c[1] for c in calls if c[0] == "together"]
     assert sorted(map(sorted, merged)) == [[0, 1, 2], [3, 4]] or sorted(
@@ -98,16 +105,11 @@ def test_batcher_merges_what_queued_while_busy():
 
 def test_batcher_keeps_keys_apart_and_never_merges_none():
     batcher = Batcher(max_rows=8, max_running=1)
-    release, holder = _busy(batcher)
     a, _ = _jobs(batcher, 2, key="a")
     b, _ = _jobs(batcher, 2, key="b")
     lone, _ = _jobs(batcher, 2, key=None)
     jobs = [a[0], b[0], lone[0], a[1], b[1], lone[1]]
-    threads, results = _run_all(batcher, jobs)
-    _wait_queued(batcher, 6)
-    release.set()
-    for t in [holder, *threads]:
-        t.join(30)
+    results = _run_queued(batcher, jobs)
     assert [r[0] for r in results] == [
         "together", "together", "alone", "together", "together", "alone",
     ]  # fmt: skip
@@ -426,7 +428,6 @@ def test_batcher_wakes_only_the_answered_threads_and_the_next_leader():
     # every waiting thread sleeps on its own job's event: a finished batch
     # sets the events of its jobs and of the next leader, no other
     batcher = Batcher(max_rows=2, max_running=1)
-    release, holder = _busy(batcher)
     jobs, _ = _jobs(batcher, 6)
     sets = []
     for job in jobs:  # count the wake-ups each job's thread gets
@@ -435,11 +436,7 @@ def test_batcher_wakes_only_the_answered_threads_and_the_next_leader():
             sets.append(job.payload),
             original(),
         )
-    threads, results = _run_all(batcher, jobs)
-    _wait_queued(batcher, 6)
-    release.set()
-    for t in [holder, *threads]:
-        t.join(30)
+    results = _run_queued(batcher, jobs)
     assert sorted(results) == [("together", i) for i in range(6)]
     assert batcher.batches == 3
     # 6 answers and at most one promotion per batch (a notify_all would have
@@ -504,13 +501,8 @@ def test_metrics_report_rows_per_computed_call():
     from qarray.tesseract._metrics import parse, render
 
     batcher = Batcher(max_rows=3, max_running=1)
-    release, holder = _busy(batcher)
     jobs, _ = _jobs(batcher, 5)
-    threads, _ = _run_all(batcher, jobs)
-    _wait_queued(batcher, 5)
-    release.set()
-    for t in [holder, *threads]:
-        t.join(30)
+    _run_queued(batcher, jobs)
     seen = parse(render(batcher, "available (test)"))
     # the holder alone (1 row), then 3 rows and 2 rows merged
     assert seen["calls"] == 3 and seen["rows_total"] == 6
