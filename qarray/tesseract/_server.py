@@ -134,13 +134,13 @@ def create_app():
     threads = settings.max_concurrency
     if runtime is not None:
         threads *= settings.max_batch_rows
-    endpoints_off_event_loop(app, threads)
+    served = endpoints_off_event_loop(app, threads) or app
     # after the API module loaded (a resident model's float32 file is read and
     # freed there): what it let go of goes back to the system as before
     keep_freed_memory()
     app.add_exception_handler(RequestValidationError, validation_error_response)
     config = get_config()
-    docs = OfflineDocs(app, title=f"{config.name or 'Tesseract'} - API docs")
+    docs = OfflineDocs(served, title=f"{config.name or 'Tesseract'} - API docs")
     metrics = MetricsRoute(docs, runtime.batcher if runtime is not None else None)
     return RequestGuard(metrics, settings, input_dir=Path(config.input_path))
 

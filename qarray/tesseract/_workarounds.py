@@ -128,52 +128,153 @@ COMPUTE_ROUTES = (
 )
 
 
-def endpoints_off_event_loop(app, threads: int) -> bool:
+def endpoints_off_event_loop(app, threads: int) -> ComputeRoutes | None:
     """Workaround 3 (module doc): ``app``'s computational routes call their
-    endpoints on at most ``threads`` worker threads at once; False where the
+    endpoints on at most ``threads`` worker threads at once. Returns the
+    ASGI app to serve (``ComputeRoutes`` in front of ``app``); None where the
     upstream handlers stay (GPU transport, profiling)."""
-    import uuid
-
-    import anyio
-    from fastapi.routing import APIRoute
     from tesseract_core.runtime.config import get_config
 
     config = get_config()
     if config.gpu_transport != "none" or config.profiling:
-        return False
-    limiters = []  # made in the event loop, by the first request
+        return None
+    return ComputeRoutes(app, threads)
 
-    def limiter():
-        if not limiters:
-            limiters.append(anyio.CapacityLimiter(threads))
-        return limiters[0]
 
-    for route in list(app.router.routes):
-        if not isinstance(route, APIRoute) or route.path not in COMPUTE_ROUTES:
-            continue
-        upstream = route.endpoint
-        endpoint = upstream.__wrapped__  # create_endpoints' function
+class ComputeRoutes:
+    """The computational routes off the event loop (workaround 3), and a
+    short way through for well-formed requests.
 
-        async def handler(
-            *args, accept, run_id, exports_done, endpoint=endpoint, **kwargs
-        ):
-            encoding = _serve.negotiate_encoding(accept)
-            rundir = f"run_{run_id or uuid.uuid4()}"
-            output_path = get_config().output_path
+    FastAPI's handlers of ``COMPUTE_ROUTES`` are replaced by ones that call
+    the same endpoint functions (``create_endpoints``'), encode the same
+    responses and run both on worker threads. In front of the app, a
+    well-formed request (a JSON body the route's payload schema accepts, no
+    query string) is validated and answered here without FastAPI's routing
+    and dependency solving (a visible part of a small request's cost under
+    load: docs/performance-notes.md); any other request (malformed, invalid,
+    ``run_id`` given, an Accept header it cannot honour) goes on to FastAPI
+    with its body, and gets FastAPI's answer.
+    """
 
-            def compute():
-                result = endpoint(*args, **kwargs)
-                return _serve.create_response(
-                    result, encoding, base_dir=output_path, binref_dir=rundir
+    def __init__(self, app, threads: int):
+        import inspect
+
+        from fastapi.routing import APIRoute
+
+        self.app = app
+        self.threads = threads
+        self._limiters = []  # made in the event loop, by the first request
+        self.routes: dict[str, tuple] = {}  # path: (payload schema, endpoint)
+        for route in list(app.router.routes):
+            if not isinstance(route, APIRoute) or route.path not in COMPUTE_ROUTES:
+                continue
+            upstream = route.endpoint
+            endpoint = upstream.__wrapped__  # create_endpoints' function
+            (payload,) = inspect.signature(endpoint).parameters.values()
+            self.routes[route.path] = (payload.annotation, endpoint)
+
+            async def handler(
+                *args, accept, run_id, exports_done, endpoint=endpoint, **kwargs
+            ):
+                return await self._respond(
+                    lambda: endpoint(*args, **kwargs), accept, run_id
                 )
 
-            return await anyio.to_thread.run_sync(compute, limiter=limiter())
+            handler.__signature__ = upstream.__signature__
+            handler.__name__, handler.__doc__ = upstream.__name__, upstream.__doc__
+            app.router.routes.remove(route)
+            app.add_api_route(route.path, handler, methods=sorted(route.methods))
 
-        handler.__signature__ = upstream.__signature__
-        handler.__name__, handler.__doc__ = upstream.__name__, upstream.__doc__
-        app.router.routes.remove(route)
-        app.add_api_route(route.path, handler, methods=sorted(route.methods))
-    return True
+    def _limiter(self):
+        import anyio
+
+        if not self._limiters:
+            self._limiters.append(anyio.CapacityLimiter(self.threads))
+        return self._limiters[0]
+
+    async def _respond(self, call, accept: str | None, run_id: str | None):
+        """``call()``'s result as tesseract-core's response, both made on a
+        worker thread (the run folder named as upstream names it)."""
+        import uuid
+
+        import anyio
+        from tesseract_core.runtime.config import get_config
+
+        encoding = _serve.negotiate_encoding(accept)  # a 406 when it cannot
+        rundir = f"run_{run_id or uuid.uuid4()}"
+        output_path = get_config().output_path
+
+        def compute():
+            return _serve.create_response(
+                call(), encoding, base_dir=output_path, binref_dir=rundir
+            )
+
+        return await anyio.to_thread.run_sync(compute, limiter=self._limiter())
+
+    async def __call__(self, scope, receive, send):
+        route = self.routes.get(scope.get("path")) if scope["type"] == "http" else None
+        if route is None or scope.get("method") != "POST" or scope.get("query_string"):
+            return await self.app(scope, receive, send)
+        body, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None  # the client left: nothing to answer
+            body.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(body)
+        headers = dict(scope.get("headers", []))
+        payload = _well_formed(route[0], body, headers.get(b"content-type"))
+        if payload is None:  # FastAPI answers it, from the same bytes
+            return await self.app(scope, _replay(body, receive), send)
+        from fastapi import HTTPException
+        from fastapi.responses import JSONResponse
+
+        endpoint = route[1]
+        accept = headers.get(b"accept")
+        try:
+            response = await self._respond(
+                lambda: endpoint(payload),
+                None if accept is None else accept.decode("latin-1"),
+                None,
+            )
+        except HTTPException as error:  # what FastAPI's handler answers
+            response = JSONResponse(
+                {"detail": error.detail}, error.status_code, headers=error.headers
+            )
+        await response(scope, receive, send)
+        return None
+
+
+def _well_formed(schema, body: bytes, content_type: bytes | None):
+    """``body`` as ``schema``'s payload, or None where FastAPI should decide
+    (not JSON as FastAPI reads it, or not valid)."""
+    import json
+
+    from pydantic import ValidationError
+
+    if content_type is not None:
+        kind = content_type.split(b";", 1)[0].strip().lower()
+        if kind != b"application/json":
+            return None
+    try:
+        return schema.model_validate(json.loads(body))
+    except (ValueError, ValidationError, RecursionError):
+        return None
+
+
+def _replay(body: bytes, receive):
+    """An ASGI ``receive`` that gives ``body`` once, then the real one."""
+    given = False
+
+    async def replayed():
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
 
 
 def install_nodelay_listener() -> None:

@@ -11,6 +11,7 @@ from tesseract_core.runtime import schema_generation
 
 from qarray.tesseract import _workarounds
 from support import network as net
+from support.server import b64
 
 
 def test_checked_against_the_installed_tesseract_core():
@@ -111,16 +112,16 @@ def test_upstream_handler_runs_endpoints_inside_start_run(api):
     assert "_STDIO_REDIRECT_LOCK" in inspect.getsource(mpa.redirect_stdio)
 
 
-async def _post(app, path, payload):
+async def _post(app, path, payload, query=b"", content_type=b"application/json"):
     """(status, JSON body) of one POST through an ASGI app."""
     import json
 
-    body = json.dumps(payload).encode()
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
     scope = {
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
         "method": "POST", "path": path, "raw_path": path.encode(),
-        "query_string": b"", "root_path": "", "scheme": "http",
-        "headers": [(b"content-type", b"application/json"),
+        "query_string": query, "root_path": "", "scheme": "http",
+        "headers": [(b"content-type", content_type),
                     (b"content-length", str(len(body)).encode())],
         "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
     }  # fmt: skip
@@ -193,6 +194,58 @@ def test_endpoints_off_event_loop_answer_like_upstream(api, rng):
     finally:
         api.apply = original
     assert [status for status, _ in answers] == [200, 200]
+
+
+def test_well_formed_requests_skip_fastapi_and_answer_like_upstream(api, rng):
+    """``ComputeRoutes`` answers a well-formed request itself, exactly as
+    tesseract-core would; anything else reaches FastAPI (and its answer)."""
+    import asyncio
+
+    from tesseract_core.runtime.serve import create_rest_api
+
+    stock, ours = create_rest_api(api), create_rest_api(api)
+    served = _workarounds.endpoints_off_event_loop(ours, threads=4)
+    reached = []
+    fastapi = served.app
+
+    async def spy(scope, receive, send):
+        reached.append(scope["path"])
+        return await fastapi(scope, receive, send)
+
+    served.app = spy
+    inputs = net.three_layer(rng)
+    body = _request_body(inputs)
+    g = rng.standard_normal((3, 2)).astype(np.float32)
+    vjp = {
+        **body,
+        "vjp_inputs": ["x"],
+        "vjp_outputs": ["y"],
+        "cotangent_vector": {"y": b64(g)},
+    }
+    bad = _request_body({**inputs, "x": inputs["x"][:, :2]})
+
+    async def compare():
+        for path, payload in (("/apply", body), ("/vector_jacobian_product", vjp)):
+            want = await _post(stock, path, payload)
+            assert await _post(served, path, payload) == want
+            assert want[0] == 200
+        # valid to the schema, refused by the endpoint: the same 422
+        wrong = {**vjp, "cotangent_vector": {"y": b64(g[:, :1])}}
+        want = await _post(stock, "/vector_jacobian_product", wrong)
+        assert await _post(served, "/vector_jacobian_product", wrong) == want
+        assert want[0] == 422
+        assert reached == []  # answered without FastAPI
+        for args in (
+            ("/apply", bad),  # invalid: FastAPI's 422
+            ("/apply", b"{not json"),  # malformed
+            ("/apply", body, b"run_id=abc"),  # a query string
+            ("/apply", body, b"", b"text/plain"),  # not JSON as FastAPI reads it
+        ):
+            want = await _post(stock, *args)
+            assert await _post(served, *args) == want
+        assert reached == ["/apply"] * 4
+
+    asyncio.run(compare())
 
 
 # --- 4: TCP_NODELAY on uvicorn's multi-worker socket
