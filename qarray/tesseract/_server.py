@@ -134,14 +134,15 @@ def create_app():
     threads = settings.max_concurrency
     if runtime is not None:
         threads *= settings.max_batch_rows
-    served = endpoints_off_event_loop(app, threads) or app
+    batcher = runtime.batcher if runtime is not None else None
+    served = endpoints_off_event_loop(app, threads, batcher) or app
     # after the API module loaded (a resident model's float32 file is read and
     # freed there): what it let go of goes back to the system as before
     keep_freed_memory()
     app.add_exception_handler(RequestValidationError, validation_error_response)
     config = get_config()
     docs = OfflineDocs(served, title=f"{config.name or 'Tesseract'} - API docs")
-    metrics = MetricsRoute(docs, runtime.batcher if runtime is not None else None)
+    metrics = MetricsRoute(docs, batcher)
     return RequestGuard(metrics, settings, input_dir=Path(config.input_path))
 
 

@@ -128,17 +128,19 @@ COMPUTE_ROUTES = (
 )
 
 
-def endpoints_off_event_loop(app, threads: int) -> ComputeRoutes | None:
+def endpoints_off_event_loop(app, threads: int, batcher=None) -> ComputeRoutes | None:
     """Workaround 3 (module doc): ``app``'s computational routes call their
     endpoints on at most ``threads`` worker threads at once. Returns the
     ASGI app to serve (``ComputeRoutes`` in front of ``app``); None where the
-    upstream handlers stay (GPU transport, profiling)."""
+    upstream handlers stay (GPU transport, profiling). ``batcher``: the
+    Tesseract's (``Batcher.expect``: a forming batch waits for the requests
+    being validated)."""
     from tesseract_core.runtime.config import get_config
 
     config = get_config()
     if config.gpu_transport != "none" or config.profiling:
         return None
-    return ComputeRoutes(app, threads)
+    return ComputeRoutes(app, threads, batcher)
 
 
 class ComputeRoutes:
@@ -156,13 +158,14 @@ class ComputeRoutes:
     with its body, and gets FastAPI's answer.
     """
 
-    def __init__(self, app, threads: int):
+    def __init__(self, app, threads: int, batcher=None):
         import inspect
 
         from fastapi.routing import APIRoute
 
         self.app = app
         self.threads = threads
+        self.batcher = batcher
         self._limiters = []  # made in the event loop, by the first request
         self.routes: dict[str, tuple] = {}  # path: (payload schema, endpoint)
         for route in list(app.router.routes):
@@ -230,18 +233,27 @@ class ComputeRoutes:
         from fastapi import HTTPException
         from fastapi.responses import JSONResponse
 
-        endpoint = route[1]
+        endpoint, batcher = route[1], self.batcher
         accept = headers.get(b"accept")
+        arrival = None if batcher is None else batcher.expect()
+
+        def call():
+            if arrival is None:
+                return endpoint(payload)
+            with batcher.arriving(arrival):
+                return endpoint(payload)
+
         try:
             response = await self._respond(
-                lambda: endpoint(payload),
-                None if accept is None else accept.decode("latin-1"),
-                None,
+                call, None if accept is None else accept.decode("latin-1"), None
             )
         except HTTPException as error:  # what FastAPI's handler answers
             response = JSONResponse(
                 {"detail": error.detail}, error.status_code, headers=error.headers
             )
+        finally:
+            if arrival is not None:
+                batcher.settle(arrival)
         await response(scope, receive, send)
         return None
 

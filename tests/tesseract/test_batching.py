@@ -525,3 +525,43 @@ def test_served_metrics_count_a_merged_batch(resident, tmp_path, rng):
         after = parse(requests.get(f"{url}/metrics", timeout=30).text)
         assert after["calls"] >= 1 and after["rows_total"] >= 3
         assert requests.post(f"{url}/metrics", timeout=30).status_code == 405
+
+
+def test_a_leader_waits_for_a_request_still_arriving():
+    # a request read by the server but not yet queued (expect): the leader's
+    # batch takes it instead of leaving it for the next (it stops waiting
+    # when the request queues, long before the 30 s)
+    batcher = Batcher(max_rows=8, max_running=1, arriving_wait_s=30)
+    jobs, calls = _jobs(batcher, 2)
+    arrival = batcher.expect()
+    first = threading.Thread(target=batcher.run, args=(jobs[0],))
+    first.start()
+    time.sleep(0.001)  # the leader is waiting for the arrival
+
+    def second():
+        with batcher.arriving(arrival):
+            batcher.run(jobs[1])
+
+    other = threading.Thread(target=second)
+    other.start()
+    for t in (first, other):
+        t.join(30)
+    assert calls == [("together", [0, 1])]
+    assert batcher._arriving == 0
+
+
+def test_an_arrival_that_never_queues_ends_the_wait():
+    batcher = Batcher(max_rows=8, max_running=1, arriving_wait_s=30)
+    arrival = batcher.expect()
+    batcher.settle(arrival)  # refused before its endpoint ran, say
+    batcher.settle(arrival)  # idempotent
+    assert batcher._arriving == 0
+    jobs, _ = _jobs(batcher, 1)
+    start = time.monotonic()
+    assert batcher.run(jobs[0]) == ("alone", 0)
+    assert time.monotonic() - start < 10  # no wait for it: not 30 s
+    # and one whose endpoint fails before any job: the block settles it
+    arrival = batcher.expect()
+    with pytest.raises(ValueError), batcher.arriving(arrival):
+        raise ValueError("a 422 before the batcher")
+    assert batcher._arriving == 0 and not arrival.open
