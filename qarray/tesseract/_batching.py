@@ -116,10 +116,10 @@ class Batcher:
         self._queue: list[Job] = []
         self._running = 0  # batches computing, and leaders chosen to compute
         self._forming = False  # a leader is waiting for more rows
-        # requests the server has read and is validating, not yet queued
+        # requests the server has read and validated, not yet queued
         # (``expect`` / ``arriving``): a leader waits for them, briefly
         self._arriving = 0
-        self._mine = threading.local()  # .arrival: this thread's request's
+        self._mine = threading.local()  # .arrival: the request this thread serves
         # merged calls so far, the jobs they answered, and merged calls that
         # failed and fell back to each job alone (tests, benchmarks)
         self.batches = self.merged_jobs = self.fallbacks = 0
@@ -159,11 +159,12 @@ class Batcher:
         return job.result
 
     def expect(self) -> Arrival:
-        """A request is read and on its way (the server's event loop, before
-        validating it): a leader about to compute waits for it up to
-        ``arriving_wait_s`` (its rows join the batch instead of the next
-        one). Its endpoint runs ``with arriving(arrival)``; ``settle``
-        (idempotent) ends the wait for a request that never gets there."""
+        """A request is read, validated and on its way to a worker thread
+        (the server's event loop calls this): a leader about to compute
+        waits for it up to ``arriving_wait_s`` (its rows join the batch
+        instead of the next one). Its endpoint runs ``with
+        arriving(arrival)``; ``settle`` (idempotent) ends the wait for a
+        request that never gets there."""
         with self._cond:
             self._arriving += 1
         return Arrival()
