@@ -167,9 +167,10 @@ def write_docs(report: dict, path: Path) -> None:
             "",
             "## Serving under load",
             "",
-            "Suite `load`: one worker each, every client a thread on its own "
-            "keep-alive connection, medians of the runs (ratio spread in "
-            "brackets). Ours batches concurrent requests (`QARRAY_MAX_BATCH_ROWS`, "
+            "Suite `load`: one worker each, the clients `wrk`'s keep-alive "
+            "connections (benchmarks/wrk.py), medians of the runs (ratio spread "
+            "in brackets); ours' rows a call from its `GET /metrics`. Ours "
+            "batches concurrent requests (`QARRAY_MAX_BATCH_ROWS`, "
             "`QARRAY_BATCH_WAIT_MS`); the stock server computes one request at a "
             "time.",
             "",
