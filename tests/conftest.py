@@ -37,10 +37,25 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+if PLATFORM != "cpu":
+    # the references are NumPy float32/float64: a GPU's default float32 dot
+    # (TF32, a 10-bit mantissa) misses the tests' tolerances by design
+    jax.config.update("jax_default_matmul_precision", "highest")
 
 # tests/image builds on a Docker engine and an image: `make test-image` runs it
 # (and names the image); `make test` does not collect it
 collect_ignore = [] if os.environ.get("QARRAY_TEST_IMAGE") else ["image"]
+
+
+@pytest.fixture
+def mesh():
+    """A 4-device explicit mesh over axis "i", current for the test; skipped
+    where there are fewer devices (the GPU check's one GPU)."""
+    if len(jax.devices()) < 4:
+        pytest.skip(f"needs 4 devices, {len(jax.devices())} here")
+    mesh = jax.make_mesh((4,), ("i",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        yield mesh
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType
 
 import qarray as qa
 from qarray import _ffi
@@ -264,13 +263,6 @@ def test_linear_transpose_of_the_linearized_conv(rng):
         jax.linear_transpose(
             lambda x: qa.conv_q(x, qw, (3, 3), padding="SAME", activations="int8"), x
         )(g)
-
-
-@pytest.fixture
-def mesh():
-    mesh = jax.make_mesh((4,), ("i",), axis_types=(AxisType.Explicit,))
-    with jax.set_mesh(mesh):
-        yield mesh
 
 
 def test_explicit_sharding_of_the_batch_axis(mesh, rng):

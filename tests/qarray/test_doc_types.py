@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType
 
 import qarray as qa
 from qarray import doc_types as dt
@@ -58,20 +57,18 @@ def test_rank1_grads_dense_and_to_factors(rng):
     np.testing.assert_allclose(g_row, col @ dense_grad, rtol=1e-4, atol=1e-4)
 
 
-def test_rank1_sharding_in_types():
-    mesh = jax.make_mesh((4,), ("i",), axis_types=(AxisType.Explicit,))
-    with jax.set_mesh(mesh):
-        col = jax.device_put(jnp.zeros(8, jnp.float32), jax.P("i"))
-        r1 = dt.outer(col, jnp.ones(5, jnp.float32))
-        assert str(jax.typeof(r1)) == "r1[8@i,5]"
-        y = dt.matmul_r1(
-            jnp.ones((2, 8), jnp.float32),
-            dt.outer(
-                jnp.ones(8, jnp.float32),
-                jax.device_put(jnp.ones(4, jnp.float32), jax.P("i")),
-            ),
-        )
-        assert str(jax.typeof(y)) == "float32[2,4@i]"
+def test_rank1_sharding_in_types(mesh):
+    col = jax.device_put(jnp.zeros(8, jnp.float32), jax.P("i"))
+    r1 = dt.outer(col, jnp.ones(5, jnp.float32))
+    assert str(jax.typeof(r1)) == "r1[8@i,5]"
+    y = dt.matmul_r1(
+        jnp.ones((2, 8), jnp.float32),
+        dt.outer(
+            jnp.ones(8, jnp.float32),
+            jax.device_put(jnp.ones(4, jnp.float32), jax.P("i")),
+        ),
+    )
+    assert str(jax.typeof(y)) == "float32[2,4@i]"
 
 
 def test_rank1_errors():

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType
 
 import qarray as qa
 from qarray import _ffi, _kernels
@@ -198,13 +197,6 @@ def test_the_x_cotangent_of_int4_weights_holds_no_float_copy(rng, n):
     if n == 1024:
         memory = jax.jit(ct_x).lower(x, q, g).compile().memory_analysis()
         assert memory.temp_size_in_bytes < 4 * n * k / 4, memory
-
-
-@pytest.fixture
-def mesh():
-    mesh = jax.make_mesh((4,), ("i",), axis_types=(AxisType.Explicit,))
-    with jax.set_mesh(mesh):
-        yield mesh
 
 
 def test_output_channels_sharded(mesh, rng):

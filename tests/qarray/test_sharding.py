@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType
 
 import qarray as qa
 from qarray import QArrayP
@@ -17,13 +16,6 @@ pytestmark = pytest.mark.formulations
 
 RTOL = ATOL = 2e-4
 P = jax.P
-
-
-@pytest.fixture
-def mesh():
-    mesh = jax.make_mesh((4,), ("i",), axis_types=(AxisType.Explicit,))
-    with jax.set_mesh(mesh):
-        yield mesh
 
 
 def normal(rng, shape):
