@@ -152,10 +152,19 @@ def server_processes(url) -> list[psutil.Process]:
     for conn in psutil.net_connections(kind="tcp"):
         if conn.laddr and conn.laddr.port == port and conn.status == "LISTEN":
             proc = psutil.Process(conn.pid)
-            while proc.parent() and "qarray-serve" in " ".join(proc.parent().cmdline()):
+            while proc.parent() and _is_server(proc.parent()):
                 proc = proc.parent()
             return [proc, *proc.children(recursive=True)]
     raise RuntimeError(f"no process listens on {url}")
+
+
+def _is_server(proc: psutil.Process) -> bool:
+    """qarray-serve, or the supervisor it became with workers
+    (qarray/tesseract/_supervisor.py run by path)."""
+    argv = proc.cmdline()
+    if len(argv) > 1 and argv[1].endswith("qarray/tesseract/_supervisor.py"):
+        return True
+    return "qarray-serve" in " ".join(argv)
 
 
 def server_rss(url) -> int:

@@ -28,9 +28,8 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
-import signal
+import sys
 import tempfile
-import threading
 from importlib import resources
 from pathlib import Path
 
@@ -39,7 +38,9 @@ from ._memory import keep_freed_memory
 from ._metrics import MetricsRoute
 from ._settings import Settings, SettingsError
 from ._shared_weights import SHARED_WEIGHTS_ENV, make_shared_folder
-from ._workarounds import endpoints_off_event_loop, install_nodelay_listener
+from ._supervisor import APP, KEEP_ALIVE_S, stop_when_closed
+from ._supervisor import command as supervisor_command
+from ._workarounds import endpoints_off_event_loop
 
 # set by main for its workers: a folder of one lock file per worker slot
 _WORKER_SLOTS = "QARRAY_SERVE_WORKER_SLOTS"
@@ -146,21 +147,6 @@ def create_app():
     return RequestGuard(metrics, settings, input_dir=Path(config.input_path))
 
 
-def _stop_when_closed(fd: int) -> None:
-    """SIGTERM to this process (uvicorn stops its workers and frees the port)
-    once the other end of pipe ``fd`` is closed."""
-
-    def watch() -> None:
-        try:
-            while os.read(fd, 1):  # nothing is written: only EOF matters
-                pass
-        except OSError:
-            pass
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, daemon=True, name="client-watch").start()
-
-
 def serve(argv: list[str]) -> int | None:
     """``qarray-serve serve [--host H] [--port P] [--num-workers N]``."""
     import argparse
@@ -181,29 +167,40 @@ def serve(argv: list[str]) -> int | None:
     except SettingsError as error:
         parser.exit(2, f"qarray-serve: {error}\n")
 
+    if args.num_workers > 1:
+        _supervise(args)  # does not return
     if args.parent_pipe_fd is not None:
-        _stop_when_closed(args.parent_pipe_fd)
-    shared = None
-    if args.num_workers > 1:  # each worker its share of the cores
-        slots = tempfile.mkdtemp(prefix="qarray-serve-workers-")
-        os.environ[_WORKER_SLOTS] = f"{slots}:{args.num_workers}"
-        # and one copy of the resident weights for all of them
-        shared = make_shared_folder()
-        os.environ[SHARED_WEIGHTS_ENV] = str(shared)
-        install_nodelay_listener()
-
+        stop_when_closed(args.parent_pipe_fd)
     import uvicorn
 
-    try:
-        uvicorn.run(
-            "qarray.tesseract._server:create_app",
-            factory=True,
-            host=args.host,
-            port=args.port,
-            workers=args.num_workers,
-            timeout_keep_alive=60,
-        )
-    finally:
-        if shared is not None:  # the segment is memory while it exists
-            shutil.rmtree(shared, ignore_errors=True)
+    uvicorn.run(
+        APP,
+        factory=True,
+        host=args.host,
+        port=args.port,
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )
     return None
+
+
+def _supervise(args) -> None:
+    """This process becomes the workers' supervisor (``_supervisor``), after
+    it leaves them their share of the cores (a folder of slots,
+    ``claim_cores``) and one copy of the resident weights (a folder on
+    ``/dev/shm``, ``_shared_weights``) in the environment they inherit."""
+    slots = tempfile.mkdtemp(prefix="qarray-serve-workers-")
+    os.environ[_WORKER_SLOTS] = f"{slots}:{args.num_workers}"
+    shared = make_shared_folder()
+    os.environ[SHARED_WEIGHTS_ENV] = str(shared)
+    if args.parent_pipe_fd is not None:  # the watched pipe crosses the exec
+        os.set_inheritable(args.parent_pipe_fd, True)
+    argv = supervisor_command(
+        args.host, args.port, args.num_workers, shared, args.parent_pipe_fd
+    )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execv(argv[0], argv)
+    except OSError:
+        shutil.rmtree(shared, ignore_errors=True)
+        raise

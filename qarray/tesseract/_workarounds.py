@@ -44,15 +44,16 @@ Checked against tesseract-core 1.15.0.
    TCP_NODELAY only on sockets whose protocol is IPPROTO_TCP, so every
    response waits out Nagle's algorithm against the client's delayed ACK:
    measured 48 ms for a tiny request with two workers against 1.7 ms with
-   one, stock ``tesseract-runtime serve`` alike. ``install_nodelay_listener``
-   makes ``bind_socket`` set TCP_NODELAY on the listening socket, which the
-   accepted connections inherit (Linux).
+   one, stock ``tesseract-runtime serve`` alike.
+   ``_supervisor.install_nodelay_listener`` makes ``bind_socket`` set
+   TCP_NODELAY on the listening socket, which the accepted connections
+   inherit (Linux); it lives there because the supervisor may not import
+   this module (it would import JAX).
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -287,21 +288,3 @@ def _replay(body: bytes, receive):
         return await receive()
 
     return replayed
-
-
-def install_nodelay_listener() -> None:
-    """Workaround 4 (module doc); idempotent."""
-    from uvicorn.config import Config
-
-    if getattr(Config.bind_socket, "sets_nodelay", False):
-        return
-    upstream = Config.bind_socket
-
-    def bind_socket(self):
-        sock = upstream(self)
-        if sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
-
-    bind_socket.sets_nodelay = True
-    Config.bind_socket = bind_socket

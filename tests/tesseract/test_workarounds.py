@@ -246,34 +246,3 @@ def test_well_formed_requests_skip_fastapi_and_answer_like_upstream(api, rng):
         assert reached == ["/apply"] * 4
 
     asyncio.run(compare())
-
-
-# --- 4: TCP_NODELAY on uvicorn's multi-worker socket
-
-
-def test_uvicorn_binds_a_protocol_zero_socket_and_nodelay_fixes_it():
-    import socket
-
-    import uvicorn
-    from uvicorn.config import Config
-
-    assert uvicorn.__version__ == "0.54.0"
-    upstream = Config.bind_socket
-    try:
-        config = Config("x:app", host="127.0.0.1", port=0, workers=2)
-        sock = upstream(config)
-        # asyncio sets TCP_NODELAY only where proto == IPPROTO_TCP
-        assert sock.proto == 0
-        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 0
-        sock.close()
-        _workarounds.install_nodelay_listener()
-        _workarounds.install_nodelay_listener()  # idempotent
-        sock = Config("x:app", host="127.0.0.1", port=0, workers=2).bind_socket()
-        sock.listen()
-        client = socket.create_connection(sock.getsockname())
-        accepted, _ = sock.accept()
-        assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
-        for s in (client, accepted, sock):
-            s.close()
-    finally:
-        Config.bind_socket = upstream
