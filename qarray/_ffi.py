@@ -135,10 +135,15 @@ def product_int4(x, packed, scale, *, int8: bool = False):
     """x f32[m, k] @ W^T for int4 weights W[n, k] (packed uint8[n, k / 2], one
     scale per group of k: f32[n, k / G], G a multiple of 32) -> f32[m, n];
     ``int8``: x quantized per row first (W4A8)."""
-    results = _float32(x.shape[0], packed.shape[0])
-    split = thresholds()["split"]
+    from . import _kernels  # imports this module
+
     return _call(
-        TARGET_INT4, (x, packed, scale), results, int8=np.int64(int8), split=split
+        TARGET_INT4,
+        (x, packed, scale),
+        _float32(x.shape[0], packed.shape[0]),
+        int8=np.int64(int8),
+        split=thresholds()["split"],
+        int4_gemm_rows=np.int64(_kernels.int4_gemm_rows("int8" if int8 else "float32")),
     )
 
 

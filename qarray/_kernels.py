@@ -147,7 +147,7 @@ def kernel_wins(m: int, k: int, n: int, activations: str, layout: str) -> bool:
     """Whether the CPU kernel is the faster formulation (see above)."""
     if m <= KERNEL_TILE_ROWS[layout, activations]:
         return True
-    int8_rows = m if activations == "int8" else 3 * m
+    int8_rows = m if activations == "int8" else SPLIT_LEVELS * m
     too_many = m > KERNEL_MAX_ROWS[activations]
     if activations == "int8" and k <= KERNEL_SHORT_K:
         too_many = False
@@ -240,12 +240,27 @@ def linear(x, qvalue, scale, activations="float32", strategy=None):
 
 
 # rows up to which the int4 CPU kernel beats dequantizing and a float32 dot
-# (``make bench``, suite int4): its float32 tiles for one row, then (from
-# kInt4GemmRows in tiles_avx512.cc: two rows; the other tiles from
-# KERNEL_GEMM_ROWS int8 rows) the int8 GEMM with the nibbles
-# unpacked into its panel and each group's sums scaled in the tile, on three
-# int8 parts a row of x (weight-only) or one (W4A8)
+# (``make bench``, suite int4): its dot tiles below INT4_GEMM_ROWS rows of x,
+# then the int8 GEMM with the nibbles unpacked into its panel and each
+# group's sums scaled in the tile, on three int8 parts a row of x
+# (weight-only) or one (W4A8)
 INT4_KERNEL_MAX_ROWS = {"float32": 256, "int8": 4096}
+# rows of x from which the int4 kernel runs its GEMM rather than its dot
+# tiles, by instruction set and activations (passed with every call). The
+# AVX-512 tiles pay a table permute per nibble per row pass, the panel one
+# unpack for every row: the GEMM leads from two rows in both modes. The
+# 256-bit tiles (AVX2, NEON) stay ahead to 8 int8 rows (W4A8: 8 rows,
+# weight-only: 3, its three parts a row). docs/kernels.md has the timings.
+INT4_GEMM_ROWS = {
+    "avx512": {"float32": 2, "int8": 2},
+    "other": {"float32": 3, "int8": 8},
+}
+
+
+def int4_gemm_rows(activations: str) -> int:
+    """INT4_GEMM_ROWS for the instruction set the kernels run on."""
+    table = INT4_GEMM_ROWS.get(_ffi.isa() or "other", INT4_GEMM_ROWS["other"])
+    return table[activations]
 
 
 def linear_int4(x, packed, scale, activations="float32", strategy=None):

@@ -40,6 +40,9 @@ constexpr int64_t kPanelBytes = 256 << 10;
 // int8 parts of a float32 row at most (the tiles keep per-part state on the
 // stack)
 constexpr int kMaxSplit = 4;
+// layout kn's dot tiles: int8 rows at most (the tiles keep a row's sums on
+// the stack; tiles_avx512.cc instantiates counts up to it)
+constexpr int64_t kMaxKnDotRows = 9;
 
 // The thresholds that choose a path inside the kernels. Python owns them
 // (qarray/_kernels.py, which also uses them to choose between the kernels
@@ -48,6 +51,7 @@ struct Thresholds {
   int64_t split = 3;       // int8 parts of a float32 row (weight-only)
   int64_t gemm_rows = 8;   // int8 rows (or parts) from which the GEMM runs
   int64_t kn_dot_rows = 9; // layout kn: int8 rows up to which the dot tiles run
+  int64_t int4_gemm_rows = 2;  // int4 weights: rows of x from which the GEMM runs
 };
 
 // y f32[m, n] from x f32[m, k] and int8 weights with one scale per stored row

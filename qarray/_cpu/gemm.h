@@ -7,7 +7,8 @@
 //   x side: s8 rows (x quantized per row, or split in `split` int8 parts
 //           each quantizing what the previous left: float32 precision),
 //           padded with zeros to a multiple of 32 bytes, one scale per row;
-//   few rows (below gemm_rows; kn: up to kn_dot_rows): dot products straight
+//   few rows (below gemm_rows; kn: up to kn_dot_rows; int4: below
+//           int4_gemm_rows rows of x): dot products straight
 //           off the weights (NkDotRows, KnDotProduct, Int4DotRows);
 //   more rows: a GEMM on panels, blocks of 8 output channels x 4 consecutive
 //           k (32 bytes, channel c's four bytes at 4c), K/4 steps a block, an
@@ -29,7 +30,6 @@
 // -> 32 int8 in k order), Prefetch(p).
 
 constexpr int kMR = 4;  // rows per tile (16 ymm registers: 8 sums, 4 weights)
-constexpr int64_t kMaxKnRows = 16;  // int8 rows of layout kn's dot path at most
 
 struct Panel8 {
   std::vector<int8_t> w;  // blocks x k4 x 32 bytes
@@ -285,7 +285,7 @@ inline void KnDotRange(const ProductState& s, int64_t k0, int64_t k1, int32_t* s
     // rows past K meet zeros of x (padded to 32 bytes): any row serves
     const int8_t* r[8];
     for (int t = 0; t < 8; ++t) r[t] = a.q + std::min<int64_t>(i + t, a.k - 1) * n;
-    int32_t x4[kMaxKnRows][2];
+    int32_t x4[kMaxKnDotRows][2];
     for (int64_t row = 0; row < s.rows; ++row)
       std::memcpy(x4[row], s.xs.data() + row * s.ks + i, 8);
     for (int64_t j = 0; j < whole; j += 32) {
@@ -316,8 +316,8 @@ inline void KnDotRange(const ProductState& s, int64_t k0, int64_t k1, int32_t* s
   }
 }
 
-// layout kn with at most kn_dot_rows int8 rows: ranges of weight rows over
-// the threads, then the ranges' sums added and scaled
+// layout kn with at most kn_dot_rows int8 rows (checked against kMaxKnDotRows):
+// ranges of weight rows over the threads, then the ranges' sums added and scaled
 inline void KnDotProduct(Pool& pool, int64_t threads, std::shared_ptr<ProductState> s) {
   const ProductArgs& a = s->a;
   const int64_t step = ((a.k + threads - 1) / threads + 7) / 8 * 8;
@@ -376,7 +376,7 @@ void ProductT(Pool& pool, const ProductArgs& args) {
   const int64_t work = s->rows * a.k * a.n * (s->rows <= kMR ? 4 : 1);
   const int64_t threads = Threads(pool, work);
   // the thresholds the AVX-512 tiles use, in the same sense
-  if (a.kn && s->rows <= std::min<int64_t>(a.t.kn_dot_rows, kMaxKnRows))
+  if (a.kn && s->rows <= a.t.kn_dot_rows)
     return KnDotProduct(pool, threads, s);
   const ProductState* p = s.get();
   Parallel(pool, a.n, ChunkSize(a.n, threads, 4), threads,
@@ -553,16 +553,17 @@ void ProductInt4T(Pool& pool, const Int4Args& args) {
     SplitRowsT<V>(a.x, nullptr, a.m, a.k, a.k, static_cast<int>(s->parts), s->xs.data(),
                   nullptr, s->sx.data());
   }
-  if (s->rows < a.t.gemm_rows) PermuteEvenOdd(s->xs);  // k: a multiple of 32
+  const bool gemm = a.m >= a.t.int4_gemm_rows;
+  if (!gemm) PermuteEvenOdd(s->xs);  // k: a multiple of 32
   const int64_t work = s->rows * a.k * a.n * (s->rows <= kMR ? 4 : 1);
   const int64_t threads = Threads(pool, work);
   const Int4State* p = s.get();
   Parallel(pool, a.n, ChunkSize(a.n, threads, 4), threads,
-           [p](int64_t n0, int64_t n1) {
-             if (p->rows < p->a.t.gemm_rows)
-               Int4DotRows(*p, n0, n1);
-             else
+           [p, gemm](int64_t n0, int64_t n1) {
+             if (gemm)
                Int4Chunk(*p, n0, n1);
+             else
+               Int4DotRows(*p, n0, n1);
            },
            s);
 }

@@ -26,10 +26,12 @@ class FfiPool final : public Pool {
 // The tiles keep up to kMaxSplit parts a row; a row count below 1 would turn
 // a path off by accident
 inline ffi::Error CheckThresholds(const char* handler, const Thresholds& t) {
-  if (t.split < 1 || t.split > kMaxSplit || t.gemm_rows < 1 || t.kn_dot_rows < 0)
+  if (t.split < 1 || t.split > kMaxSplit || t.gemm_rows < 1 || t.kn_dot_rows < 0 ||
+      t.kn_dot_rows > kMaxKnDotRows || t.int4_gemm_rows < 1)
     return ffi::Error::InvalidArgument(
         std::string(handler) + ": thresholds out of range (split 1-" +
-        std::to_string(kMaxSplit) + ", gemm_rows >= 1, kn_dot_rows >= 0)");
+        std::to_string(kMaxSplit) + ", gemm_rows >= 1, kn_dot_rows 0-" +
+        std::to_string(kMaxKnDotRows) + ", int4_gemm_rows >= 1)");
   return ffi::Error::Success();
 }
 

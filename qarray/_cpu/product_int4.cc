@@ -7,7 +7,8 @@ namespace {
 
 ffi::Error ProductInt4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                            ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi::F32> scale,
-                           ffi::ResultBuffer<ffi::F32> y, int64_t int8, int64_t split) {
+                           ffi::ResultBuffer<ffi::F32> y, int64_t int8, int64_t split,
+                           int64_t int4_gemm_rows) {
   auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
   if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2)
     return ffi::Error::InvalidArgument(
@@ -23,6 +24,7 @@ ffi::Error ProductInt4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument("qarray_product_int4: group size % 32 != 0");
   a.int8 = int8 != 0;
   a.t.split = split;
+  a.t.int4_gemm_rows = int4_gemm_rows;
   if (auto e = CheckThresholds("qarray_product_int4", a.t); e.failure()) return e;
   ffi::Error error = ffi::Error::Success();
   const Isa* isa = Running(&error, "qarray_product_int4");
@@ -47,4 +49,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QarrayProductInt4, qarray::cpu::ProductInt4Impl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Attr<int64_t>("int8")
-                                  .Attr<int64_t>("split"));
+                                  .Attr<int64_t>("split")
+                                  .Attr<int64_t>("int4_gemm_rows"));

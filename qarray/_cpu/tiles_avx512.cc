@@ -685,7 +685,6 @@ QARRAY_AVX512 void Prepare(Problem& p) {
 // spill out of L2's reach and XLA's int8 dot measured faster at N = 4096
 // (W8A8 (12, 4096, 4096): 1.25x of float32 against 1.96x; make bench, suite
 // kernels, the kn rows)
-constexpr int kKnDotMaxRows = 9;  // the most KnDotRows instantiates
 
 // where column `off` of a 64-column block sits among its four accumulators
 // (e: which unpack, lane L: which 16 columns, t: which of four)
@@ -766,6 +765,7 @@ QARRAY_AVX512 void KnDotRange(const KnDotProblem& p, int64_t k0, int64_t k1,
 
 // the int8 rows KnDotRun computes for `rows` (the next instantiated count)
 inline int64_t KnDotRows(int64_t rows) {
+  static_assert(kMaxKnDotRows == 9, "KnDotRun instantiates counts up to kMaxKnDotRows");
   for (int64_t r : {1, 2, 3, 4, 6, 8, 9})
     if (rows <= r) return r;
   return -1;
@@ -859,8 +859,7 @@ void Product(Pool& pool, const ProductArgs& a) {
   const int64_t parallel_from = p->m <= kRowBlock ? kParallelWork / 4 : kParallelWork;
   const int64_t threads =
       work_bytes < parallel_from ? 1 : std::max<int64_t>(1, pool.num_threads());
-  const int64_t kn_dot_rows = std::min<int64_t>(a.t.kn_dot_rows, kKnDotMaxRows);
-  if (p->kn && p->m * (p->int8 ? 1 : p->parts) <= kn_dot_rows) {
+  if (p->kn && p->m * (p->int8 ? 1 : p->parts) <= a.t.kn_dot_rows) {
     auto dot = std::make_shared<KnDotProblem>();
     dot->m = p->m;
     dot->k = p->k;
@@ -895,7 +894,7 @@ struct Int4Problem {
   const float* scale;
   float* y;
   std::vector<float> xe, xo;  // x's even and odd entries, (m, k / 2) each
-  // the GEMM (kInt4GemmRows rows and more): u8 rows (or parts) of x (k apart),
+  // the GEMM (Thresholds::int4_gemm_rows rows and more): u8 rows (or parts) of x (k apart),
   // their scales, and the parts' products
   std::vector<uint8_t> xq;
   std::vector<float> sx, y_parts;
@@ -978,7 +977,7 @@ QARRAY_AVX512 void Int4Chunk(const Int4Problem& p, int64_t n0, int64_t n1) {
 }
 
 
-// --- int4 weights through the GEMM (from kInt4GemmRows rows of x):
+// --- int4 weights through the GEMM (from Thresholds::int4_gemm_rows rows of x):
 // the nibbles become int8 in the panel, and each group's integer sums are
 // scaled by the group's scale in the tile, in float32.
 struct Int4Panel {
@@ -1067,10 +1066,6 @@ QARRAY_AVX512 void Int4GemmTile(const uint8_t* xq, int64_t ks, const float* sx,
 }
 
 constexpr int kInt4GemmMR = 4;
-// rows of x from which the GEMM beats the float32 tiles on int4 weights, in
-// both modes (make bench, suite int4): far fewer than gemm_rows, since the
-// tiles pay a table permute per nibble per pass, the panel one unpack
-constexpr int64_t kInt4GemmRows = 2;
 
 // channels [n0, n1) of the split rows' products, then the parts summed
 QARRAY_AVX512 void Int4GemmPanel(const Int4Problem& p, int64_t n0, int64_t n1) {
@@ -1121,7 +1116,7 @@ void ProductInt4(Pool& pool, const Int4Args& a) {
                               : std::max<int64_t>(1, pool.num_threads());
   const Int4Problem* problem = p.get();
   p->parts = int8 ? 1 : static_cast<int>(a.t.split);
-  if (p->m >= kInt4GemmRows) {
+  if (p->m >= a.t.int4_gemm_rows) {
     const int64_t rows = p->parts * p->m;
     p->xq.assign(rows * p->k, 0);
     p->sx.resize(rows);

@@ -76,6 +76,33 @@ def test_thresholds_come_from_kernels_py():
     assert t["kn_dot_rows"] == _kernels.KERNEL_TILE_ROWS["kn", "int8"]
 
 
+def test_int4_gemm_rows_come_from_kernels_py_by_isa(monkeypatch):
+    table = _kernels.INT4_GEMM_ROWS
+    assert (
+        _kernels.int4_gemm_rows("int8")
+        == table.get(_ffi.isa() or "other", table["other"])["int8"]
+    )
+    monkeypatch.setattr(_ffi, "isa", lambda: "i8mm")  # not in the table
+    assert _kernels.int4_gemm_rows("float32") == table["other"]["float32"]
+
+
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+@pytest.mark.parametrize("gemm_rows", [1, 64])
+def test_int4_kernel_paths_both_match_numpy(rng, monkeypatch, activations, gemm_rows):
+    """The threshold Python passes decides the path (1: the GEMM at every
+    row count, 64: the dot tiles), and both paths give the same answer."""
+    needs_kernels()
+    monkeypatch.setattr(_kernels, "int4_gemm_rows", lambda activations: gemm_rows)
+    m, k, n, group = 5, 128, 40, 64
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    packed, scale = qa.unpack(qa.quantize(jnp.asarray(w), bits=4, group_size=group))
+    v = ref.roundtrip(x) if activations == "int8" else x
+    want = v.astype(np.float64) @ ref.roundtrip4(w, group).astype(np.float64).T
+    got = _ffi.product_int4(jnp.asarray(x), packed, scale, int8=activations == "int8")
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL * np.abs(want).max())
+
+
 # --- the products
 
 

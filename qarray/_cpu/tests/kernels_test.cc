@@ -233,20 +233,25 @@ void CheckInt4(const Isa& isa, Pool& pool, std::mt19937& rng) {
   const Shape shapes[] = {{1, 32, 5, 32},    {2, 64, 17, 32},   {3, 256, 33, 64},
                           {5, 128, 40, 128}, {17, 96, 9, 32},   {1, 2048, 300, 128},
                           {24, 512, 70, 256}};
+  // the GEMM from 2 rows (Thresholds{}'s), at every row count, or never
+  const int64_t switches[] = {Thresholds{}.int4_gemm_rows, 1, 1 << 20};
   for (const Shape& sh : shapes)
+    for (int64_t gemm_rows : switches)
     for (int int8 = 0; int8 < 2; ++int8) {
       const int64_t m = sh.m, k = sh.k, n = sh.n, groups = k / sh.group;
+      Thresholds t;
+      t.int4_gemm_rows = gemm_rows;
       std::vector<float> x = Random(rng, m * k);
       std::vector<uint8_t> q(n * k / 2);
       std::uniform_int_distribution<int> byte(0, 255);
       for (auto& b : q) b = static_cast<uint8_t>(byte(rng));
       std::vector<float> scale = Random(rng, n * groups, 0.001f, 0.02f);
       std::vector<float> y(m * n, NAN);
-      Int4Args a{m, k, n, sh.group, int8 != 0, Thresholds{}, x.data(), q.data(), scale.data(),
-                 y.data()};
+      Int4Args a{m, k, n, sh.group, int8 != 0, t, x.data(), q.data(), scale.data(), y.data()};
       current = std::string(isa.name) + " int4" + (int8 ? " W4A8" : " weight-only") + " (" +
                 std::to_string(m) + ", " + std::to_string(k) + ", " + std::to_string(n) +
-                ") group " + std::to_string(sh.group);
+                ") group " + std::to_string(sh.group) + ", GEMM from " +
+                std::to_string(gemm_rows) + " rows";
       isa.product_int4(pool, a);
       auto w = [&](int64_t j, int64_t i) {  // W[j, i]: 4-bit two's complement
         const int v = (q[j * (k / 2) + i / 2] >> (4 * (i % 2))) & 0xF;
