@@ -37,6 +37,9 @@ constexpr int64_t kParallelWork = 4 << 20;
 // bytes of packed weights per panel: a panel stays in L2 while every block of
 // rows passes over it
 constexpr int64_t kPanelBytes = 256 << 10;
+// a packed panel's step: 4 consecutive k of 16 output channels, two blocks of
+// 8 channels x 4 bytes side by side (gemm.h's Panel8; AMX's tile row)
+constexpr int64_t kStepBytes = 64;
 // int8 parts of a float32 row at most (the tiles keep per-part state on the
 // stack)
 constexpr int kMaxSplit = 4;

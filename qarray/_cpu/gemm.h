@@ -12,10 +12,12 @@
 //           off the weights (NkDotRows, KnDotProduct, Int4DotRows);
 //   more rows: a GEMM on panels, blocks of 8 output channels x 4 consecutive
 //           k (32 bytes, channel c's four bytes at 4c), K/4 steps a block, an
-//           even number of blocks, packed per call from the weights (PackNk,
-//           PackKn, PackInt4), each used while in L2 (kPanelBytes) by every
-//           block of rows: tiles of MR rows x 16 channels of int32 sums in
-//           registers, four bytes of a row broadcast against each block.
+//           even number of blocks, a pair's steps side by side (kStepBytes:
+//           16 channels x 4 k, AMX's tile row), packed per call from the
+//           weights (PackNk, PackKn, PackInt4), each used while in L2
+//           (kPanelBytes) by every block of rows: tiles of kTileRows rows x 16
+//           channels of int32 sums, four bytes of a row broadcast against each
+//           block (or the provider's own Tile: AMX).
 // Sums of int8 products are exact in int32 while K < 2^17 (127 x 128 a
 // product), then scaled in float32.
 //
@@ -24,21 +26,40 @@
 // Store(p, acc), Dot(acc, w, x4) (acc[c] += sum_j w[4c + j] * x4's byte j),
 // DotVec(acc, w, x32) (lane-wise partial sums of 32 products), Sum(acc);
 // FAcc, FZero(), FmaScaled(f, acc, s), FSum(f) (int4's group scaling);
-// PackNk8(rows, ld, k, dst) (8 rows of k int8, k a multiple of 32 -> k / 4
-// blocks), KnQuads(rows[4], j, out[4][32]) (32 columns of 4 kn rows -> four
+// PackNk8(rows, ld, k, dst, stride) (8 rows of k int8, k a multiple of 32 ->
+// k / 4 blocks of 32 bytes, `stride` apart), KnQuads(rows[4], j, out[4][32]) (32 columns of 4 kn rows -> four
 // blocks in column order), Int4Row(q, out) and LoadInt4W(q) (16 packed bytes
 // -> 32 int8 in k order), Prefetch(p).
-
-constexpr int kMR = 4;  // rows per tile (16 ymm registers: 8 sums, 4 weights)
+// And how its GEMM tiles take the panels: kTileRows (rows of x a tile takes;
+// the vector tiles: 4, from 16 registers: 8 sums, 4 weights), kWholeTiles (no
+// tiles of fewer rows: x is padded with zero rows to a multiple of
+// kTileRows), kStepAlign (panels' steps and x's rows padded to a multiple of
+// it), Scope (alive while a thread runs tiles: AMX's tile state), kOwnTile
+// and Tile<MR>(x, xs, w, steps, out) (its own tile over a pair's steps, else
+// DotSteps').
 
 struct Panel8 {
-  std::vector<int8_t> w;  // blocks x k4 x 32 bytes
+  std::vector<int8_t> w;  // pairs x k4 steps x kStepBytes (two blocks' 32 bytes)
   int64_t k4 = 0, blocks = 0;
-  const int8_t* Block(int64_t b) const { return w.data() + b * k4 * 32; }
+  // block b's first step; its steps are kStepBytes apart
+  const int8_t* Block(int64_t b) const {
+    return w.data() + (b / 2) * k4 * kStepBytes + (b % 2) * 32;
+  }
+  int8_t* Block(int64_t b) { return w.data() + (b / 2) * k4 * kStepBytes + (b % 2) * 32; }
 };
 
+// rows of x that stream their weights from memory: two threads read them
+// faster than one from a quarter of the work on (as tiles_avx512.cc)
+constexpr int64_t kFewRows = 4;
+
+constexpr int64_t RoundUp(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
+
+// K / 4 steps of a panel, padded to the provider's alignment
+inline int64_t PanelSteps(int64_t k) { return RoundUp((k + 3) / 4, I::kStepAlign); }
+
 // acc[r][0..1] += `steps` groups of 4 bytes of MR rows (x + r * xs) times two
-// blocks' steps (w0, w1: 32 bytes a step): the loop every tile shares
+// blocks' steps (w0, w1: 32 bytes a step, kStepBytes apart): the loop every
+// tile shares
 template <class Ops, int MR>
 inline void PairSteps(typename Ops::Acc (&acc)[MR][2], const int8_t* x, int64_t xs,
                       const int8_t* w0, const int8_t* w1, int64_t steps) {
@@ -53,7 +74,7 @@ inline void DotSteps(typename I::Acc (&acc)[MR][2], const int8_t* x, int64_t xs,
     return;
   }
   for (int64_t g = 0; g < steps; ++g) {
-    const typename I::W a = I::LoadW(w0 + g * 32), b = I::LoadW(w1 + g * 32);
+    const typename I::W a = I::LoadW(w0 + g * kStepBytes), b = I::LoadW(w1 + g * kStepBytes);
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
       int32_t four;
@@ -77,24 +98,47 @@ inline void StoreAcc(typename I::Acc (&acc)[MR][2], int32_t (&out)[MR][16]) {
   }
 }
 
+// the provider's own tile (looked up when used: only providers with kOwnTile)
+template <class Ops, int MR>
+inline void OwnTile(const int8_t* x, int64_t xs, const int8_t* w, int64_t steps,
+                    int32_t (&out)[MR][16]) {
+  Ops::template Tile<MR>(x, xs, w, steps, out);
+}
+
 // MR rows from x (xs apart) times blocks (2 c, 2 c + 1) of the panel, K steps
 // [s0, s0 + steps)
 template <int MR>
 inline void PanelTile(const int8_t* x, int64_t xs, const Panel8& p, int64_t pair,
                       int64_t s0, int64_t steps, int32_t (&out)[MR][16]) {
-  typename I::Acc acc[MR][2];
-  ZeroAcc<MR>(acc);
-  DotSteps<MR>(acc, x + 4 * s0, xs, p.Block(2 * pair) + s0 * 32,
-               p.Block(2 * pair + 1) + s0 * 32, steps);
-  StoreAcc<MR>(acc, out);
+  if constexpr (I::kOwnTile) {
+    OwnTile<I, MR>(x + 4 * s0, xs, p.Block(2 * pair) + s0 * kStepBytes, steps, out);
+  } else {
+    typename I::Acc acc[MR][2];
+    ZeroAcc<MR>(acc);
+    DotSteps<MR>(acc, x + 4 * s0, xs, p.Block(2 * pair) + s0 * kStepBytes,
+                 p.Block(2 * pair + 1) + s0 * kStepBytes, steps);
+    StoreAcc<MR>(acc, out);
+  }
 }
 
-// f(MR, row) for every block of MR rows of [r0, r1), then one row at a time
+// f(MR, row) for every block of kTileRows rows of [r0, r1), then the rest:
+// one row at a time, or (kWholeTiles) one more whole block, whose rows past
+// r1 are zeros the caller does not write out
 template <class F>
 inline void ForRowBlocks(int64_t r0, int64_t r1, F f) {
+  constexpr int kMR = I::kTileRows;
   int64_t r = r0;
   for (; r + kMR <= r1; r += kMR) f(std::integral_constant<int, kMR>{}, r);
-  for (; r < r1; ++r) f(std::integral_constant<int, 1>{}, r);
+  if constexpr (I::kWholeTiles) {
+    if (r < r1) f(std::integral_constant<int, kMR>{}, r);
+  } else {
+    for (; r < r1; ++r) f(std::integral_constant<int, 1>{}, r);
+  }
+}
+
+// rows of x's buffers for `rows` rows: whole tiles' padding included
+inline int64_t AllocatedRows(int64_t rows) {
+  return I::kWholeTiles ? RoundUp(rows, I::kTileRows) : rows;
 }
 
 // --- packing
@@ -102,27 +146,28 @@ inline void ForRowBlocks(int64_t r0, int64_t r1, F f) {
 // channels [n0, n1) of nk weights (row c: k int8, ld apart) into p
 inline void PackNk(const int8_t* q, int64_t ld, int64_t k, int64_t n0, int64_t n1,
                    Panel8& p) {
-  p.k4 = (k + 3) / 4;
+  p.k4 = PanelSteps(k);
   p.blocks = ((n1 - n0 + 15) / 16) * 2;
   p.w.assign(p.blocks * p.k4 * 32, 0);
   for (int64_t b = 0; b * 8 < n1 - n0; ++b) {
     const int64_t c0 = n0 + 8 * b, lanes = std::min<int64_t>(8, n1 - c0);
-    int8_t* dst = p.w.data() + b * p.k4 * 32;
+    int8_t* dst = p.Block(b);
     const int64_t whole = lanes == 8 ? k / 32 * 32 : 0;  // 8 full rows, 32 k at a time
-    if (whole) I::PackNk8(q + c0 * ld, ld, whole, dst);
+    if (whole) I::PackNk8(q + c0 * ld, ld, whole, dst, kStepBytes);
     for (int64_t c = 0; c < lanes; ++c)
-      for (int64_t i = whole; i < k; ++i) dst[(i / 4) * 32 + 4 * c + i % 4] = q[(c0 + c) * ld + i];
+      for (int64_t i = whole; i < k; ++i)
+        dst[(i / 4) * kStepBytes + 4 * c + i % 4] = q[(c0 + c) * ld + i];
   }
 }
 
 // columns [n0, n1) of kn weights' rows [0, rows) (row i: n int8 from q + i * n)
 inline void PackKn(const int8_t* q, int64_t n, int64_t rows, int64_t n0, int64_t n1,
                    Panel8& p) {
-  p.k4 = (rows + 3) / 4;
+  p.k4 = PanelSteps(rows);
   p.blocks = ((n1 - n0 + 15) / 16) * 2;
   p.w.assign(p.blocks * p.k4 * 32, 0);
   const int64_t width = n1 - n0, whole = width / 32 * 32;
-  for (int64_t g = 0; g < p.k4; ++g) {
+  for (int64_t g = 0; g * 4 < rows; ++g) {
     const int8_t* r[4];
     int64_t real = std::min<int64_t>(4, rows - 4 * g);
     for (int t = 0; t < 4; ++t) r[t] = q + (4 * g + std::min<int64_t>(t, real - 1)) * n + n0;
@@ -131,12 +176,12 @@ inline void PackKn(const int8_t* q, int64_t n, int64_t rows, int64_t n0, int64_t
         alignas(32) int8_t quads[4][32];
         I::KnQuads(r, j, quads);
         for (int blk = 0; blk < 4; ++blk)
-          std::memcpy(p.w.data() + ((j / 8 + blk) * p.k4 + g) * 32, quads[blk], 32);
+          std::memcpy(p.Block(j / 8 + blk) + g * kStepBytes, quads[blk], 32);
       }
     }
     for (int64_t j = real == 4 ? whole : 0; j < width; ++j)
       for (int t = 0; t < real; ++t)
-        p.w[((j / 8) * p.k4 + g) * 32 + 4 * (j % 8) + t] = r[t][j];
+        p.Block(j / 8)[g * kStepBytes + 4 * (j % 8) + t] = r[t][j];
   }
 }
 
@@ -152,6 +197,7 @@ struct ProductState {
 // nk, channels [n0, n1): panels that stay in L2, each packed then every block
 // of rows passed over it; the parts' sums added into y in part order
 inline void ProductNk(const ProductState& s, int64_t n0, int64_t n1) {
+  const typename I::Scope tiles;
   const ProductArgs& a = s.a;
   for (int64_t r = 0; r < a.m; ++r) std::fill(a.y + r * a.n + n0, a.y + r * a.n + n1, 0.0f);
   const int64_t step = std::max<int64_t>(16, kPanelBytes / std::max<int64_t>(a.k, 1) / 16 * 16);
@@ -165,7 +211,7 @@ inline void ProductNk(const ProductState& s, int64_t n0, int64_t n1) {
         int32_t out[MR][16];
         PanelTile<MR>(s.xs.data() + row * s.ks, s.ks, panel, pair, 0, panel.k4, out);
         const int64_t c = c0 + 16 * pair, cols = std::min<int64_t>(16, c1 - c);
-        for (int r = 0; r < MR; ++r) {
+        for (int r = 0; r < MR && row + r < s.rows; ++r) {
           float* y = a.y + ((row + r) / s.parts) * a.n + c;
           const float sx = s.sx[row + r];
           for (int64_t j = 0; j < cols; ++j)
@@ -181,9 +227,10 @@ inline void ProductNk(const ProductState& s, int64_t n0, int64_t n1) {
 // its chunk), the integer sums carried across the blocks in int32 (exact),
 // then scaled (the weights' scales folded into x already)
 inline void ProductKn(const ProductState& s, int64_t n0, int64_t n1) {
+  const typename I::Scope tiles;
   const ProductArgs& a = s.a;
-  const int64_t width = n1 - n0;
-  const int64_t block = std::max<int64_t>(4, kPanelBytes / width / 4 * 4);
+  const int64_t width = n1 - n0, unit = 4 * I::kStepAlign;
+  const int64_t block = std::max<int64_t>(unit, kPanelBytes / width / unit * unit);
   std::vector<int32_t> sums(s.rows * width, 0);
   Panel8 panel;
   for (int64_t k0 = 0; k0 < a.k; k0 += block) {
@@ -195,7 +242,7 @@ inline void ProductKn(const ProductState& s, int64_t n0, int64_t n1) {
         int32_t out[MR][16];
         PanelTile<MR>(s.xs.data() + row * s.ks + k0, s.ks, panel, pair, 0, panel.k4, out);
         const int64_t cols = std::min<int64_t>(16, width - 16 * pair);
-        for (int r = 0; r < MR; ++r)
+        for (int r = 0; r < MR && row + r < s.rows; ++r)
           for (int64_t j = 0; j < cols; ++j)
             sums[(row + r) * width + 16 * pair + j] += out[r][j];
       }
@@ -346,6 +393,13 @@ inline void KnDotProduct(Pool& pool, int64_t threads, std::shared_ptr<ProductSta
     }
 }
 
+// whether ProductT runs a GEMM on panels (else the dot paths): from gemm_rows
+// int8 rows for nk, past kn_dot_rows for kn
+inline bool UsesGemm(const ProductArgs& a) {
+  const int64_t rows = (a.int8 ? 1 : a.t.split) * a.m;
+  return a.kn ? rows > a.t.kn_dot_rows : rows >= a.t.gemm_rows;
+}
+
 template <class V>
 void ProductT(Pool& pool, const ProductArgs& args) {
   if (args.m == 0 || args.n == 0) return;
@@ -358,9 +412,10 @@ void ProductT(Pool& pool, const ProductArgs& args) {
   const ProductArgs& a = s->a;
   s->parts = a.int8 ? 1 : a.t.split;
   s->rows = s->parts * a.m;
-  // rows padded with zeros to 32 bytes (the dot paths read 32 at a time)
-  s->ks = (a.k + 31) / 32 * 32;
-  s->xs.assign(s->rows * s->ks, 0);
+  // rows padded with zeros to 32 bytes (the dot paths read 32 at a time) or
+  // to the panels' steps; whole tiles' rows past the last are zeros
+  s->ks = RoundUp(a.k, std::max<int64_t>(32, 4 * I::kStepAlign));
+  s->xs.assign(AllocatedRows(s->rows) * s->ks, 0);
   s->sx.resize(s->rows);
   const float* fold = a.kn ? a.scale : nullptr;  // kn: v = x * scale
   if (a.int8) {
@@ -373,17 +428,17 @@ void ProductT(Pool& pool, const ProductArgs& args) {
   }
   // a few rows stream their weights from memory, which two threads read
   // faster than one from a quarter of the work on (as tiles_avx512.cc)
-  const int64_t work = s->rows * a.k * a.n * (s->rows <= kMR ? 4 : 1);
+  const int64_t work = s->rows * a.k * a.n * (s->rows <= kFewRows ? 4 : 1);
   const int64_t threads = Threads(pool, work);
   // the thresholds the AVX-512 tiles use, in the same sense
-  if (a.kn && s->rows <= a.t.kn_dot_rows)
-    return KnDotProduct(pool, threads, s);
+  const bool gemm = UsesGemm(a);
+  if (a.kn && !gemm) return KnDotProduct(pool, threads, s);
   const ProductState* p = s.get();
   Parallel(pool, a.n, ChunkSize(a.n, threads, 4), threads,
-           [p](int64_t n0, int64_t n1) {
+           [p, gemm](int64_t n0, int64_t n1) {
              if (p->a.kn)
                ProductKn(*p, n0, n1);
-             else if (p->rows < p->a.t.gemm_rows)
+             else if (!gemm)
                NkDotRows(*p, n0, n1);
              else
                ProductNk(*p, n0, n1);
@@ -403,7 +458,7 @@ struct Int4Panel {
 inline void PackInt4(const Int4Args& a, int64_t n0, int64_t n1, Int4Panel& panel) {
   Panel8& p = panel.p;
   const int64_t half = a.k / 2, groups = a.k / a.group;
-  p.k4 = a.k / 4;
+  p.k4 = a.k / 4;  // a multiple of the group's steps (providers align groups)
   p.blocks = ((n1 - n0 + 15) / 16) * 2;
   p.w.assign(p.blocks * p.k4 * 32, 0);
   panel.groups = groups;
@@ -412,7 +467,7 @@ inline void PackInt4(const Int4Args& a, int64_t n0, int64_t n1, Int4Panel& panel
   alignas(32) int8_t rows[8][32];
   for (int64_t b = 0; b * 8 < n1 - n0; ++b) {
     const int64_t c0 = n0 + 8 * b, lanes = std::min<int64_t>(8, n1 - c0);
-    int8_t* dst = p.w.data() + b * p.k4 * 32;
+    int8_t* dst = p.Block(b);
     for (int64_t i = 0; i < a.k; i += 32) {  // k is a multiple of the group, of 32
       for (int64_t c = 0; c < 8; ++c) {
         if (c < lanes)
@@ -420,7 +475,7 @@ inline void PackInt4(const Int4Args& a, int64_t n0, int64_t n1, Int4Panel& panel
         else
           std::memset(rows[c], 0, 32);
       }
-      I::PackNk8(&rows[0][0], 32, 32, dst + (i / 4) * 32);
+      I::PackNk8(&rows[0][0], 32, 32, dst + (i / 4) * kStepBytes, kStepBytes);
     }
     for (int64_t g = 0; g < groups; ++g)
       for (int64_t c = 0; c < lanes; ++c)
@@ -436,6 +491,7 @@ struct Int4State {
 };
 
 inline void Int4Chunk(const Int4State& s, int64_t n0, int64_t n1) {
+  const typename I::Scope tiles;
   const Int4Args& a = s.a;
   for (int64_t r = 0; r < a.m; ++r) std::fill(a.y + r * a.n + n0, a.y + r * a.n + n1, 0.0f);
   // packed int4 weights take half the bytes of int8: panels of 2 kPanelBytes
@@ -462,7 +518,7 @@ inline void Int4Chunk(const Int4State& s, int64_t n0, int64_t n1) {
             }
         }
         const int64_t c = c0 + 16 * pair, cols = std::min<int64_t>(16, c1 - c);
-        for (int r = 0; r < MR; ++r) {
+        for (int r = 0; r < MR && row + r < s.rows; ++r) {
           float* y = a.y + ((row + r) / s.parts) * a.n + c;
           for (int64_t j = 0; j < cols; ++j) y[j] += f[r][j] * s.sx[row + r];
         }
@@ -543,7 +599,7 @@ void ProductInt4T(Pool& pool, const Int4Args& args) {
   const Int4Args& a = s->a;
   s->parts = a.int8 ? 1 : a.t.split;
   s->rows = s->parts * a.m;
-  s->xs.assign(s->rows * a.k, 0);
+  s->xs.assign(AllocatedRows(s->rows) * a.k, 0);
   s->sx.resize(s->rows);
   if (a.int8) {
     for (int64_t r = 0; r < a.m; ++r)
@@ -555,7 +611,7 @@ void ProductInt4T(Pool& pool, const Int4Args& args) {
   }
   const bool gemm = a.m >= a.t.int4_gemm_rows;
   if (!gemm) PermuteEvenOdd(s->xs);  // k: a multiple of 32
-  const int64_t work = s->rows * a.k * a.n * (s->rows <= kMR ? 4 : 1);
+  const int64_t work = s->rows * a.k * a.n * (s->rows <= kFewRows ? 4 : 1);
   const int64_t threads = Threads(pool, work);
   const Int4State* p = s.get();
   Parallel(pool, a.n, ChunkSize(a.n, threads, 4), threads,
@@ -609,7 +665,7 @@ inline void ConvTile(const ConvState& c, int64_t e, int64_t o0, int64_t o1, int6
         const int64_t p1 = o1 * g.stride[1] + i1 * g.dilation[1];
         const int64_t p2 = o2 * g.stride[2] + i2 * g.dilation[2];
         const int8_t* x = xe + ((p0 * g.padded[1] + p1) * g.padded[2] + p2) * c.cpad;
-        DotSteps<MR>(acc, x, row_step, w0 + step * 32, w1 + step * 32, c4);
+        DotSteps<MR>(acc, x, row_step, w0 + step * kStepBytes, w1 + step * kStepBytes, c4);
         step += c4;
       }
   StoreAcc<MR>(acc, out);

@@ -75,6 +75,11 @@ struct VecNeon {
 // compiler vectorizes what it can; it runs once per panel)
 struct I8Dotprod {
   static constexpr bool kPairs = false;
+  // gemm.h's GEMM tiles: 4 rows in registers, any K
+  static constexpr int kTileRows = 4;
+  static constexpr bool kWholeTiles = false, kOwnTile = false;
+  static constexpr int64_t kStepAlign = 1;
+  struct Scope {};
   using Acc = int32x4x2_t;
   struct W {
     int8x16_t lo, hi;  // channels 0-3 and 4-7, four k each
@@ -110,9 +115,9 @@ struct I8Dotprod {
     const int8x16_t table = {0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1};
     return {vqtbl1q_s8(table, vandq_u8(b, vdupq_n_u8(0x0F))), vqtbl1q_s8(table, vshrq_n_u8(b, 4))};
   }
-  static void PackNk8(const int8_t* rows, int64_t ld, int64_t k, int8_t* dst) {
+  static void PackNk8(const int8_t* rows, int64_t ld, int64_t k, int8_t* dst, int64_t stride) {
     for (int64_t g = 0; g < k / 4; ++g)
-      for (int c = 0; c < 8; ++c) std::memcpy(dst + g * 32 + 4 * c, rows + c * ld + 4 * g, 4);
+      for (int c = 0; c < 8; ++c) std::memcpy(dst + g * stride + 4 * c, rows + c * ld + 4 * g, 4);
   }
   static void KnQuads(const int8_t* const* r, int64_t j, int8_t (*out)[32]) {
     for (int col = 0; col < 32; ++col)
@@ -169,9 +174,9 @@ struct I8Mmla : dotprod::I8Dotprod {
         const int8_t* blocks[2] = {w0, w1};
         for (int b = 0; b < 2; ++b) {
           for (int h = 0; h < 2; ++h) {  // channels 4h .. 4h + 3
-            const int32x4_t s0 = vreinterpretq_s32_s8(vld1q_s8(blocks[b] + g * 32 + 16 * h));
+            const int32x4_t s0 = vreinterpretq_s32_s8(vld1q_s8(blocks[b] + g * kStepBytes + 16 * h));
             const int32x4_t s1 =
-                two ? vreinterpretq_s32_s8(vld1q_s8(blocks[b] + (g + 1) * 32 + 16 * h))
+                two ? vreinterpretq_s32_s8(vld1q_s8(blocks[b] + (g + 1) * kStepBytes + 16 * h))
                     : vdupq_n_s32(0);
             const int8x16_t c01 = vreinterpretq_s8_s32(vzip1q_s32(s0, s1));
             const int8x16_t c23 = vreinterpretq_s8_s32(vzip2q_s32(s0, s1));
