@@ -15,6 +15,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <new>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -124,6 +125,24 @@ struct Isa {
   // 128), any of them null: the row quantizer the tiles use (tests)
   float (*quantize_row)(const float* x, const float* fold, int64_t k, float* levels,
                         int8_t* s8, uint8_t* u8);
+};
+
+// std::vector's allocator on 64-byte boundaries: a panel's steps (kStepBytes)
+// then each sit in one cache line
+template <class T>
+struct CacheAligned {
+  using value_type = T;
+  CacheAligned() = default;
+  template <class U>
+  CacheAligned(const CacheAligned<U>&) {}
+  T* allocate(size_t n) {
+    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64)));
+  }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <class U>
+  bool operator==(const CacheAligned<U>&) const { return true; }
+  template <class U>
+  bool operator!=(const CacheAligned<U>&) const { return false; }
 };
 
 // Chunks are claimed from a shared counter by the calling thread and by the

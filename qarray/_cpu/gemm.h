@@ -39,7 +39,7 @@
 // DotSteps').
 
 struct Panel8 {
-  std::vector<int8_t> w;  // pairs x k4 steps x kStepBytes (two blocks' 32 bytes)
+  std::vector<int8_t, CacheAligned<int8_t>> w;  // pairs x k4 steps x kStepBytes
   int64_t k4 = 0, blocks = 0;
   // block b's first step; its steps are kStepBytes apart
   const int8_t* Block(int64_t b) const {
