@@ -8,7 +8,7 @@ PORT ?= 8000
 HOST ?= 127.0.0.1
 SCRATCH ?= $(or $(TMPDIR),/tmp)/qarray-serve
 
-.PHONY: test-kernels test-kernels-arm test-kernels-avx512-emulated
+.PHONY: test-kernels test-kernels-arm test-kernels-avx512-emulated test-kernels-amx-emulated
 .PHONY: setup test test-fast image test-image lint serve bench bench-peers soak test-compat clean docs browser gpu-check
 
 setup: $(STAMP)
@@ -49,6 +49,9 @@ test-kernels-arm:
 # the AVX-512 tiles through SIMDe over AVX2 (native runs it on CPUs without AVX-512)
 test-kernels-avx512-emulated:
 	scripts/test_kernels.sh avx512-emulated
+# the AMX tiles over a scalar emulation of AMX (native runs it on CPUs without AMX)
+test-kernels-amx-emulated:
+	scripts/test_kernels.sh amx-emulated
 
 # the inner loop (about a minute on 2 cores): the numerics, the batcher and
 # the resident Tesseract in-process, settings, the upstream workarounds and

@@ -252,6 +252,7 @@ INT4_KERNEL_MAX_ROWS = {"float32": 256, "int8": 4096}
 # 256-bit tiles (AVX2, NEON) stay ahead to 8 int8 rows (W4A8: 8 rows,
 # weight-only: 3, its three parts a row). docs/kernels.md has the timings.
 INT4_GEMM_ROWS = {
+    "amx": {"float32": 2, "int8": 2},  # below it, AVX-512's tiles run
     "avx512": {"float32": 2, "int8": 2},
     "other": {"float32": 3, "int8": 8},
 }

@@ -7,7 +7,7 @@
 #
 #   scripts/build_kernels.sh PYTHON
 #
-# x86-64: tiles_avx512.cc and tiles_avx2.cc; aarch64: tiles_neon.cc (dotprod
+# x86-64: tiles_amx.cc, tiles_avx512.cc and tiles_avx2.cc; aarch64: tiles_neon.cc (dotprod
 # and i8mm). Each tile file sets its own instruction set with a target pragma
 # placed after the shared headers, rather than -m flags on the command line:
 # -mavx512f on a whole file would also compile the inline functions and
@@ -30,7 +30,7 @@ if ! command -v "$cxx" >/dev/null 2>&1; then
     exit 0
 fi
 case $("$cxx" -dumpmachine) in
-x86_64*) tiles="tiles_avx512.cc tiles_avx2.cc" ;;
+x86_64*) tiles="tiles_amx.cc tiles_avx512.cc tiles_avx2.cc" ;;
 aarch64*) tiles="tiles_neon.cc" ;;
 *)
     echo "build_kernels: no tiles for $("$cxx" -dumpmachine): qarray will use its XLA formulations" >&2

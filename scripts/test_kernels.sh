@@ -10,6 +10,12 @@
 #   scripts/test_kernels.sh arm      the aarch64 tiles, cross-built with
 #                                    aarch64-linux-gnu-g++ and run under
 #                                    qemu-aarch64 -cpu max (dotprod, then i8mm)
+#   scripts/test_kernels.sh amx-emulated
+#                                    the AMX tiles over a scalar emulation of
+#                                    their intrinsics (qarray/_cpu/tests/
+#                                    amx_emulation.h, -DQARRAY_EMULATE_AMX);
+#                                    native runs this itself where the CPU has
+#                                    no AMX
 #   scripts/test_kernels.sh avx512-emulated
 #                                    the AVX-512 tiles on an x86-64 CPU without
 #                                    AVX-512: their intrinsics from SIMDe over AVX2
@@ -65,7 +71,7 @@ all)
 native)
     cxx=${CXX:-g++}
     case $("$cxx" -dumpmachine) in
-    x86_64*) tiles="$src/tiles_avx512.cc $src/tiles_avx2.cc" ;;
+    x86_64*) tiles="$src/tiles_amx.cc $src/tiles_avx512.cc $src/tiles_avx2.cc" ;;
     aarch64*) tiles="$src/tiles_neon.cc" ;;
     *) echo "test_kernels: no tiles for $("$cxx" -dumpmachine)"; exit 0 ;;
     esac
@@ -80,11 +86,32 @@ native)
         echo "test_kernels: QARRAY_CPU_ISA=$isa build/kernels_test"
         QARRAY_CPU_ISA=$isa build/kernels_test
     done
-    # x86-64 without AVX-512: its tiles through SIMDe instead (with it they ran above)
+    # x86-64 without AVX-512: its tiles through SIMDe instead (with it they ran
+    # above); without AMX (most machines): its tiles through the emulation
     case "$tiles $isas" in
     *tiles_avx512.cc*avx512*) ;;
     *tiles_avx512.cc*) sh scripts/test_kernels.sh avx512-emulated ;;
     esac
+    case "$tiles $isas" in
+    *tiles_amx.cc*amx*) ;;
+    *tiles_amx.cc*) sh scripts/test_kernels.sh amx-emulated ;;
+    esac
+    ;;
+amx-emulated)
+    cxx=${CXX:-g++}
+    case $("$cxx" -dumpmachine) in
+    x86_64*) ;;
+    *) echo "test_kernels: the AMX tiles are x86-64's, not $("$cxx" -dumpmachine)'s"; exit 0 ;;
+    esac
+    # shellcheck disable=SC2086
+    "$cxx" $common -DQARRAY_EMULATE_AMX $src/tiles_amx.cc $src/tiles_avx512.cc \
+        $src/tiles_avx2.cc -o build/kernels_test_amx_emulated
+    if ! build/kernels_test_amx_emulated --list | grep -qx amx; then
+        echo "test_kernels: SKIPPED the emulated AMX tiles: they take gemm.h's AVX2 paths, and this CPU lacks AVX2"
+        exit 0
+    fi
+    echo "test_kernels: QARRAY_CPU_ISA=amx build/kernels_test_amx_emulated (tests/amx_emulation.h; what the tiles leave: $(build/kernels_test_amx_emulated --list | sed -n 2p))"
+    QARRAY_CPU_ISA=amx build/kernels_test_amx_emulated
     ;;
 avx512-emulated)
     cxx=${CXX:-g++}
@@ -99,7 +126,7 @@ avx512-emulated)
     fi
     # shellcheck disable=SC2086
     "$cxx" $common -mavx2 -mfma -Wno-psabi -DQARRAY_EMULATE_AVX512 \
-        $src/tiles_avx512.cc $src/tiles_avx2.cc -o build/kernels_test_avx512_emulated
+        $src/tiles_amx.cc $src/tiles_avx512.cc $src/tiles_avx2.cc -o build/kernels_test_avx512_emulated
     if ! build/kernels_test_avx512_emulated --list 2>/dev/null | grep -qx avx512; then
         echo "test_kernels: SKIPPED the emulated AVX-512 tiles: SIMDe's build needs AVX2 and FMA"
         exit 0

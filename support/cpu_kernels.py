@@ -27,6 +27,9 @@ def best_isa() -> str | None:
     the kernel's own report of the CPU's features."""
     flags = cpu_flags()
     if platform.machine() in ("x86_64", "AMD64"):
+        # AMX also needs Linux's permission (5.16 and later give it)
+        if {"avx2", "fma", "amx_tile", "amx_int8"} <= flags:
+            return "amx"
         if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
             return "avx512"
         return "avx2" if {"avx2", "fma"} <= flags else None

@@ -196,5 +196,8 @@ inline int64_t Threads(const Pool& pool, int64_t work) {
 const Isa* Active();  // the one in use (nullptr: none runs here)
 const char* ActiveReason();  // why none runs, when Active() is null
 const Isa* Find(const char* name);  // by name, if built and this CPU has it
+// the one after `name` among this CPU's (what an instruction set's tiles leave
+// to the next: amx's to avx512's), nullptr after the last
+const Isa* Below(const char* name);
 
 }  // namespace qarray::cpu

@@ -1,7 +1,8 @@
 // The one dispatch point: which instruction set's tiles run, chosen once, at
 // the first call, from the CPU's features (x86: cpuid; aarch64: the kernel's
 // hwcaps) and QARRAY_CPU_ISA, which may force a lower one than the best
-// (tests and benchmarks): avx512 | avx2 on x86-64, i8mm | dotprod on aarch64.
+// (tests and benchmarks): amx | avx512 | avx2 on x86-64, i8mm | dotprod on
+// aarch64.
 #include <cstdlib>
 #include <string>
 
@@ -9,6 +10,8 @@
 
 #if defined(__x86_64__)
 #include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #elif defined(__aarch64__)
 #include <sys/auxv.h>
 #ifndef HWCAP_ASIMDDP
@@ -22,7 +25,7 @@
 namespace qarray::cpu {
 
 #if defined(__x86_64__)
-extern const Isa kAvx512, kAvx2, kAvx2Vnni;
+extern const Isa kAmx, kAvx512, kAvx2, kAvx2Vnni;
 #elif defined(__aarch64__)
 extern const Isa kI8mm, kDotprod;
 #endif
@@ -40,6 +43,21 @@ bool HasAvxVnni() {  // cpuid leaf 7, subleaf 1: EAX bit 4
   if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
   return (a >> 4) & 1;
 }
+
+// AMX-TILE and AMX-INT8 (cpuid leaf 7, subleaf 0: EDX bits 24 and 25), and
+// Linux's permission to use the tile data (asked once for the process:
+// arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); a kernel before 5.16,
+// or one that refuses, leaves the tiles off)
+bool AmxPermitted() {
+  static const bool permitted = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!((d >> 24) & 1) || !((d >> 25) & 1)) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
 #endif
 
 // the instruction sets this CPU runs, best first
@@ -48,6 +66,13 @@ std::vector<const Isa*> Supported() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#ifdef QARRAY_EMULATE_AMX
+  // test builds only (scripts/test_kernels.sh amx-emulated): the AMX tiles
+  // over tests/amx_emulation.h's intrinsics, wherever AVX2 runs
+  if (avx2) out.push_back(&kAmx);
+#else
+  if (avx2 && AmxPermitted()) out.push_back(&kAmx);
+#endif
 #ifdef QARRAY_EMULATE_AVX512
   // test builds only (make test-kernels-avx512-emulated): the AVX-512 tiles are
   // compiled over SIMDe's emulation on AVX2, so they run wherever AVX2 does
@@ -111,10 +136,17 @@ const Isa* Find(const char* name) {
   return nullptr;
 }
 
+const Isa* Below(const char* name) {
+  const std::vector<const Isa*> supported = Supported();
+  for (size_t i = 0; i + 1 < supported.size(); ++i)
+    if (std::string(name) == supported[i]->name) return supported[i + 1];
+  return nullptr;
+}
+
 }  // namespace qarray::cpu
 
-// For qarray/_ffi.py (ctypes): the instruction set in use ("avx512", "avx2",
-// "i8mm", "dotprod"), or null with qarray_cpu_reason() saying why none runs
+// For qarray/_ffi.py (ctypes): the instruction set in use ("amx", "avx512",
+// "avx2", "i8mm", "dotprod"), or null with qarray_cpu_reason() saying why none runs
 extern "C" __attribute__((visibility("default"))) const char* qarray_cpu_isa() {
   const qarray::cpu::Isa* isa = qarray::cpu::Active();
   return isa ? isa->name : nullptr;
