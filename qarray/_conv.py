@@ -34,16 +34,16 @@ from jax.experimental.hijax import (
 
 from . import _ffi, _kernels, _numerics
 from ._ops import (
-    _explicit_spec,
-    _product_rule,
-    _require_float32,
-    _require_qarray,
-    _sum_to_type,
-    _union_mat,
     check_activations,
-    dequantize,
+    explicit_spec,
+    product_rule,
+    require_float32,
+    require_qarray,
+    sum_to_type,
     type_str,
+    union_mat,
 )
+from ._primitives import dequantize
 from ._qarray import FLOAT32, full_spec, with_spec
 
 PADDINGS = ("VALID", "SAME", "SAME_LOWER")
@@ -150,8 +150,8 @@ class ConvQ(HiPrim):
         )
         (groups,) = _positive_ints("feature_group_count", feature_group_count, 1)
         check_activations("conv_q", activations)
-        _require_float32("conv_q", "x", x_aval, min_rank=1)
-        _require_qarray("conv_q", "qw", qw_aval)
+        require_float32("conv_q", "x", x_aval, min_rank=1)
+        require_qarray("conv_q", "qw", qw_aval)
         operands = f"x: {type_str(x_aval)}, qw: {type_str(qw_aval)}"
         if qw_aval.bits == 4 and activations != "float32":
             raise TypeError(
@@ -216,7 +216,7 @@ class ConvQ(HiPrim):
             (*x_aval.shape[: len(batch_spec)], out_channels, *out_spatial),
             FLOAT32,
             sharding=with_spec(sharding, out_spec),
-            manual_axis_type=_union_mat(x_aval.manual_axis_type, qw_aval.mat),
+            manual_axis_type=union_mat(x_aval.manual_axis_type, qw_aval.mat),
         )
         self.params = {
             "kernel_size": ks,
@@ -240,7 +240,7 @@ class ConvQ(HiPrim):
         ``preferred`` (default: the operands' dtype); ``explicit``: give the
         output sharding of explicit mode (False inside ``auto_axes``)."""
         batched = x.ndim == len(self.kernel_size) + 2
-        out_sharding = _explicit_spec(self.out_aval) if batched and explicit else None
+        out_sharding = explicit_spec(self.out_aval) if batched and explicit else None
         out = lax.conv_general_dilated(
             x if batched else x[None],
             w,
@@ -338,7 +338,7 @@ class ConvQ(HiPrim):
     # first term is the weight-only conv_q whatever the activations
     def jvp(self, primals, tangents):
         (x, qw), (tx, tw) = primals, tangents
-        return self(x, qw), _product_rule(
+        return self(x, qw), product_rule(
             self.out_aval,
             (tx, lambda t: conv_q(t, qw, **self._static)),
             (tw, lambda t: self._conv(x, self._dense_w(t))),
@@ -368,7 +368,7 @@ class ConvQ(HiPrim):
             manual_axis_type=x_aval.manual_axis_type,
         )
         (ct_x,) = jax.linear_transpose(lambda t: self._conv(t, w), like)(g)
-        return _sum_to_type(ct_x, x_aval)
+        return sum_to_type(ct_x, x_aval)
 
     def _ct_w(self, x, g):
         """``g`` pulled back to the weights, laid out (and typed) like qw."""
@@ -380,14 +380,14 @@ class ConvQ(HiPrim):
             (ct_w,) = jax.linear_transpose(conv, like)(g)
             return ct_w.reshape(w_aval.shape)
 
-        if _explicit_spec(self.in_avals[0]) is None:
-            return _sum_to_type(pull(x, g), w_aval)
+        if explicit_spec(self.in_avals[0]) is None:
+            return sum_to_type(pull(x, g), w_aval)
         # a sum over x's sharded batch axis, whose result sharding explicit
         # mode cannot infer (lax's transpose rule takes no out_sharding): let
         # the partitioner place it, then as the weights are
         return jax.sharding.auto_axes(
             lambda x, g: pull(x, g, explicit=False),
-            out_sharding=_explicit_spec(w_aval),
+            out_sharding=explicit_spec(w_aval),
         )(x, g)
 
     # linear in x: what jax.linear_transpose (and reverse mode over a

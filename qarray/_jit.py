@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from ._ops import pack, unpack
+from ._primitives import pack, unpack
 from ._qarray import UINT8, QArray, QArrayTy
 
 

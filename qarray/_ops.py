@@ -1,13 +1,12 @@
-"""The QArray primitives: quantize, dequantize, matmul_q and linear_q.
+"""The vocabulary of QArray operations and the rules their primitives share.
 
-Each primitive computes its output type (shape, sharding, varying manual axes)
-in ``__init__``, which is where operand errors surface: at trace time. The
-implementation lives in ``expand``; every other rule is traced code and reaches
-QArray contents only through primitives.
-
-Gradients are straight-through: quantize and dequantize are the identity for
-tangents and cotangents; matmul_q differentiates like ``x @ dequantize(qw)``
-and linear_q like ``x @ dequantize(qw).T``.
+The names layers, model files and the Tesseract contract use (what a product
+may do with its activations, a layer's precisions and layouts, the int4
+group size), the trace-time checks every primitive makes (TypeError for
+operands, ValueError for static parameters), and the pieces of their AD,
+batching and sharding rules: the primitives themselves are ``_primitives``
+(quantize, dequantize, pack, unpack, matmul_q, linear_q) and ``_conv``
+(conv_q).
 """
 
 from __future__ import annotations
@@ -16,25 +15,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.hijax import (
-    GradAccum,
-    HiPrim,
     ShapedArray,
     Zero,
-    instantiate_zeros,
-    linearize_from_jvp,
 )
 from jax.sharding import AxisType
 
-from . import _kernels, _numerics
 from ._qarray import (
     FLOAT32,
-    INT8,
-    UINT8,
-    QArray,
-    QArraySpec,
     QArrayTy,
     full_spec,
-    with_spec,
 )
 
 # what a product may do with its activations: keep them (weight-only) or
@@ -68,7 +57,7 @@ def type_str(aval) -> str:
     return repr(aval)
 
 
-def _require_float32(name: str, what: str, aval, min_rank: int) -> None:
+def require_float32(name: str, what: str, aval, min_rank: int) -> None:
     if not isinstance(aval, ShapedArray) or aval.dtype != FLOAT32:
         raise TypeError(
             f"{name} requires {what} to be a float32 array, got {type_str(aval)}."
@@ -79,7 +68,7 @@ def _require_float32(name: str, what: str, aval, min_rank: int) -> None:
         )
 
 
-def _require_qarray(name: str, what: str, aval) -> None:
+def require_qarray(name: str, what: str, aval) -> None:
     if not isinstance(aval, QArrayTy):
         raise TypeError(
             f"{name} requires {what} to be a QArray (q8 or q4), got {type_str(aval)}."
@@ -90,7 +79,7 @@ BITS = (8, 4)
 DEFAULT_GROUP_SIZE = 128  # int4: entries of a row per scale, GPTQ's and torchao's
 
 
-def _check_bits(name: str, bits, group_size) -> int | None:
+def check_bits(name: str, bits, group_size) -> int | None:
     """The group size for ``bits`` (int4: ``group_size`` or the default, a
     positive even int; int8: none), or a ValueError naming the parameter."""
     if bits not in BITS:
@@ -116,14 +105,14 @@ def _check_bits(name: str, bits, group_size) -> int | None:
     return group_size
 
 
-def _union_mat(a, b):
+def union_mat(a, b):
     """Manual-axis type varying over the axes of both ``a`` and ``b``."""
     if b.varying <= a.varying:
         return a
     return a.update(varying=a.varying | b.varying)
 
 
-def _explicit_spec(aval):
+def explicit_spec(aval):
     """``aval``'s partition spec if its mesh has explicit axes, else None.
 
     Passed as ``out_sharding`` to contractions whose result sharding explicit
@@ -135,7 +124,7 @@ def _explicit_spec(aval):
     return None
 
 
-def _sum_to_type(ct, aval):
+def sum_to_type(ct, aval):
     """Sum ``ct`` over the manual axes it varies over but ``aval`` does not.
 
     In the forward pass JAX broadcast the invariant operand across those axes
@@ -151,7 +140,7 @@ def _sum_to_type(ct, aval):
     return lax.psum(ct, ordered)
 
 
-def _product_rule(out_aval, *terms):
+def product_rule(out_aval, *terms):
     """The tangent sum of ``fn(tangent)`` over ``(tangent, fn)`` terms, skipping
     symbolic zeros; a symbolic zero of ``out_aval``'s tangent type if all are."""
     parts = [fn(t) for t, fn in terms if not isinstance(t, Zero)]
@@ -160,542 +149,24 @@ def _product_rule(out_aval, *terms):
     return sum(parts[1:], parts[0])
 
 
-def _contract_leading(a, b, target_aval):
+def contract_leading(a, b, target_aval):
     """a[..., k] . b[..., n] over all leading axes -> [k, n] (an outer product
     for vectors), typed and placed like ``target_aval``."""
     lead = tuple(range(a.ndim - 1))
     out = lax.dot_general(
-        a, b, ((lead, lead), ((), ())), out_sharding=_explicit_spec(target_aval)
+        a, b, ((lead, lead), ((), ())), out_sharding=explicit_spec(target_aval)
     )
-    return _sum_to_type(out, target_aval)
+    return sum_to_type(out, target_aval)
 
 
-def _same_tangent(tangent, out_aval):
+def same_tangent(tangent, out_aval):
     """A straight-through tangent, re-typed as ``out_aval``'s tangent."""
     if isinstance(tangent, Zero):
         return Zero(out_aval.to_tangent_aval())
     return tangent
 
 
-class Quantize(HiPrim):
-    """f32[..., n] -> q8[..., n]: symmetric per-row absmax int8 quantization;
-    with ``bits=4``, -> q4[..., n]: int4 per group of ``group_size``, packed."""
-
-    def __init__(self, x_aval, bits=8, group_size=None):
-        group_size = _check_bits("quantize", bits, group_size)
-        _require_float32("quantize", "x", x_aval, min_rank=1)
-        if bits == 4:
-            n = x_aval.shape[-1]
-            if n % group_size:
-                raise TypeError(
-                    f"quantize with bits=4 requires the last axis to be a multiple "
-                    f"of group_size={group_size}, got {type_str(x_aval)}."
-                )
-            if full_spec(x_aval.sharding, x_aval.ndim)[-1] is not None:
-                raise TypeError(
-                    "quantize with bits=4 requires an unsharded last axis (its "
-                    f"groups), got {type_str(x_aval)}."
-                )
-        self.in_avals = (x_aval,)
-        self.out_aval = QArrayTy.like(x_aval, bits=bits, group_size=group_size)
-        self.params = {"bits": bits, "group_size": group_size}
-        super().__init__()
-
-    def expand(self, x):
-        if self.bits == 4:
-            return QArray(*_numerics.quantize_groups(x, self.group_size))
-        return QArray(*_kernels.quantize(x))
-
-    # straight-through estimator: the identity for tangents and cotangents
-    def jvp(self, primals, tangents):
-        (x,), (tx,) = primals, tangents
-        return self(x), _same_tangent(tx, self.out_aval)
-
-    lin, linearized = linearize_from_jvp
-
-    def vjp_fwd(self, nzs_in, x):
-        return self(x), None
-
-    def vjp_bwd_retval(self, _res, g):
-        return (instantiate_zeros(g),)
-
-    def batch(self, axis_data, args, dims):
-        (x,), (d,) = args, dims
-        if d is None:
-            return self(x), None
-        # per-row quantization acts on the last axis of each element, which
-        # stays last once the batch axis is moved to the front
-        moved = jnp.moveaxis(x, d, 0)
-        return quantize(moved, self.bits, self.group_size), QArraySpec()
-
-
-class Dequantize(HiPrim):
-    """q8[..., n] -> f32[..., n]: ``qvalue * scale[..., None]``."""
-
-    def __init__(self, q_aval):
-        _require_qarray("dequantize", "q", q_aval)
-        self.in_avals = (q_aval,)
-        self.out_aval = q_aval.to_tangent_aval()
-        self.params = {}
-        super().__init__()
-
-    def expand(self, q):
-        if self.in_avals[0].bits == 4:
-            return _numerics.dequantize_groups(q.qvalue, q.scale)
-        return _numerics.dequantize_rows(q.qvalue, q.scale)
-
-    # straight-through estimator: the identity for tangents and cotangents
-    def jvp(self, primals, tangents):
-        (q,), (tq,) = primals, tangents
-        return self(q), _same_tangent(tq, self.out_aval)
-
-    lin, linearized = linearize_from_jvp
-
-    def vjp_fwd(self, nzs_in, q):
-        return self(q), None
-
-    def vjp_bwd_retval(self, _res, g):
-        return (instantiate_zeros(g),)
-
-    def batch(self, axis_data, args, dims):
-        (q,), (d,) = args, dims
-        if d is None:
-            return dequantize(q), None
-        return dequantize(q), 0
-
-
-class _QProduct(HiPrim):
-    """What matmul_q and linear_q share: f32 ``x[..., k]`` contracted with a
-    2-d QArray ``qw`` over x's last axis and qw's axis ``w_axis``; qw's other
-    axis gives the output's last.
-
-    ``activations="float32"`` (weight-only) keeps ``x`` at float32 precision;
-    ``activations="int8"`` quantizes it per row for an int8 x int8 product.
-    Either way the derivatives are those of the dense product with
-    ``W = dequantize(qw)`` (straight-through), in float32.
-
-    The two products are each other's transposes: the cotangent of ``x`` is
-    ``g`` contracted with qw's other axis, which is the other primitive's
-    weight-only product (``transposed``). So backward passes run on the int8
-    payload too, and every rule stays in terms of primitives (higher-order AD).
-    """
-
-    op_name: str  # the public name, for errors
-    w_axis: int  # qw's contracted axis
-    w_out: str  # what qw's other (output) axis is called in errors
-    operands_fmt: str  # how errors print the operands
-
-    def __init__(self, x_aval, qw_aval, activations="float32"):
-        name = self.op_name
-        check_activations(name, activations)
-        _require_float32(name, "x", x_aval, min_rank=1)
-        _require_qarray(name, "qw", qw_aval)
-        operands = self.operands_fmt.format(x=type_str(x_aval), qw=type_str(qw_aval))
-        if qw_aval.bits == 4:
-            if self.w_axis == 0:
-                raise TypeError(
-                    f"matmul_q does not take int4 weights (their groups run along "
-                    f'each stored row): store them (N, K), layout "nk", and use '
-                    f"linear_q, got {operands}."
-                )
-        if qw_aval.ndim != 2:
-            raise TypeError(f"{name} requires qw of rank 2, got {operands}.")
-        if x_aval.shape[-1] != qw_aval.shape[self.w_axis]:
-            raise TypeError(
-                f"{name} requires x.shape[-1] == qw.shape[{self.w_axis}], "
-                f"got {operands}."
-            )
-        x_spec = full_spec(x_aval.sharding, x_aval.ndim)
-        if x_spec[-1] is not None or qw_aval.spec[self.w_axis] is not None:
-            which = "first" if self.w_axis == 0 else "last"
-            raise TypeError(
-                f"{name} requires an unsharded contraction axis (x's last, qw's "
-                f"{which}), got {operands}."
-            )
-        out_spec = (*x_spec[:-1], qw_aval.spec[1 - self.w_axis])
-        named = [
-            n
-            for p in out_spec
-            if p is not None
-            for n in (p if isinstance(p, tuple) else (p,))
-        ]
-        if len(named) != len(set(named)):
-            raise TypeError(
-                f"{name} cannot shard x's rows and qw's {self.w_out} over the "
-                f"same mesh axis, got {operands}."
-            )
-        sharding = (
-            x_aval.sharding if x_aval.sharding.mesh.axis_names else qw_aval.sharding
-        )
-        self.in_avals = (x_aval, qw_aval)
-        self.out_aval = ShapedArray(
-            (*x_aval.shape[:-1], qw_aval.shape[1 - self.w_axis]),
-            FLOAT32,
-            sharding=with_spec(sharding, out_spec),
-            manual_axis_type=_union_mat(x_aval.manual_axis_type, qw_aval.mat),
-        )
-        self.params = {"activations": activations}
-        super().__init__()
-
-    @classmethod
-    def apply(cls, x, qw, activations="float32"):
-        """The product of ``x`` and ``qw`` with this primitive."""
-        return cls(jax.typeof(x), jax.typeof(qw), activations)(x, qw)
-
-    def transposed(self, g, qw):
-        """``g`` contracted with qw's output axis (the other primitive)."""
-        raise NotImplementedError
-
-    # d(x . W) = dx . W + x . dW, with W = dequantize(qw); dx . W is the
-    # weight-only product whatever the activations (straight-through, float32)
-    def jvp(self, primals, tangents):
-        (x, qw), (tx, tw) = primals, tangents
-        dims = (((x.ndim - 1,), (self.w_axis,)), ((), ()))
-        return self(x, qw), _product_rule(
-            self.out_aval,
-            (tx, lambda t: self.apply(t, qw)),
-            (
-                tw,
-                lambda t: lax.dot_general(
-                    x, t, dims, out_sharding=_explicit_spec(self.out_aval)
-                ),
-            ),
-        )
-
-    lin, linearized = linearize_from_jvp
-
-    def vjp_fwd(self, nzs_in, x, qw):
-        needs_x, needs_qw = nzs_in
-        # keep only what the wanted cotangents read: x's needs W, qw's needs x
-        return self(x, qw), (x if needs_qw else None, qw if needs_x else None)
-
-    def vjp_bwd_retval(self, res, g):
-        x, qw = res
-        g = instantiate_zeros(g)
-        ct_x = None if qw is None else self._ct_x(g, qw)
-        ct_qw = None
-        if x is not None:
-            # x^T g over all leading axes, laid out like qw. Cotangents live
-            # where primals live.
-            pair = (x, g) if self.w_axis == 0 else (g, x)
-            ct_qw = _contract_leading(*pair, self.in_avals[1].to_tangent_aval())
-        return ct_x, ct_qw
-
-    def _ct_x(self, g, qw):
-        """``g`` contracted with qw's output axis, typed like ``x``."""
-        x_aval, qw_aval = self.in_avals
-        unsharded = _explicit_spec(x_aval) is None and _explicit_spec(qw_aval) is None
-        if qw_aval.bits == 4 and unsharded:  # no int4 matmul_q: blocks of rows
-            ct_x = _int4_rows_product(g, qw)
-        elif qw_aval.bits == 4:
-            ct_x = lax.dot_general(
-                g,
-                dequantize(qw),
-                (((g.ndim - 1,), (1 - self.w_axis,)), ((), ())),
-                out_sharding=_explicit_spec(x_aval),
-            )
-        elif unsharded:
-            ct_x = self.transposed(g, qw)  # runs on the int8 payload
-        else:
-            # explicit sharding: the contraction (qw's output axis) may be
-            # sharded, and the cotangent lands where x lives
-            ct_x = lax.dot_general(
-                g,
-                dequantize(qw),
-                (((g.ndim - 1,), (1 - self.w_axis,)), ((), ())),
-                out_sharding=_explicit_spec(x_aval),
-            )
-        return _sum_to_type(ct_x, x_aval)
-
-    # linear in x: what jax.linear_transpose (and reverse mode over a
-    # linearized jvp, whose tangent products are these) needs
-    def transpose(self, ct, x, qw):
-        if self.activations != "float32":
-            raise TypeError(
-                f"{self.op_name} with activations={self.activations!r} is not "
-                "linear in x: transpose the weight-only product instead."
-            )
-        if isinstance(qw, GradAccum) or not isinstance(x, GradAccum):
-            raise NotImplementedError(
-                f"{self.op_name} transposes in x only, with qw known."
-            )
-        if not isinstance(ct, Zero):
-            x.accum(self._ct_x(ct, qw))
-
-    def batch(self, axis_data, args, dims):
-        (x, qw), (dx, dq) = args, dims
-        activations = self.activations
-        if dq is None:
-            if dx is None:
-                return self(x, qw), None
-            # x takes any number of leading axes
-            return self.apply(jnp.moveaxis(x, dx, 0), qw, activations), 0
-        # one weight matrix per example: loop over the stacked QArray, which
-        # keeps each example's exact numerics (and every rule) intact
-        if dx is None:
-            body = lambda _, q: (None, self.apply(x, q, activations))  # noqa: E731
-            xs = qw
-        else:
-            body = lambda _, xq: (None, self.apply(*xq, activations))  # noqa: E731
-            xs = (jnp.moveaxis(x, dx, 0), qw)
-        _, ys = lax.scan(body, None, xs, length=axis_data.size)
-        return ys, 0
-
-
-class MatmulQ(_QProduct):
-    """f32[..., k] @ q8[k, n] -> f32[..., n].
-
-    The per-row weight scales run along the contraction axis, so they fold
-    into ``x`` and the product runs against the int8 payload; with
-    ``activations="int8"`` the folded ``x * scale`` is quantized per row.
-    """
-
-    op_name, w_axis, w_out, operands_fmt = "matmul_q", 0, "columns", "{x} @ {qw}"
-
-    def expand(self, x, qw):
-        return _kernels.matmul(x, qw.qvalue, qw.scale, self.activations)
-
-    def transposed(self, g, qw):
-        # g[..., n] . W[k, n] over n: linear_q's product with qw read as (out, in)
-        return linear_q(g, qw)
-
-
-class LinearQ(_QProduct):
-    """f32[..., k] with q8[n, k] -> f32[..., n]: ``x @ dequantize(qw).T``.
-
-    Weights stored ``(out, in)`` (torch's ``F.linear``), one scale per output
-    channel: the scales factor out, ``y = (x @ qvalue.T) * scale``; with
-    ``activations="int8"``, ``y = int32(xq @ qvalue.T) * sx[:, None] * scale``.
-    """
-
-    op_name, w_axis, w_out, operands_fmt = "linear_q", 1, "rows", "{x} @ {qw}^T"
-
-    def expand(self, x, qw):
-        if self.in_avals[1].bits == 4:
-            return _kernels.linear_int4(x, qw.qvalue, qw.scale, self.activations)
-        return _kernels.linear(x, qw.qvalue, qw.scale, self.activations)
-
-    def transposed(self, g, qw):
-        # g[..., n] . W[n, k] over n: matmul_q's product with qw read as (in, out)
-        return matmul_q(g, qw)
-
-
-class Pack(HiPrim):
-    """(int8[..., n], f32[...]) -> q8[..., n]: a QArray from given parts.
-
-    The caller vouches for the invariants' values (qvalue in [-127, 127],
-    scale >= 0); shapes and dtypes are checked here. Differentiable in
-    ``scale`` (the represented array ``qvalue * scale`` is linear in it);
-    ``qvalue`` is integer and has no tangent.
-    """
-
-    def __init__(self, qvalue_aval, scale_aval, bits=8, group_size=None):
-        group_size = _check_bits("pack", bits, group_size)
-        got_q, got_s = type_str(qvalue_aval), type_str(scale_aval)
-        dtype = INT8 if bits == 8 else UINT8
-        what = "int8" if bits == 8 else "uint8 (two int4 values per byte)"
-        if not isinstance(qvalue_aval, ShapedArray) or qvalue_aval.dtype != dtype:
-            raise TypeError(f"pack requires qvalue to be a {what} array, got {got_q}.")
-        if qvalue_aval.ndim < 1:
-            raise TypeError(f"pack requires qvalue of rank >= 1, got {got_q}.")
-        if not isinstance(scale_aval, ShapedArray) or scale_aval.dtype != FLOAT32:
-            raise TypeError(f"pack requires scale to be a float32 array, got {got_s}.")
-        if bits == 8:
-            want, shape = qvalue_aval.shape[:-1], qvalue_aval.shape
-            expected = "qvalue.shape[:-1] (one scale per row)"
-        else:
-            *lead, half = qvalue_aval.shape
-            shape = (*lead, 2 * half)
-            if 2 * half % group_size:
-                raise TypeError(
-                    f"pack with bits=4 requires rows of a multiple of group_size="
-                    f"{group_size} values, got {got_q} ({2 * half} values a row)."
-                )
-            want = (*lead, 2 * half // group_size)
-            expected = f"{want} (one per group of {group_size} values)"
-        if scale_aval.shape != want:
-            raise TypeError(
-                f"pack requires scale of shape {expected}, got {got_q} and {got_s}."
-            )
-        self.in_avals = (qvalue_aval, scale_aval)
-        self.out_aval = QArrayTy.like(qvalue_aval, shape, None, bits, group_size)
-        self.params = {"bits": bits, "group_size": group_size}
-        super().__init__()
-
-    def expand(self, qvalue, scale):
-        return QArray(qvalue, scale)
-
-    def _represented(self, qvalue, scale):
-        if self.bits == 4:
-            return _numerics.dequantize_groups(qvalue, scale)
-        return _numerics.dequantize_rows(qvalue, scale)
-
-    def jvp(self, primals, tangents):
-        (qvalue, scale), (_, t_scale) = primals, tangents
-        out = self(qvalue, scale)
-        if isinstance(t_scale, Zero):
-            return out, Zero(self.out_aval.to_tangent_aval())
-        return out, self._represented(qvalue, t_scale)
-
-    lin, linearized = linearize_from_jvp
-
-    def vjp_fwd(self, nzs_in, qvalue, scale):
-        return self(qvalue, scale), qvalue
-
-    def vjp_bwd_retval(self, qvalue, g):
-        g = instantiate_zeros(g)
-        if self.bits == 4:
-            values = _numerics.unpack_nibbles(qvalue).astype(jnp.float32)
-            *lead, n = values.shape
-            groups = (g * values).reshape(*lead, n // self.group_size, self.group_size)
-            return None, jnp.sum(groups, axis=-1)
-        return None, jnp.sum(g * qvalue.astype(jnp.float32), axis=-1)
-
-    def batch(self, axis_data, args, dims):
-        (qvalue, scale), (dq, ds) = args, dims
-        if dq is None and ds is None:
-            return self(qvalue, scale), None
-        size = axis_data.size
-        qvalue = _batch_at_front(qvalue, dq, size)
-        scale = _batch_at_front(scale, ds, size)
-        return pack(qvalue, scale, self.bits, self.group_size), QArraySpec()
-
-
-class Unpack(HiPrim):
-    """q8[..., n] -> (int8[..., n], f32[...]): read a QArray's parts.
-
-    For reading results out (e.g. returning quantized weights): the parts carry
-    no derivative (zero tangents, like ``lax.stop_gradient``).
-    """
-
-    def __init__(self, q_aval):
-        _require_qarray("unpack", "q", q_aval)
-        self.in_avals = (q_aval,)
-        self.out_aval = tuple(q_aval.lo_ty())
-        self.params = {}
-        super().__init__()
-
-    def expand(self, q):
-        return (q.qvalue, q.scale)
-
-    def jvp(self, primals, tangents):
-        (q,) = primals
-        return self(q), tuple(Zero(a.to_tangent_aval()) for a in self.out_aval)
-
-    lin, linearized = linearize_from_jvp
-
-    def vjp_fwd(self, nzs_in, q):
-        return self(q), None
-
-    def vjp_bwd_retval(self, _res, g):
-        return (None,)
-
-    def batch(self, axis_data, args, dims):
-        (q,), (d,) = args, dims
-        return unpack(q), (None, None) if d is None else (0, 0)
-
-
-def _batch_at_front(x, d, size):
+def batch_at_front(x, d, size):
     if d is None:
         return jnp.broadcast_to(x, (size, *x.shape))
     return jnp.moveaxis(x, d, 0)
-
-
-def quantize(x, bits=8, group_size=None):
-    """Quantize f32[..., n] to a q8[..., n] QArray, one scale per row.
-
-    ``scale = max|row| / 127``, ``qvalue = round_half_even(x / scale)`` clipped
-    to [-127, 127]; an all-zero row gives scale 0 and qvalue 0.
-
-    ``bits=4``: a q4[..., n] QArray, each row in groups of ``group_size``
-    (default 128; even, dividing n) consecutive entries, ``scale = max|group|
-    / 7``, values in [-7, 7] packed two per byte (low nibble = even index):
-    half of int8's bytes. ``linear_q`` takes it as weights (N, K).
-    """
-    return Quantize(jax.typeof(x), bits, group_size)(x)
-
-
-# float32 bytes of int4 weights dequantized at once by a backward pass
-# (``_int4_rows_product``): a small fraction of a large layer's payload, so
-# that training adapters over an int4 model holds no float copy of it
-# (``benchmarks/bench_lora.py``, the memory rows)
-_INT4_BLOCK_BYTES = 1 << 20
-
-
-def _int4_rows_product(g, qw):
-    """``g[..., n] . W[n, k]`` over n for int4 ``qw (N, K)``, a block of rows
-    dequantized at a time (whole for a small layer)."""
-    ty = jax.typeof(qw)
-    n, k = ty.shape
-    rows = max(1, _INT4_BLOCK_BYTES // (4 * k))
-    if rows >= n:
-        return g @ dequantize(qw)
-    qvalue, scale = unpack(qw)
-    flat = g.reshape(-1, n)
-
-    def block(start, size):
-        part = pack(
-            lax.dynamic_slice_in_dim(qvalue, start, size, 0),
-            lax.dynamic_slice_in_dim(scale, start, size, 0),
-            4,
-            ty.group_size,
-        )
-        return lax.dynamic_slice_in_dim(flat, start, size, 1) @ dequantize(part)
-
-    def step(total, i):
-        return total + block(i * rows, rows), None
-
-    whole = n // rows
-    total = jnp.zeros((flat.shape[0], k), g.dtype)
-    total, _ = lax.scan(step, total, jnp.arange(whole))
-    if whole * rows < n:
-        total = total + block(whole * rows, n - whole * rows)
-    return total.reshape(*g.shape[:-1], k)
-
-
-def dequantize(q):
-    """q8[..., n] -> f32[..., n]: ``qvalue * scale[..., None]``."""
-    return Dequantize(jax.typeof(q))(q)
-
-
-def pack(qvalue, scale, bits=8, group_size=None):
-    """A QArray from its parts: int8[..., n] and one f32 scale per row [...];
-    with ``bits=4``, uint8[..., n / 2] (two int4 values per byte, low nibble
-    = even index) and one f32 scale per group, [..., n / group_size].
-
-    Use it for weights quantized elsewhere; ``quantize`` is the usual way in.
-    Gradients flow to ``scale``.
-    """
-    return Pack(jax.typeof(qvalue), jax.typeof(scale), bits, group_size)(qvalue, scale)
-
-
-def unpack(q):
-    """The parts ``(qvalue int8[..., n], scale f32[...])`` of a QArray (int4:
-    ``(uint8[..., n / 2], f32[..., n / group_size])``).
-
-    Works under every transformation (unlike reading ``q.qvalue`` on a
-    tracer); the parts carry no derivative.
-    """
-    return Unpack(jax.typeof(q))(q)
-
-
-def matmul_q(x, qw, activations="float32"):
-    """f32[..., k] @ q8[k, n] -> f32[..., n]; ``x`` may be a vector.
-
-    ``activations``: ``"float32"`` (weight-only, default) or ``"int8"`` (``x``
-    is quantized per row too, for an int8 x int8 product). Derivatives are
-    those of ``x @ dequantize(qw)`` in both cases.
-    """
-    return MatmulQ(jax.typeof(x), jax.typeof(qw), activations)(x, qw)
-
-
-def linear_q(x, qw, activations="float32"):
-    """f32[..., k] with q8[n, k] -> f32[..., n]: ``x @ dequantize(qw).T``.
-
-    torch's ``F.linear`` layout: ``qw`` stores weights ``(out, in)``, e.g. a
-    PyTorch ``nn.Linear.weight``, one scale per output channel. ``x`` may be a
-    vector. ``activations``: ``"float32"`` (weight-only, default) or ``"int8"``
-    (``x`` quantized per row too, for an int8 x int8 product). Derivatives are
-    those of ``x @ dequantize(qw).T`` in both cases.
-    """
-    return LinearQ(jax.typeof(x), jax.typeof(qw), activations)(x, qw)

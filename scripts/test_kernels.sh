@@ -12,8 +12,8 @@
 #                                    qemu-aarch64 -cpu max (dotprod, then i8mm)
 #   scripts/test_kernels.sh amx-emulated
 #                                    the AMX tiles over a scalar emulation of
-#                                    their intrinsics (qarray/_cpu/tests/
-#                                    amx_emulation.h, -DQARRAY_EMULATE_AMX);
+#                                    their intrinsics (tests/amx_emulation.h,
+#                                    -DQARRAY_EMULATE_AMX);
 #                                    native runs this itself where the CPU has
 #                                    no AMX
 #   scripts/test_kernels.sh avx512-emulated
@@ -104,7 +104,7 @@ amx-emulated)
     *) echo "test_kernels: the AMX tiles are x86-64's, not $("$cxx" -dumpmachine)'s"; exit 0 ;;
     esac
     # shellcheck disable=SC2086
-    "$cxx" $common -DQARRAY_EMULATE_AMX $src/tiles_amx.cc $src/tiles_avx512.cc \
+    "$cxx" $common -I. -DQARRAY_EMULATE_AMX $src/tiles_amx.cc $src/tiles_avx512.cc \
         $src/tiles_avx2.cc -o build/kernels_test_amx_emulated
     if ! build/kernels_test_amx_emulated --list | grep -qx amx; then
         echo "test_kernels: SKIPPED the emulated AMX tiles: they take gemm.h's AVX2 paths, and this CPU lacks AVX2"

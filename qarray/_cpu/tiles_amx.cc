@@ -24,7 +24,8 @@
 // Compiled for any x86-64 like the other tile files (the target pragma after
 // the shared headers); dispatch.cc calls these only where cpuid reports
 // AMX-TILE and AMX-INT8 and Linux permits them. Test builds
-// (QARRAY_EMULATE_AMX) take the intrinsics from tests/amx_emulation.h.
+// (QARRAY_EMULATE_AMX, the repository's root on the include path) take the
+// intrinsics from tests/amx_emulation.h.
 
 #include <immintrin.h>
 

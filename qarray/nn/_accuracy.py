@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._ops import DEFAULT_GROUP_SIZE, dequantize
+from .._ops import DEFAULT_GROUP_SIZE
+from .._primitives import dequantize
 from ._calibrate import METHODS, Calibration, calibrated
 from ._config import QuantConfig
 from ._kinds import (

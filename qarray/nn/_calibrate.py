@@ -29,7 +29,7 @@ import numpy as np
 from jax import lax
 
 from .._numerics import QMAX, pack_nibbles
-from .._ops import dequantize
+from .._primitives import dequantize
 from ._conv import Conv
 from ._gptq import gptq
 from ._linear import Linear

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._conv import conv_q
-from .._ops import pack, quantize
+from .._primitives import pack, quantize
 from ._inputs import InputScales, check_input_scales
 from ._linear import (
     _dtype_str,

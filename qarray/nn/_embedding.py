@@ -8,7 +8,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from .._ops import dequantize, pack, quantize, unpack
+from .._primitives import dequantize, pack, quantize, unpack
 from ._linear import check_modes, checked_group_size, checked_parts, quantization_error
 
 

@@ -12,18 +12,8 @@ import numpy as np
 from jax import lax
 
 from .._numerics import relative_error
-from .._ops import (
-    DEFAULT_GROUP_SIZE,
-    LAYOUTS,
-    PRECISIONS,
-    check_activations,
-    dequantize,
-    linear_q,
-    matmul_q,
-    pack,
-    quantize,
-    unpack,
-)
+from .._ops import DEFAULT_GROUP_SIZE, LAYOUTS, PRECISIONS, check_activations
+from .._primitives import dequantize, linear_q, matmul_q, pack, quantize, unpack
 from ._inputs import InputScales, check_input_scales
 
 

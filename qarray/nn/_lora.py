@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._ops import dequantize
+from .._primitives import dequantize
 from ._conv import Conv, ConvTranspose
 from ._embedding import Embedding
 from ._linear import Linear

@@ -28,7 +28,7 @@ from .._numerics import (
     quantize_groups,
     quantize_rows,
 )
-from .._ops import dequantize, quantize
+from .._primitives import dequantize, quantize
 
 # AWQ's grid of exponents: s = mean|x|^alpha, alpha = 0 (round-to-nearest)
 # to 0.95 (Lin et al.'s n_grid = 20)

@@ -12,14 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._ops import (
-    DEFAULT_GROUP_SIZE,
-    PRECISIONS,
-    dequantize,
-    pack,
-    quantize,
-    unpack,
-)
+from .._ops import DEFAULT_GROUP_SIZE, PRECISIONS
+from .._primitives import dequantize, pack, quantize, unpack
 from ._linear import quantization_error, stored_width
 
 

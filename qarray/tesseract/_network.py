@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import reshard
 
-from .._ops import unpack
+from .._primitives import unpack
 from ..nn import Adapter, Linear
 from ._shapes import NetworkShape, check_adapter_shapes, linear_shapes, network_shape
 
