@@ -22,6 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._thresholds import (
+    INT4_GEMM_ROWS,
+    KERNEL_GEMM_ROWS,
+    KERNEL_TILE_ROWS,
+    SPLIT_LEVELS,
+)
+
 LIBRARY = Path(__file__).parent / "_cpu" / "libqarray_cpu.so"
 # the jaxlib whose FFI headers built LIBRARY (scripts/build_kernels.sh): XLA
 # refuses a handler built for another FFI API version only when it compiles
@@ -119,31 +126,33 @@ def _varying_like(y, operands):
 
 
 def thresholds() -> dict[str, np.int64]:
-    """The thresholds that choose a path inside the kernels, passed with every
-    call: ``_kernels`` owns them (it chooses between the kernels and XLA's
-    formulations with the same numbers); the library checks their range."""
-    from . import _kernels  # imports this module
-
+    """The thresholds that choose a path inside the products' kernel, passed
+    with every call (``_thresholds`` owns them; the library checks their
+    range)."""
     return {
-        "split": np.int64(_kernels.SPLIT_LEVELS),
-        "gemm_rows": np.int64(_kernels.KERNEL_GEMM_ROWS),
-        "kn_dot_rows": np.int64(_kernels.KERNEL_TILE_ROWS["kn", "int8"]),
+        "split": np.int64(SPLIT_LEVELS),
+        "gemm_rows": np.int64(KERNEL_GEMM_ROWS),
+        "kn_dot_rows": np.int64(KERNEL_TILE_ROWS["kn", "int8"]),
     }
+
+
+def int4_gemm_rows(activations: str) -> int:
+    """``_thresholds.INT4_GEMM_ROWS`` for the instruction set that runs."""
+    table = INT4_GEMM_ROWS.get(isa() or "other", INT4_GEMM_ROWS["other"])
+    return table[activations]
 
 
 def product_int4(x, packed, scale, *, int8: bool = False):
     """x f32[m, k] @ W^T for int4 weights W[n, k] (packed uint8[n, k / 2], one
     scale per group of k: f32[n, k / G], G a multiple of 32) -> f32[m, n];
     ``int8``: x quantized per row first (W4A8)."""
-    from . import _kernels  # imports this module
-
     return _call(
         TARGET_INT4,
         (x, packed, scale),
         _float32(x.shape[0], packed.shape[0]),
         int8=np.int64(int8),
         split=thresholds()["split"],
-        int4_gemm_rows=np.int64(_kernels.int4_gemm_rows("int8" if int8 else "float32")),
+        int4_gemm_rows=np.int64(int4_gemm_rows("int8" if int8 else "float32")),
     )
 
 

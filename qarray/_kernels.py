@@ -77,6 +77,13 @@ from jax import lax
 
 from . import _ffi
 from ._numerics import dequantize_groups, dequantize_rows, quantize_rows
+from ._thresholds import (  # noqa: F401 (INT4_GEMM_ROWS, KN_DOT_INT8_ROWS: their old home)
+    INT4_GEMM_ROWS,
+    KERNEL_GEMM_ROWS,
+    KERNEL_TILE_ROWS,
+    KN_DOT_INT8_ROWS,
+    SPLIT_LEVELS,
+)
 
 # lhs[m, k] . rhs[k, n]: contract lhs's columns with rhs's rows (matmul_q)
 _ROWS_BY_COLS = (((1,), (0,)), ((), ()))
@@ -88,10 +95,6 @@ INT8_STRATEGIES = ("kernel", "chunked", "int8_dot")
 
 # rows of int8 weights converted to f32 at a time by the chunked formulation
 CHUNK_ROWS = 128
-# int8 parts representing float32 activations: (1/254)^3 ~ 6e-8 of a row's max
-# (the CPU kernels split weight-only rows the same way: _ffi.thresholds passes
-# this, KERNEL_GEMM_ROWS and KERNEL_TILE_ROWS["kn", "int8"] with every call)
-SPLIT_LEVELS = 3
 
 
 def quantize(x):
@@ -113,23 +116,10 @@ def quantize(x):
 # CPU too (a 4 KiB float32 copy, in cache)
 SMALL_WEIGHT_ELEMENTS = 1024
 
-# Where qarray's CPU kernel beats the XLA formulations (make bench, suite
-# kernels --strategies, weights cold): its dot-product tiles up to
-# KERNEL_TILE_ROWS rows, its GEMM from KERNEL_GEMM_ROWS int8 rows (passed to
-# the kernels, which switch to the GEMM there; weight-only runs SPLIT_LEVELS
-# int8 parts a row) up to
-# KERNEL_MAX_ROWS rows (W8A8 with a short K: every count), past which XLA's
-# int8 dots measure as fast, in both layouts.
-KN_DOT_INT8_ROWS = 9  # layout kn's integer dot products: int8 rows (parts)
-KERNEL_TILE_ROWS = {
-    ("nk", "float32"): 2,
-    ("nk", "int8"): 8,
-    ("kn", "float32"): KN_DOT_INT8_ROWS // SPLIT_LEVELS,
-    ("kn", "int8"): KN_DOT_INT8_ROWS,
-}
-# (from 8 int8 rows the GEMM, on panels that stay in L2, measured 1.2-1.9x of
-# XLA's int8 dots and of split_int8 at K = N = 1024 and 4096, layout nk)
-KERNEL_GEMM_ROWS = 8
+# the kernels (their tiles up to KERNEL_TILE_ROWS rows, their GEMM from
+# KERNEL_GEMM_ROWS int8 rows: _thresholds) up to KERNEL_MAX_ROWS rows (W8A8
+# with a short K: every count), past which XLA's int8 dots measure as fast, in
+# both layouts (make bench, suite kernels --strategies, weights cold)
 KERNEL_MAX_ROWS = {"float32": 64, "int8": 128}
 # W8A8 with K up to this: the GEMM at every row count (its chunks' panels stay
 # near L1; at K = 1024 it measured 1.05-1.24x of XLA's int8 dot from 256 to
@@ -245,23 +235,6 @@ def linear(x, qvalue, scale, activations="float32", strategy=None):
 # group's sums scaled in the tile, on three int8 parts a row of x
 # (weight-only) or one (W4A8)
 INT4_KERNEL_MAX_ROWS = {"float32": 256, "int8": 4096}
-# rows of x from which the int4 kernel runs its GEMM rather than its dot
-# tiles, by instruction set and activations (passed with every call). The
-# AVX-512 tiles pay a table permute per nibble per row pass, the panel one
-# unpack for every row: the GEMM leads from two rows in both modes. The
-# 256-bit tiles (AVX2, NEON) stay ahead to 8 int8 rows (W4A8: 8 rows,
-# weight-only: 3, its three parts a row). docs/kernels.md has the timings.
-INT4_GEMM_ROWS = {
-    "amx": {"float32": 2, "int8": 2},  # below it, AVX-512's tiles run
-    "avx512": {"float32": 2, "int8": 2},
-    "other": {"float32": 3, "int8": 8},
-}
-
-
-def int4_gemm_rows(activations: str) -> int:
-    """INT4_GEMM_ROWS for the instruction set the kernels run on."""
-    table = INT4_GEMM_ROWS.get(_ffi.isa() or "other", INT4_GEMM_ROWS["other"])
-    return table[activations]
 
 
 def linear_int4(x, packed, scale, activations="float32", strategy=None):

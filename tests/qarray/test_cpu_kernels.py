@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import qarray as qa
-from qarray import _ffi, _kernels, _numerics
+from qarray import _ffi, _kernels, _numerics, _thresholds
 from qarray._conv import ConvQ
 from support import reference as ref
 from support.cpu_kernels import best_isa, needs_kernels
@@ -68,22 +68,21 @@ def test_kernels_switch_off_with_qarray_kernels_xla():
     assert status_in({"QARRAY_KERNELS": "xla"}) == "QARRAY_KERNELS=xla"
 
 
-def test_thresholds_come_from_kernels_py():
-    """One owner: what the kernels are passed is what choose_strategy uses."""
+def test_thresholds_come_from_one_module():
+    """One owner (_thresholds): what the kernels are passed is what
+    choose_strategy uses."""
     t = _ffi.thresholds()
-    assert t["split"] == _kernels.SPLIT_LEVELS
+    assert t["split"] == _kernels.SPLIT_LEVELS == _thresholds.SPLIT_LEVELS
     assert t["gemm_rows"] == _kernels.KERNEL_GEMM_ROWS
     assert t["kn_dot_rows"] == _kernels.KERNEL_TILE_ROWS["kn", "int8"]
 
 
-def test_int4_gemm_rows_come_from_kernels_py_by_isa(monkeypatch):
-    table = _kernels.INT4_GEMM_ROWS
-    assert (
-        _kernels.int4_gemm_rows("int8")
-        == table.get(_ffi.isa() or "other", table["other"])["int8"]
-    )
+def test_int4_gemm_rows_come_from_thresholds_by_isa(monkeypatch):
+    table = _thresholds.INT4_GEMM_ROWS
+    want = table.get(_ffi.isa() or "other", table["other"])["int8"]
+    assert _ffi.int4_gemm_rows("int8") == want
     monkeypatch.setattr(_ffi, "isa", lambda: "i8mm")  # not in the table
-    assert _kernels.int4_gemm_rows("float32") == table["other"]["float32"]
+    assert _ffi.int4_gemm_rows("float32") == table["other"]["float32"]
 
 
 @pytest.mark.parametrize("activations", ["float32", "int8"])
@@ -92,7 +91,7 @@ def test_int4_kernel_paths_both_match_numpy(rng, monkeypatch, activations, gemm_
     """The threshold Python passes decides the path (1: the GEMM at every
     row count, 64: the dot tiles), and both paths give the same answer."""
     needs_kernels()
-    monkeypatch.setattr(_kernels, "int4_gemm_rows", lambda activations: gemm_rows)
+    monkeypatch.setattr(_ffi, "int4_gemm_rows", lambda activations: gemm_rows)
     m, k, n, group = 5, 128, 40, 64
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((n, k)).astype(np.float32)
