@@ -1,6 +1,7 @@
-"""The package boundaries: small public surfaces, the contract in
-``qarray.tesseract``, and no package reaching into another's private
-modules."""
+"""The package boundaries: the layers of ``qarray/`` import one way (no
+circle, nothing from a lower layer to a higher one), small public surfaces,
+the contract in ``qarray.network`` (published through ``qarray.tesseract``),
+and no package reaching into another's private modules."""
 
 import ast
 import pathlib
@@ -11,7 +12,112 @@ import qarray.nn as qnn
 import qarray.tesseract as qt
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("checkpoint", "nn", "tesseract")
+PACKAGES = ("checkpoint", "network", "nn", "tesseract")
+
+# lowest first: a module may import its own layer's and lower layers' modules
+# only (a package counts as one layer: qarray.nn and everything under it)
+LAYERS = (
+    ("qarray._numerics", "qarray._qarray", "qarray._thresholds"),
+    ("qarray._ops", "qarray._ffi"),
+    ("qarray._kernels",),
+    ("qarray._primitives", "qarray._conv", "qarray._jit", "qarray._rank1",
+     "qarray._tuple", "qarray.doc_types"),
+    ("qarray.nn", "qarray"),  # the package's __init__ re-exports nn
+    ("qarray.network",),
+    ("qarray.checkpoint",),
+    ("qarray.tesseract",),
+)  # fmt: skip
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the qarray modules it imports (anywhere in the file,
+    functions included: a deferred import is still a dependency)."""
+    graph = {}
+    for path in (ROOT / "qarray").rglob("*.py"):
+        module = _module_name(path)
+        package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.startswith("qarray")}
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[
+                        : len(package.split(".")) - node.level + 1
+                    ]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                if not target.startswith("qarray"):
+                    continue
+                for alias in node.names:  # `from . import _ffi` names a module
+                    name = f"{target}.{alias.name}"
+                    is_module = (ROOT / (name.replace(".", "/") + ".py")).exists() or (
+                        ROOT / name.replace(".", "/") / "__init__.py"
+                    ).exists()
+                    found.add(name if is_module else target)
+        graph[module] = found - {module}
+    return graph
+
+
+def layer_of(module: str) -> int:
+    for rank, layer in enumerate(LAYERS):
+        for owner in layer:
+            if module == owner or (
+                owner != "qarray" and module.startswith(owner + ".")
+            ):
+                return rank
+    raise AssertionError(f"{module} is in no layer of LAYERS: place it there")
+
+
+def test_every_import_goes_down_the_layers():
+    upward = [
+        (module, target, layer_of(module), layer_of(target))
+        for module, targets in import_graph().items()
+        for target in targets
+        if layer_of(target) > layer_of(module)
+    ]
+    assert upward == [], upward
+
+
+def test_the_import_graph_has_no_circle():
+    graph = import_graph()
+    circles, done = [], set()
+
+    def visit(module, path):
+        if module in path:
+            circles.append([*path[path.index(module) :], module])
+            return
+        if module in done or module not in graph:
+            return
+        for target in sorted(graph[module]):
+            # a package's __init__ re-exporting its own modules is no circle
+            if not target.startswith(module + "."):
+                visit(target, [*path, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    assert circles == [], circles
+
+
+def test_the_layers_see_a_circle_and_an_upward_import(monkeypatch):
+    """The two checks above fail where they should (a graph made up here)."""
+    graph = {"qarray._ffi": {"qarray._kernels"}, "qarray._kernels": {"qarray._ffi"}}
+    assert layer_of("qarray._ffi") < layer_of("qarray._kernels")
+    assert any(layer_of(t) > layer_of(m) for m, ts in graph.items() for t in ts)
+    monkeypatch.setitem(globals(), "import_graph", lambda: graph)
+    try:
+        test_the_import_graph_has_no_circle()
+    except AssertionError as error:
+        assert "qarray._ffi" in str(error)
+    else:
+        raise AssertionError("the circle _ffi -> _kernels -> _ffi went unseen")
 
 
 def public(module) -> list[str]:
@@ -28,10 +134,16 @@ def test_qarray_tesseract_exports_at_most_twelve_names():
         assert getattr(qt.internal, name) is not None, name
 
 
-def test_the_contract_lives_in_qarray_tesseract():
+def test_the_contract_lives_in_qarray_network_and_is_published_by_tesseract():
+    import qarray.network as qnet
+
     contract = {"Network", "LayerShapes", "network_shape", "LAYOUTS", "ACTIVATIONS",
                 "check_adapter_shapes", "NetworkShape", "layer_shapes"}  # fmt: skip
     assert not contract & set(public(qnn)), contract & set(public(qnn))
+    assert contract <= set(public(qnet))
+    assert qt.Network is qnet.Network
+    for name in contract - {"Network"}:
+        assert getattr(qt.internal, name) is getattr(qnet, name), name
     assert qt.internal.network_shape((3, 4), []).y == (3, 4)
     assert set(qt.internal.ACTIVATIONS) >= {"none", "relu", "gelu"}
 
@@ -39,6 +151,7 @@ def test_the_contract_lives_in_qarray_tesseract():
 def test_the_network_and_model_files_import_without_the_server():
     code = (
         "import sys; import qarray.checkpoint; from qarray.tesseract import Network; "
+        "import qarray.network; "
         "from qarray.tesseract.internal import network_shape; "
         "assert 'tesseract_core' not in sys.modules, 'tesseract_core imported'"
     )

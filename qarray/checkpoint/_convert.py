@@ -14,7 +14,7 @@ from .._numerics import (
     relative_error_np,
 )
 from .._ops import PRECISIONS
-from ..tesseract.internal import ACTIVATIONS
+from ..network import ACTIVATIONS
 from ._errors import ModelFileError
 from ._network_file import _layers, save_model
 

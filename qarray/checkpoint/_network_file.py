@@ -18,9 +18,8 @@ from .._numerics import (
     relative_error_np,
 )
 from .._ops import LAYOUTS, PRECISIONS
+from ..network import ACTIVATIONS, Network
 from ..nn import Linear
-from ..tesseract import Network
-from ..tesseract.internal import ACTIVATIONS
 from ._errors import ModelFileError
 
 _ACTIVATION_NAMES = tuple(ACTIVATIONS)

@@ -31,7 +31,7 @@ _WHERE = {
     "Endpoints": "._endpoints",
     "Limits": "._limits",
     "ModelTesseract": "._model",
-    "Network": "._network",
+    "Network": "..network",
     "Rows": "._batching",
     "Runtime": "._runtime",
     "Settings": "._settings",

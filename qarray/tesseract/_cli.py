@@ -43,10 +43,10 @@ from ..checkpoint import (
     save_network,
     save_tree,
 )
+from ..network import ACTIVATIONS, Network
 from ..nn import Linear, QuantConfig, apply_plan, quantize
 from ..nn import evaluate as evaluate_model
 from ..nn import plan as plan_model
-from ._network import ACTIVATIONS, Network
 
 METHODS = QuantConfig.methods
 

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Self
 
 from pydantic import BaseModel, model_validator
 
+from ..network import LayerShapes, NetworkShape, layer_shapes, network_shape
 from ._limits import (
     declared_shape,
     quantized_payload,
@@ -23,7 +24,6 @@ from ._limits import (
 )
 from ._paths import lookup_path
 from ._runtime import Runtime
-from ._shapes import LayerShapes, NetworkShape, layer_shapes, network_shape
 
 
 class NetworkRequest(BaseModel):

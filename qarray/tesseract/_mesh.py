@@ -7,7 +7,7 @@ import re
 import jax
 from jax.sharding import AxisType, NamedSharding
 
-from ._network import Network
+from ..network import Network
 
 DATA, MODEL = "data", "model"
 

@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 
 from ..checkpoint import ModelFileError, load_network
+from ..network import Network
 from ._memory import release_freed_memory
 from ._mesh import on_mesh
-from ._network import Network
 
 
 def load_resident(path: str, mesh: jax.sharding.Mesh | None = None) -> Network:

@@ -10,14 +10,13 @@ from typing import Any
 
 import jax
 
+from ..network import LayerShapes, Network, linear_shapes
 from ._batching import Batcher
 from ._cache import ResidualCache
 from ._limits import Limits
 from ._mesh import make_mesh
-from ._network import Network
 from ._resident import load_resident
 from ._settings import Settings
-from ._shapes import LayerShapes, linear_shapes
 from ._shared_weights import load_shared, shared_folder
 
 

@@ -5,16 +5,17 @@
 from ._lazy import lazy_names
 
 _WHERE = {
-    # the contract's network: activations, layouts, precisions, shape rules
-    "ACTIVATIONS": "._network",
-    "LAYOUTS": "._shapes",
-    "PRECISIONS": "._shapes",
-    "LayerShapes": "._shapes",
-    "NetworkShape": "._shapes",
-    "check_adapter_shapes": "._shapes",
-    "layer_shapes": "._shapes",
-    "linear_shapes": "._shapes",
-    "network_shape": "._shapes",
+    # the contract's network (qarray.network): activations, layouts, precisions,
+    # shape rules
+    "ACTIVATIONS": "..network",
+    "LAYOUTS": "..network",
+    "PRECISIONS": "..network",
+    "LayerShapes": "..network",
+    "NetworkShape": "..network",
+    "check_adapter_shapes": "..network",
+    "layer_shapes": "..network",
+    "linear_shapes": "..network",
+    "network_shape": "..network",
     # request checks and their 422s
     "NetworkRequest": "._contract",
     "checked_vectors": "._requests",

@@ -1,6 +1,6 @@
-"""``qarray.tesseract.Network``: the Tesseract contract's network (the
-``layers`` field, a resident ``QARRAY_MODEL``) as an equinox module of
-``qarray.nn.Linear`` layers."""
+"""``qarray.network.Network`` (published as ``qarray.tesseract.Network``):
+the Tesseract contract's network (the ``layers`` field, a resident
+``QARRAY_MODEL``) as an equinox module of ``qarray.nn.Linear`` layers."""
 
 from __future__ import annotations
 
