@@ -93,7 +93,7 @@ def network(rng, shape, depth=1, activation="none", layout="kn"):
 
 def quantized(layers):
     """The layers with their weights pre-quantized (w_q), as qarray would."""
-    from qarray.checkpoint import quantize_rows
+    from qarray._numerics import quantize_rows_np as quantize_rows
 
     out = []
     for layer in layers:
@@ -255,7 +255,8 @@ def _qat_step(url, params, static, x, target):
 
 
 def _resident_rows(tmp, apis, reps, breakdown_reps):
-    from qarray.checkpoint import quantize_rows, save_model
+    from qarray._numerics import quantize_rows_np as quantize_rows
+    from qarray.checkpoint import save_model
 
     rows = []
     session = requests.Session()

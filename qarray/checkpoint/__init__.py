@@ -14,17 +14,18 @@ A qarray model file is laid out like the Tesseract's ``layers`` field:
   (int4; default 128).
 
 Layers are numbered from 0 without gaps and their widths chain. ``load_model``
-checks all of it and names the tensor at fault; ``convert_state_dict`` turns
-a PyTorch-style state dict (``fc1.weight`` ``(out, in)``, ``fc1.bias``, ...)
-into a model file of int8 "nk" layers with one scale per output channel.
+checks all of it and names the tensor at fault; ``pytorch.convert_state_dict``
+turns a PyTorch-style state dict (``fc1.weight`` ``(out, in)``, ``fc1.bias``,
+...) into a model file of int8 "nk" layers with one scale per output channel.
 ``load_network`` / ``save_network`` read and write a ``qarray.tesseract.Network``::
 
     qarray-serve convert state_dict.safetensors model.safetensors \\
         --layers fc1:relu,fc2:none
 
 Any other equinox model (a CNN, your own) has its model file keyed by its
-pytree paths: ``save_tree``, ``load_tree``, ``load_quantized`` and
-``convert_tree`` (PyTorch conv and linear layers, BatchNorm folded)::
+pytree paths: ``save_tree``, ``load_tree``, ``load_quantized`` (and
+``pytorch.convert_tree`` from PyTorch's conv and linear layers, BatchNorm
+folded)::
 
     qarray-serve convert state_dict.safetensors model.safetensors --tree \\
         --fold conv1+bn1,conv2+bn2
@@ -32,22 +33,64 @@ pytree paths: ``save_tree``, ``load_tree``, ``load_quantized`` and
 Needs the ``safetensors`` package (installed with ``qarray[tesseract]``).
 """
 
-# the NumPy quantizers model files are written with (qarray._numerics)
-from .._numerics import quantize_groups_np as quantize_groups  # noqa: F401
-from .._numerics import quantize_rows_np as quantize_rows  # noqa: F401
-from .._numerics import relative_error4_np as relative_error4  # noqa: F401
-from .._numerics import relative_error_np as relative_error  # noqa: F401
-from ._convert import convert_state_dict as convert_state_dict
-from ._convert import parse_layers as parse_layers
+import warnings
+
 from ._errors import ModelFileError as ModelFileError
-from ._network_file import ModelLayer as ModelLayer
 from ._network_file import load_model as load_model
 from ._network_file import load_network as load_network
 from ._network_file import save_model as save_model
 from ._network_file import save_network as save_network
-from ._tree import convert_tree as convert_tree
-from ._tree import fold_batchnorm as fold_batchnorm
-from ._tree import leaf_paths as leaf_paths
 from ._tree import load_quantized as load_quantized
 from ._tree import load_tree as load_tree
 from ._tree import save_tree as save_tree
+
+__all__ = [
+    "ModelFileError",
+    "load_model",
+    "load_network",
+    "load_quantized",
+    "load_tree",
+    "save_model",
+    "save_network",
+    "save_tree",
+]
+
+# names this package exported before it kept to model files: still importable
+# from here, with a DeprecationWarning saying where each went
+_MOVED = {
+    "convert_state_dict": ("qarray.checkpoint.pytorch", "convert_state_dict"),
+    "convert_tree": ("qarray.checkpoint.pytorch", "convert_tree"),
+    "fold_batchnorm": ("qarray.checkpoint.pytorch", "fold_batchnorm"),
+    "parse_layers": ("qarray.tesseract._cli", "parse_layers"),
+    "leaf_paths": ("qarray.checkpoint._tree", "leaf_paths"),
+    "ModelLayer": ("qarray.checkpoint._network_file", "ModelLayer"),
+    "quantize_rows": ("qarray._numerics", "quantize_rows_np"),
+    "quantize_groups": ("qarray._numerics", "quantize_groups_np"),
+    "relative_error": ("qarray._numerics", "relative_error_np"),
+    "relative_error4": ("qarray._numerics", "relative_error4_np"),
+}
+
+
+def __getattr__(name: str):
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    module, attribute = _MOVED[name]
+    where = (
+        f"{module}.{attribute}"
+        if not module.split(".")[-1].startswith("_")
+        else "a private helper (no public replacement: qarray.quantize / qarray.unpack "
+        "for the numerics, qarray-serve convert for the layers' parser)"
+    )
+    warnings.warn(
+        f"qarray.checkpoint.{name} is deprecated: qarray.checkpoint exports model "
+        f"files only; it is now {where}.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(module), attribute)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

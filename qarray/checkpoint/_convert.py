@@ -117,14 +117,3 @@ def convert_state_dict(
         raise ModelFileError(f"{error} ({names})") from None
     save_model(dst, out)
     return errors
-
-
-def parse_layers(text: str) -> list[tuple[str, ...]]:
-    """``fc1:relu,fc2:none:float32`` -> ``[("fc1", "relu"), ("fc2", "none",
-    "float32")]`` (activation "none" where not given)."""
-    layers = []
-    for item in text.split(","):
-        name, *rest = item.strip().split(":")
-        activation = rest[0] if rest and rest[0] else "none"
-        layers.append((name, activation, *rest[1:2]))
-    return layers

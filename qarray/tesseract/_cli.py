@@ -35,14 +35,12 @@ import numpy as np
 from .._ops import PRECISIONS
 from ..checkpoint import (
     ModelFileError,
-    convert_state_dict,
-    convert_tree,
     load_model,
     load_tree,
-    parse_layers,
     save_network,
     save_tree,
 )
+from ..checkpoint.pytorch import convert_state_dict, convert_tree
 from ..network import ACTIVATIONS, Network
 from ..nn import Linear, QuantConfig, apply_plan, quantize
 from ..nn import evaluate as evaluate_model
@@ -67,6 +65,17 @@ def main(argv: list[str] | None = None) -> int | None:
 
     sys.argv = ["tesseract-runtime", *argv]
     return runtime_main()
+
+
+def parse_layers(text: str) -> list[tuple[str, ...]]:
+    """``fc1:relu,fc2:none:float32`` -> ``[("fc1", "relu"), ("fc2", "none",
+    "float32")]`` (activation "none" where not given)."""
+    layers = []
+    for item in text.split(","):
+        name, *rest = item.strip().split(":")
+        activation = rest[0] if rest and rest[0] else "none"
+        layers.append((name, activation, *rest[1:2]))
+    return layers
 
 
 def on_device(model):

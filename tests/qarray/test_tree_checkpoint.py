@@ -8,15 +8,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import qarray.nn as qnn
-from qarray.checkpoint import (
-    ModelFileError,
-    convert_tree,
-    fold_batchnorm,
-    leaf_paths,
-    load_quantized,
-    load_tree,
-    save_tree,
-)
+from qarray.checkpoint import ModelFileError, load_quantized, load_tree, save_tree
+from qarray.checkpoint._tree import leaf_paths
+from qarray.checkpoint.pytorch import convert_tree, fold_batchnorm
 from support import reference as ref
 
 

@@ -13,13 +13,13 @@ from safetensors.numpy import save_file
 
 import qarray.nn as qnn
 from qarray.checkpoint import (
-    convert_state_dict,
     load_model,
     load_network,
     load_quantized,
     save_model,
     save_tree,
 )
+from qarray.checkpoint.pytorch import convert_state_dict
 from support import reference as ref
 from support.server import SERVE
 

@@ -10,13 +10,8 @@ import pytest
 import requests
 from tesseract_core import Tesseract
 
-from qarray.checkpoint import (
-    ModelFileError,
-    convert_state_dict,
-    load_model,
-    load_network,
-    save_model,
-)
+from qarray.checkpoint import ModelFileError, load_model, load_network, save_model
+from qarray.checkpoint.pytorch import convert_state_dict
 from support import network as net
 from support import reference as ref
 from support.server import (
