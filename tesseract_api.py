@@ -1,16 +1,14 @@
 """qarray Tesseract: a quantized network (``qarray.tesseract.Network``) as endpoints.
 
-Each layer is ``h -> activation(h @ W + bias)`` with ``W`` int8: dense ``w``
-quantized on every call (straight-through gradient) or quantized ``w_q``,
-stored ``(K, N)`` (layout "kn") or ``(N, K)`` ("nk", PyTorch's). Without
-``layers`` the resident model (``QARRAY_MODEL``) runs. This file holds the
-schemas, the checks they cannot express and the endpoints; ``qarray.tesseract``
-the serving machinery.
+Each layer is ``h -> activation(h @ W + bias)``, ``W`` int8, int4 or float32
+(``precision``): dense ``w`` (quantized on every call, straight-through
+gradient) or ``w_q``, stored ``(K, N)`` ("kn") or ``(N, K)`` ("nk"). Without
+``layers`` the resident model (``QARRAY_MODEL``) runs. Here: the schemas and
+the endpoints; in ``qarray.tesseract``: the checks and the serving machinery.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -19,7 +17,7 @@ from tesseract_core.runtime import Array, Differentiable, Float32
 from qarray.tesseract import Endpoints, Network, Runtime
 from qarray.tesseract import internal as qt
 
-RUNTIME = Runtime.from_env()
+RUNTIME = Runtime.from_env()  # settings, limits, resident model, cache, batcher
 LIMITS = RUNTIME.limits
 qt.install_gradient_path_check()  # InputSchema.check_gradient_path, at validation
 
@@ -48,7 +46,8 @@ class QuantizedWeights(BaseModel):
 
 
 class Layer(BaseModel):
-    """One layer: ``h -> activation(h @ W + bias)`` with W quantized to int8."""
+    """One layer: ``h -> activation(h @ W + bias)``, W quantized (int8 or
+    int4) or float32 as given (``precision``)."""
 
     w: Float32Array | None = Field(
         default=None,
@@ -82,7 +81,9 @@ class Layer(BaseModel):
         "exact gradients; w_q refused).",
     )
     group_size: int = Field(
-        default=128, ge=2, description="int4: values of a row per scale (even)."
+        default=qt.DEFAULT_GROUP_SIZE,
+        ge=2,
+        description="int4: values of a row per scale (even).",
     )
 
     model_config = ConfigDict(extra="forbid")
@@ -164,13 +165,11 @@ class QuantizedWeightsOut(BaseModel):
 class LayerOut(BaseModel):
     weight_error: Array[..., Float32] = Field(
         description="Relative quantization error ||w - W|| / ||w|| of the layer's "
-        "dense weights (0 for w_q layers or zero w; a resident model's dense layers "
-        "report their quantization at load); one per batch element: shape "
-        "the network's batch axes (a scalar without them)."
+        "dense weights (0 for w_q layers or zero w; a resident model's: at load); one "
+        "per batch element, shaped as the batch axes (a scalar without them)."
     )
     w_q: QuantizedWeightsOut | None = Field(
-        description="The quantized weights of a w layer when return_w_q is set "
-        "(reuse them as w_q), else null."
+        description="A w layer's quantized weights (reuse them as w_q) if return_w_q."
     )
 
 
@@ -179,8 +178,7 @@ class OutputSchema(BaseModel):
         description="The network's output, float32 (*batch, ..., N_last)."
     )
     layers: list[LayerOut] | None = Field(
-        description="Per layer diagnostics, in order, when return_weight_error or "
-        "return_w_q asks for them; else null."
+        description="Per layer diagnostics if return_weight_error or return_w_q."
     )
 
 
@@ -189,80 +187,34 @@ class OutputSchema(BaseModel):
 
 def _outputs(inputs: dict, resident: Network | None) -> dict:
     """inputs (as InputSchema.model_dump()) -> outputs (as OutputSchema)."""
-    mesh_axes = None if RUNTIME.mesh is None else RUNTIME.mesh.axis_names
-    network = Network.from_request(inputs, resident, mesh_axes=mesh_axes)
+    axes = None if RUNTIME.mesh is None else RUNTIME.mesh.axis_names
+    network = Network.from_request(inputs, resident, mesh_axes=axes)
     y, per_layer = network.run(inputs["x"], return_w_q=inputs["return_w_q"])
     asked = inputs["return_w_q"] or inputs["return_weight_error"]
     return {"y": y, "layers": per_layer if asked else None}
 
 
 # compiled; concurrent requests on the resident model merge along x's rows
-# (RUNTIME's batcher: QARRAY_MAX_BATCH_ROWS, QARRAY_BATCH_WAIT_MS)
 ENDPOINTS = Endpoints(RUNTIME, _outputs, lambda: (RUNTIME.resident,), ["x"])
 apply_jit = ENDPOINTS.apply_jit  # what tesseract-core's jax_recipes differentiate
-
-
-def _as_dict(inputs: InputSchema) -> dict:
-    """inputs.model_dump(), without its cost (visible on small requests)."""
-    out = dict(inputs)
-    if inputs.layers is not None:
-        out["layers"] = [
-            {**dict(layer), "w_q": None if layer.w_q is None else dict(layer.w_q)}
-            for layer in inputs.layers
-        ]
-    if inputs.lora is not None:
-        out["lora"] = [None if e is None else dict(e) for e in inputs.lora]
-    return out
-
-
-def _mergeable(inputs: InputSchema) -> bool:
-    """Whether the request may merge with others (``Rows.job``): the
-    resident model on rows of x, adapters (if any) one per request, no
-    per-layer outputs."""
-    if inputs.layers is not None or inputs.x.ndim < 2:
-        return False
-    if inputs.return_w_q or inputs.return_weight_error:
-        return False
-    return inputs.lora is None or (
-        RUNTIME.mesh is None
-        and all(e is None or e.a.ndim + e.b.ndim <= 4 for e in inputs.lora)
-    )
 
 
 def apply(inputs: InputSchema) -> OutputSchema:
     """The network's output y (and per-layer diagnostics when asked)."""
     store = RUNTIME.cache.arriving(inputs.cache_pays())
-    return ENDPOINTS.apply(_as_dict(inputs), _mergeable(inputs), store)
+    return ENDPOINTS.apply(qt.request_dict(inputs), inputs.mergeable(), store)
 
 
-def abstract_eval(abstract_inputs):
-    """Output shapes and dtypes from input shapes and dtypes, without computing."""
-    return ENDPOINTS.abstract_eval(abstract_inputs)
+abstract_eval = ENDPOINTS.abstract_eval  # shapes and dtypes, without computing
 
 
-# --- gradient endpoints: request checks the schemas cannot express, then the
-# shared endpoints
-
-
-def _given(inputs: InputSchema, paths: set[str], field: str) -> dict[str, tuple]:
-    return qt.given_paths(inputs, paths, field, InputSchema.lookup)
+# --- gradient endpoints: the request's paths and vectors checked, then computed
 
 
 def jacobian(inputs: InputSchema, jac_inputs: set[str], jac_outputs: set[str]):
     """d y / d (jac_inputs), each of shape y.shape + input.shape."""
-    shapes = _given(inputs, jac_inputs, "jac_inputs")
-    shape = inputs.network_shape()
-    y, advice = shape.y, ": use vector_jacobian_product or jacobian_vector_product"
-    try:  # jacrev runs one backward pass per element of y
-        passes = math.prod(y)
-        LIMITS.check_work(
-            shape.rows, shape.widths, passes, f", once per element of y {y}"
-        )
-        for path, input_shape in shapes.items():
-            what = f"the Jacobian of y {y} with respect to {path} {input_shape}"
-            LIMITS.check_elements(what, passes * math.prod(input_shape))
-    except ValueError as error:
-        raise qt.unprocessable(f"{error}{advice}") from None
+    given, y = inputs.given(jac_inputs, "jac_inputs"), inputs.network_shape().y
+    ENDPOINTS.check_jacobian({"y": y}, given, inputs.check_jacobian_work)
     return ENDPOINTS.jacobian(inputs, jac_inputs, jac_outputs)
 
 
@@ -270,26 +222,29 @@ def jacobian_vector_product(
     inputs: InputSchema, jvp_inputs, jvp_outputs, tangent_vector
 ):
     """Tangent of y for tangents of jvp_inputs (each shaped like its input)."""
-    _given(inputs, jvp_inputs, "jvp_inputs")
+    inputs.given(jvp_inputs, "jvp_inputs")
     tangents = qt.checked_vectors(
         "tangent_vector", tangent_vector, lambda p: (p, inputs.lookup(p).shape)
     )
     return ENDPOINTS.jacobian_vector_product(
-        inputs, _as_dict(inputs), _mergeable(inputs), jvp_inputs, jvp_outputs,
-        tangents,
-    )  # fmt: skip
+        inputs, jvp_inputs, jvp_outputs, tangents, mergeable=inputs.mergeable()
+    )
 
 
 def vector_jacobian_product(
     inputs: InputSchema, vjp_inputs, vjp_outputs, cotangent_vector
 ):
     """Cotangents of vjp_inputs for a cotangent of y (shaped like y)."""
-    _given(inputs, vjp_inputs, "vjp_inputs")
+    inputs.given(vjp_inputs, "vjp_inputs")
     y = inputs.network_shape().y
     cotangents = qt.checked_vectors(
         "cotangent_vector", cotangent_vector, lambda p: ("y", y)
     )
     return ENDPOINTS.vector_jacobian_product(
-        inputs, _as_dict(inputs), _mergeable(inputs), vjp_inputs, vjp_outputs,
-        cotangents, {"y": y},
-    )  # fmt: skip
+        inputs,
+        vjp_inputs,
+        vjp_outputs,
+        cotangents,
+        {"y": y},
+        mergeable=inputs.mergeable(),
+    )

@@ -8,7 +8,8 @@ import it and which it imports neither of.
 - the shape rules, one function for declared and traced shapes
   (``network_shape``, ``layer_shapes``, ``linear_shapes``: ``LayerShapes``,
   ``NetworkShape``; ``check_adapter_shapes``), their errors named by the
-  contract's paths; the contract's vocabulary (``LAYOUTS``, ``PRECISIONS``).
+  contract's paths; the contract's vocabulary (``LAYOUTS``, ``PRECISIONS``,
+  ``DEFAULT_GROUP_SIZE``).
 
 ``qarray.tesseract.Network`` and ``qarray.tesseract.internal``'s names are
 these, re-exported where they were first published.
@@ -16,6 +17,7 @@ these, re-exported where they were first published.
 
 from ._network import ACTIVATIONS as ACTIVATIONS
 from ._network import Network as Network
+from ._shapes import DEFAULT_GROUP_SIZE as DEFAULT_GROUP_SIZE
 from ._shapes import LAYOUTS as LAYOUTS
 from ._shapes import PRECISIONS as PRECISIONS
 from ._shapes import LayerShapes as LayerShapes

@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Self
 from pydantic import BaseModel, model_validator
 
 from ..network import LayerShapes, NetworkShape, layer_shapes, network_shape
+from ._endpoints import given_paths
 from ._limits import (
     declared_shape,
     quantized_payload,
@@ -148,6 +149,35 @@ class NetworkRequest(BaseModel):
         return lookup_path(self, path)
 
     check_gradient_path = lookup  # what the gradient endpoints' schemas call
+
+    def mergeable(self) -> bool:
+        """Whether the request may merge with others (``Rows.job``): the
+        resident model on rows of x, adapters (if any) one per request, no
+        per-layer outputs."""
+        if self.layers is not None or self.x.ndim < 2:
+            return False
+        if self.return_w_q or self.return_weight_error:
+            return False
+        return self.lora is None or (
+            self.runtime.mesh is None
+            and all(e is None or e.a.ndim + e.b.ndim <= 4 for e in self.lora)
+        )
+
+    def check_jacobian_work(self, passes: int, name: str, shape: tuple) -> None:
+        """jacrev's ``passes`` backward passes (one per element of output
+        ``name``, of ``shape``) within the work limit (``QARRAY_MAX_WORK``)."""
+        network = self.network_shape()
+        self.runtime.limits.check_work(
+            network.rows,
+            network.widths,
+            passes,
+            f", once per element of {name} {shape}",
+        )
+
+    def given(self, paths, field: str) -> dict[str, tuple]:
+        """Each of ``paths``' shapes, a 422 naming ``field`` for one the
+        request did not give."""
+        return given_paths(self, paths, field, type(self).lookup)
 
     def cache_pays(self) -> bool:
         """Whether apply should keep its pullback (``ResidualCache.pays``)."""

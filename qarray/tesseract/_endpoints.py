@@ -13,10 +13,12 @@ The API module checks a request (its schemas, its 422s) and calls these.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+from pydantic import BaseModel
 from tesseract_core.runtime import jax_recipes
 
 from ._batching import Rows
@@ -66,18 +68,48 @@ class Endpoints:
         """Output shapes and dtypes from input shapes and dtypes."""
         return jax_recipes.jax_abstract_eval(self.apply_jit, abstract_inputs)
 
+    def check_jacobian(
+        self,
+        outputs: dict[str, tuple],
+        inputs: dict[str, tuple],
+        work: Callable[[int, str, tuple], None] | None = None,
+    ) -> None:
+        """A 422 where a Jacobian asked for is past the limits: of each of
+        ``outputs`` (name -> shape) with respect to each of ``inputs`` (path
+        -> shape), ``Limits.check_elements``; ``work(passes, name, shape)``
+        (jacrev runs one backward pass per element of the output) may refuse
+        too."""
+        try:
+            for name, out in sorted(outputs.items()):
+                passes = math.prod(out)
+                if work is not None:
+                    work(passes, name, out)
+                for path, shape in inputs.items():
+                    self.runtime.limits.check_elements(
+                        f"the Jacobian of {name} {out} with respect to {path} {shape}",
+                        passes * math.prod(shape),
+                    )
+        except ValueError as error:
+            raise unprocessable(
+                f"{error}: use vector_jacobian_product or jacobian_vector_product"
+            ) from None
+
     def jacobian(self, inputs, jac_inputs, jac_outputs) -> dict:
-        """d outputs / d inputs (the caller bounded their size), in the
-        batcher's turn."""
+        """d outputs / d inputs (``check_jacobian`` bounded their size), in
+        the batcher's turn."""
         return self.runtime.batcher.call(
             lambda: jax_recipes.jax_jacobian(
                 self.apply_jit, inputs, jac_inputs, jac_outputs
             )
         )
 
-    def jacobian_vector_product(self, inputs, request: dict, mergeable: bool,
-                                jvp_inputs, jvp_outputs, tangents) -> dict:  # fmt: skip
-        """Tangents of ``jvp_outputs`` for ``tangents`` (checked, by path)."""
+    def jacobian_vector_product(self, inputs, jvp_inputs, jvp_outputs, tangents, *,
+                                mergeable: bool = False, request: dict | None = None,
+                                ) -> dict:  # fmt: skip
+        """Tangents of ``jvp_outputs`` for ``tangents`` (checked, by path);
+        ``mergeable``: it may merge with other requests; ``request``:
+        ``request_dict(inputs)`` where the caller has it."""
+        request = request_dict(inputs) if request is None else request
         job = self.rows.job(
             "jvp",
             request if mergeable else None,
@@ -90,13 +122,14 @@ class Endpoints:
         )
         return self.rows.run(job)
 
-    def vector_jacobian_product(self, inputs, request: dict, mergeable: bool,
-                                vjp_inputs, vjp_outputs, cotangents: dict,
-                                shapes: dict) -> dict:  # fmt: skip
+    def vector_jacobian_product(self, inputs, vjp_inputs, vjp_outputs, cotangents: dict,
+                                shapes: dict, *, mergeable: bool = False,
+                                request: dict | None = None) -> dict:  # fmt: skip
         """Cotangents of ``vjp_inputs`` for ``cotangents`` (checked, by
         output name); ``shapes``: every differentiable output's shape (those
         without a cotangent get zeros: the cached pullback and a merged
-        batch take them all)."""
+        batch take them all). ``mergeable``, ``request``: as for the JVP."""
+        request = request_dict(inputs) if request is None else request
         full = {
             name: cotangents.get(name, np.zeros(shape, np.float32))
             for name, shape in shapes.items()
@@ -115,6 +148,22 @@ class Endpoints:
             vectors=full,
         )
         return self.rows.run(job)
+
+
+def request_dict(inputs: BaseModel) -> dict:
+    """``inputs.model_dump()`` without its cost (visible on small requests):
+    nested models as dicts, lists as lists, arrays and values as they are."""
+
+    def plain(value):
+        if isinstance(value, BaseModel):
+            return {name: plain(field) for name, field in value}
+        if isinstance(value, dict):  # a plain dict (JAX's pytree node)
+            return {name: plain(field) for name, field in value.items()}
+        if isinstance(value, list):
+            return [plain(item) for item in value]
+        return value
+
+    return plain(inputs)
 
 
 def given_paths(inputs: Any, paths, field: str, lookup: Callable) -> dict[str, tuple]:

@@ -44,7 +44,6 @@ resident int8 / int4 model (QLoRA) by sending and receiving the adapters.
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -59,7 +58,7 @@ from tesseract_core.runtime import Array, Differentiable, Float32
 
 from ..checkpoint import ModelFileError, load_quantized
 from ..nn import QuantConfig, adapter_shapes, with_adapters
-from ._endpoints import Endpoints, given_paths
+from ._endpoints import Endpoints, given_paths, request_dict
 from ._jit import merge_request, split_request
 from ._limits import require_finite
 from ._paths import lookup_path
@@ -270,7 +269,7 @@ class ModelTesseract:
 
     def apply(self, inputs: BaseModel) -> dict:
         """The model's outputs."""
-        cache, request = self.runtime.cache, inputs.model_dump()
+        cache, request = self.runtime.cache, request_dict(inputs)
         outputs = self._float_outputs(self.output_shapes(request))
         # a model is taken as nonlinear: its pullback pays for itself
         store = cache.arriving(
@@ -285,21 +284,10 @@ class ModelTesseract:
     def jacobian(self, inputs: BaseModel, jac_inputs, jac_outputs) -> dict:
         """d outputs / d inputs, each of shape output.shape + input.shape."""
         shapes = given_paths(inputs, jac_inputs, "jac_inputs", lookup_path)
-        out = self.output_shapes(inputs.model_dump())
-        for name in sorted(jac_outputs):
-            for path, shape in shapes.items():
-                what = (
-                    f"the Jacobian of {name} {out[name].shape} with respect "
-                    f"to {path} {shape}"
-                )
-                try:
-                    size = math.prod(out[name].shape) * math.prod(shape)
-                    self.limits.check_elements(what, size)
-                except ValueError as error:
-                    raise unprocessable(
-                        f"{error}: use vector_jacobian_product or "
-                        "jacobian_vector_product"
-                    ) from None
+        out = self.output_shapes(request_dict(inputs))
+        self.endpoints.check_jacobian(
+            {name: tuple(out[name].shape) for name in jac_outputs}, shapes
+        )
         return self.endpoints.jacobian(inputs, jac_inputs, jac_outputs)
 
     def jacobian_vector_product(
@@ -308,11 +296,11 @@ class ModelTesseract:
         """Tangents of jvp_outputs for tangents of jvp_inputs."""
         shapes = given_paths(inputs, jvp_inputs, "jvp_inputs", lookup_path)
         tangents = checked_vectors("tangent_vector", tangent_vector, _known(shapes))
-        request = inputs.model_dump()
+        request = request_dict(inputs)
         self.output_shapes(request)  # a 422 for inputs the model cannot take
         return self.endpoints.jacobian_vector_product(
-            inputs, request, self._mergeable(request), jvp_inputs, jvp_outputs,
-            tangents,
+            inputs, jvp_inputs, jvp_outputs, tangents,
+            mergeable=self._mergeable(request), request=request,
         )  # fmt: skip
 
     def vector_jacobian_product(
@@ -320,7 +308,7 @@ class ModelTesseract:
     ) -> dict:
         """Cotangents of vjp_inputs for cotangents of vjp_outputs."""
         given_paths(inputs, vjp_inputs, "vjp_inputs", lookup_path)
-        request = inputs.model_dump()
+        request = request_dict(inputs)
         out = self.output_shapes(request)
         shapes = {name: tuple(out[name].shape) for name in vjp_outputs if name in out}
         cotangents = checked_vectors(
@@ -328,8 +316,8 @@ class ModelTesseract:
         )
         floats = {name: out[name].shape for name in self._float_outputs(out)}
         return self.endpoints.vector_jacobian_product(
-            inputs, request, self._mergeable(request), vjp_inputs, vjp_outputs,
-            cotangents, floats,
+            inputs, vjp_inputs, vjp_outputs, cotangents, floats,
+            mergeable=self._mergeable(request), request=request,
         )  # fmt: skip
 
 

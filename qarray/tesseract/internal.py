@@ -10,6 +10,7 @@ _WHERE = {
     "ACTIVATIONS": "..network",
     "LAYOUTS": "..network",
     "PRECISIONS": "..network",
+    "DEFAULT_GROUP_SIZE": "..network",
     "LayerShapes": "..network",
     "NetworkShape": "..network",
     "check_adapter_shapes": "..network",
@@ -27,6 +28,7 @@ _WHERE = {
     "require_finite": "._limits",
     "lookup_path": "._paths",
     "given_paths": "._endpoints",
+    "request_dict": "._endpoints",
     # serving machinery
     "Batcher": "._batching",
     "ResidualCache": "._cache",
