@@ -77,13 +77,7 @@ from jax import lax
 
 from . import _ffi
 from ._numerics import dequantize_groups, dequantize_rows, quantize_rows
-from ._thresholds import (  # noqa: F401 (INT4_GEMM_ROWS, KN_DOT_INT8_ROWS: their old home)
-    INT4_GEMM_ROWS,
-    KERNEL_GEMM_ROWS,
-    KERNEL_TILE_ROWS,
-    KN_DOT_INT8_ROWS,
-    SPLIT_LEVELS,
-)
+from ._thresholds import KERNEL_GEMM_ROWS, KERNEL_TILE_ROWS, SPLIT_LEVELS
 
 # lhs[m, k] . rhs[k, n]: contract lhs's columns with rhs's rows (matmul_q)
 _ROWS_BY_COLS = (((1,), (0,)), ((), ()))
