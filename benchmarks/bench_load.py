@@ -34,6 +34,7 @@ import contextlib
 import json
 import statistics
 import tempfile
+import time
 import urllib.request
 from pathlib import Path
 
@@ -42,7 +43,15 @@ import numpy as np
 from benchmarks import bench_e2e
 from benchmarks.wrk import run_wrk
 from qarray.tesseract import _metrics as metrics
-from support.server import ROOT, RUNTIME, b64, decode, serve, server_pss
+from support.server import (
+    ROOT,
+    RUNTIME,
+    b64,
+    decode,
+    serve,
+    server_processes,
+    server_pss,
+)
 
 OURS, DENSE = ROOT / "tesseract_api.py", ROOT / "benchmarks/dense_api.py"
 FNO = ROOT / "examples/neural_operator/tesseract_api.py"
@@ -438,13 +447,14 @@ def memory_rows(tmp: Path, depth: int = 4, width: int = 8192) -> list[dict]:
         env = {"QARRAY_MODEL": str(model)}
         with serve(folder, OURS, env=env, workers=workers, timeout=600) as url:
             ys = []
-            for _ in range(8 * workers):  # new connections: both workers answer
+            def apply():  # a new connection: whichever worker accepts it
                 request = urllib.request.Request(
                     f"{url}/apply", body, {"Content-Type": "application/json"}
                 )
                 with urllib.request.urlopen(request, timeout=120) as response:
-                    ys.append(decode(json.loads(response.read()))["y"])
-            answers[workers] = ys
+                    return decode(json.loads(response.read()))["y"]
+
+            answers[workers] = _until_every_worker_computed(url, workers, apply)
             pss[workers] = server_pss(url)
     same = all(np.array_equal(y, answers[1][0]) for y in answers[1] + answers[2])
     if not same:
@@ -466,6 +476,30 @@ def memory_rows(tmp: Path, depth: int = 4, width: int = 8192) -> list[dict]:
             },
         }
     ]
+
+
+def _until_every_worker_computed(url: str, workers: int, apply, timeout=300):
+    """``apply()``'s answers, called until each of ``workers`` workers has
+    computed with the whole model (its pages of the weights resident: with
+    several workers, of the shared segment), or a RuntimeError. uvicorn
+    hands a new connection to whichever worker accepts it first, often the
+    same one, and an idle or still-starting worker's PSS would flatter the
+    total."""
+    deadline = time.monotonic() + timeout
+    answers = [apply()]
+    while workers > 1:
+        computed = 0
+        for worker in server_processes(url)[1:]:
+            text = Path(f"/proc/{worker.pid}/smaps").read_text()
+            for mapping in text.split(".weights\n")[1:]:  # the fields after it
+                fields = dict(line.split()[:2] for line in mapping.splitlines()[:6])
+                computed += int(fields["Rss:"]) >= 0.9 * int(fields["Size:"])
+        if computed >= workers:
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{computed} of {workers} workers computed")
+        answers.append(apply())
+    return answers
 
 
 def table(rows) -> str:

@@ -159,12 +159,8 @@ def server_processes(url) -> list[psutil.Process]:
 
 
 def _is_server(proc: psutil.Process) -> bool:
-    """qarray-serve, or the supervisor it became with workers
-    (qarray/tesseract/_supervisor.py run by path)."""
-    argv = proc.cmdline()
-    if len(argv) > 1 and argv[1].endswith("qarray/tesseract/_supervisor.py"):
-        return True
-    return "qarray-serve" in " ".join(argv)
+    """qarray-serve (with workers: the supervisor and the workers it forked)."""
+    return "qarray-serve" in " ".join(proc.cmdline())
 
 
 def server_rss(url) -> int:

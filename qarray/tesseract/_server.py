@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import shutil
-import sys
 import tempfile
 from importlib import resources
 from pathlib import Path
@@ -38,8 +36,7 @@ from ._memory import keep_freed_memory
 from ._metrics import MetricsRoute
 from ._settings import Settings, SettingsError
 from ._shared_weights import SHARED_WEIGHTS_ENV, make_shared_folder
-from ._supervisor import APP, KEEP_ALIVE_S, stop_when_closed
-from ._supervisor import command as supervisor_command
+from ._supervisor import APP, KEEP_ALIVE_S, stop_when_closed, supervise
 from ._workarounds import endpoints_off_event_loop
 
 # set by main for its workers: a folder of one lock file per worker slot
@@ -167,10 +164,11 @@ def serve(argv: list[str]) -> int | None:
     except SettingsError as error:
         parser.exit(2, f"qarray-serve: {error}\n")
 
-    if args.num_workers > 1:
-        _supervise(args)  # does not return
     if args.parent_pipe_fd is not None:
         stop_when_closed(args.parent_pipe_fd)
+    if args.num_workers > 1:
+        _supervise(args)
+        return None
     import uvicorn
 
     uvicorn.run(
@@ -192,15 +190,4 @@ def _supervise(args) -> None:
     os.environ[_WORKER_SLOTS] = f"{slots}:{args.num_workers}"
     shared = make_shared_folder()
     os.environ[SHARED_WEIGHTS_ENV] = str(shared)
-    if args.parent_pipe_fd is not None:  # the watched pipe crosses the exec
-        os.set_inheritable(args.parent_pipe_fd, True)
-    argv = supervisor_command(
-        args.host, args.port, args.num_workers, shared, args.parent_pipe_fd
-    )
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-        os.execv(argv[0], argv)
-    except OSError:
-        shutil.rmtree(shared, ignore_errors=True)
-        raise
+    supervise(args.host, args.port, args.num_workers, (Path(slots), shared))

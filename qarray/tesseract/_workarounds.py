@@ -45,15 +45,22 @@ Checked against tesseract-core 1.15.0.
    response waits out Nagle's algorithm against the client's delayed ACK:
    measured 48 ms for a tiny request with two workers against 1.7 ms with
    one, stock ``tesseract-runtime serve`` alike.
-   ``_supervisor.install_nodelay_listener`` makes ``bind_socket`` set
-   TCP_NODELAY on the listening socket, which the accepted connections
-   inherit (Linux); it lives there because the supervisor may not import
-   this module (it would import JAX).
+   ``install_nodelay_listener`` makes ``bind_socket`` set TCP_NODELAY on the
+   listening socket, which the accepted connections inherit (Linux).
+5. **Every worker a fresh interpreter** (uvicorn 0.54). uvicorn starts its
+   workers through ``multiprocessing``'s "spawn" context, a module-level
+   ``uvicorn._subprocess.spawn`` with no option to change it, so each worker
+   imports JAX, tesseract-core and FastAPI into a private heap.
+   ``fork_workers`` gives that module the "fork" context instead: the
+   workers are forked from a supervisor that imported those modules
+   (``_supervisor``), and share their pages.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -79,6 +86,31 @@ def checked_input_path(path: str, info) -> str:
         except ValueError as error:
             raise ValueError(f"{info.field_name}: {error}") from None
     return path
+
+
+def install_nodelay_listener() -> None:
+    """Workaround 4 (module doc); idempotent."""
+    from uvicorn.config import Config
+
+    if getattr(Config.bind_socket, "sets_nodelay", False):
+        return
+    upstream = Config.bind_socket
+
+    def bind_socket(self):
+        sock = upstream(self)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    bind_socket.sets_nodelay = True
+    Config.bind_socket = bind_socket
+
+
+def fork_workers() -> None:
+    """Workaround 5 (module doc): uvicorn's workers forked, not spawned."""
+    from uvicorn import _subprocess
+
+    _subprocess.spawn = multiprocessing.get_context("fork")
 
 
 def install_gradient_path_check() -> None:

@@ -1,7 +1,8 @@
-"""The multi-worker supervisor (qarray/tesseract/_supervisor.py): no JAX in
-it, the workers it starts answer, the shared weights' folder and the port
-go when it stops; and _workarounds' workaround 4 (TCP_NODELAY on uvicorn's
-multi-worker socket), which lives there, pinned against uvicorn."""
+"""The multi-worker supervisor (qarray/tesseract/_supervisor.py): it
+starts no JAX backend, its workers are its forks and share its imports'
+pages, they answer, and the shared weights' folder and the port go when it
+stops; _workarounds' workarounds 4 (TCP_NODELAY on uvicorn's multi-worker
+socket) and 5 (uvicorn's workers forked), pinned against uvicorn."""
 
 import os
 import signal
@@ -15,18 +16,30 @@ import psutil
 import requests
 
 from qarray.checkpoint import save_model
-from qarray.tesseract import _supervisor
+from qarray.tesseract import _workarounds
 from support import network as net
 from support.server import b64, decode, serve, server_processes
 
 
-def _jax_libraries(pid: int) -> set[str]:
-    """The files of jaxlib (XLA's extension among them) process pid maps."""
-    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
-    return {line.split()[-1] for line in maps if "/jaxlib/" in line}
+def _thread_names(pid: int) -> set[str]:
+    tasks = Path(f"/proc/{pid}/task")
+    return {(t / "comm").read_text().strip() for t in tasks.iterdir()}
 
 
-def test_the_supervisor_holds_no_jax_and_its_workers_answer(tmp_path):
+def _shared_anonymous_mib(pid: int) -> float:
+    """MiB of pid's anonymous memory (its heap and Python's arenas) that it
+    shares with other processes: only a fork shares those pages."""
+    total, anonymous = 0, False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and not fields[0].endswith(":"):
+            anonymous = len(fields) < 6 or fields[5] == "[heap]"
+        elif anonymous and fields[0] in ("Shared_Clean:", "Shared_Dirty:"):
+            total += int(fields[1])
+    return total / 1024
+
+
+def test_the_workers_are_forks_that_share_the_supervisors_imports(tmp_path):
     rng = np.random.default_rng(4)
     layers = [net.make_layer(rng, 32, 8, "nk", "w_q", True, "relu")]
     model = tmp_path / "model.safetensors"
@@ -43,12 +56,17 @@ def test_the_supervisor_holds_no_jax_and_its_workers_answer(tmp_path):
                 decode(r.json())["y"], want, rtol=2e-4, atol=2e-4
             )
         supervisor, *children = server_processes(url)
-        argv = supervisor.cmdline()
-        assert argv[1] == str(Path(_supervisor.__file__).resolve()), argv
-        assert not _jax_libraries(supervisor.pid)
-        assert sum(bool(_jax_libraries(c.pid)) for c in children) == 2
-        shared = Path(argv[argv.index("--shared-folder") + 1])
-        assert [p.suffix for p in shared.iterdir()].count(".weights") == 1
+        workers = [c for c in children if c.cmdline() == supervisor.cmdline()]
+        assert len(workers) == 2, [c.cmdline() for c in children]
+        # JAX imported but never started there: no XLA thread, no model
+        assert not any("XLA" in n for n in _thread_names(supervisor.pid))
+        assert ".weights" not in Path(f"/proc/{supervisor.pid}/maps").read_text()
+        # the imports' heap is shared with the supervisor (spawned: ~0)
+        for worker in workers:
+            assert _shared_anonymous_mib(worker.pid) > 16, worker.pid
+        maps = Path(f"/proc/{workers[0].pid}/maps").read_text().splitlines()
+        (segment,) = {line.split()[-1] for line in maps if line.endswith(".weights")}
+        shared = Path(segment).parent
     # stopped (SIGTERM to the PID qarray-serve had): the segment is memory
     # while it exists, so it goes with the server
     assert not shared.exists()
@@ -56,8 +74,8 @@ def test_the_supervisor_holds_no_jax_and_its_workers_answer(tmp_path):
 
 
 def test_the_supervisor_stops_when_its_client_pipe_closes(tmp_path):
-    """The pipe Tesseract.from_source hands qarray-serve crosses the exec:
-    its client gone, the supervisor and its workers stop."""
+    """The pipe Tesseract.from_source hands qarray-serve: its client gone,
+    the supervisor and its workers stop."""
     read, write = os.pipe()
     env = {
         **os.environ,
@@ -84,13 +102,15 @@ def test_the_supervisor_stops_when_its_client_pipe_closes(tmp_path):
     os.close(read)
     try:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and "_supervisor.py" not in " ".join(
-            psutil.Process(proc.pid).cmdline()
-        ):
+        supervisor = psutil.Process(proc.pid)
+        while time.monotonic() < deadline and len(supervisor.children()) < 2:
             time.sleep(0.1)
-        assert "_supervisor.py" in " ".join(psutil.Process(proc.pid).cmdline())
+        workers = supervisor.children()
+        assert len(workers) == 2
         os.close(write)
         assert proc.wait(timeout=30) is not None
+        psutil.wait_procs(workers, timeout=30)
+        assert not any(w.is_running() and w.status() != "zombie" for w in workers)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
@@ -112,8 +132,8 @@ def test_uvicorn_binds_a_protocol_zero_socket_and_nodelay_fixes_it():
         assert sock.proto == 0
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 0
         sock.close()
-        _supervisor.install_nodelay_listener()
-        _supervisor.install_nodelay_listener()  # idempotent
+        _workarounds.install_nodelay_listener()
+        _workarounds.install_nodelay_listener()  # idempotent
         sock = Config("x:app", host="127.0.0.1", port=0, workers=2).bind_socket()
         sock.listen()
         client = socket.create_connection(sock.getsockname())
@@ -123,3 +143,24 @@ def test_uvicorn_binds_a_protocol_zero_socket_and_nodelay_fixes_it():
             s.close()
     finally:
         Config.bind_socket = upstream
+
+
+def test_uvicorn_spawns_its_workers_and_fork_workers_forks_them():
+    import multiprocessing
+
+    from uvicorn import _subprocess
+    from uvicorn.config import Config
+
+    assert _subprocess.spawn is multiprocessing.get_context("spawn")
+    config = Config("x:app", workers=2)
+    upstream = _subprocess.spawn
+    try:
+        assert _subprocess.get_subprocess(config, print, []).__class__.__name__ == (
+            "SpawnProcess"
+        )
+        _workarounds.fork_workers()
+        assert _subprocess.get_subprocess(config, print, []).__class__.__name__ == (
+            "ForkProcess"
+        )
+    finally:
+        _subprocess.spawn = upstream
