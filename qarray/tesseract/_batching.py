@@ -119,6 +119,11 @@ class Batcher:
         # requests the server has read and validated, not yet queued
         # (``expect`` / ``arriving``): a leader waits for them, briefly
         self._arriving = 0
+        # requests the last batch answered whose next requests have not come
+        # yet: under load their clients send again while the next batch
+        # forms, and a leader waits for them too (up to arriving_wait_s)
+        # rather than compute half the clients' rows, then the other half's
+        self._returning = 0
         self._mine = threading.local()  # .arrival: the request this thread serves
         # merged calls so far, the jobs they answered, and merged calls that
         # failed and fell back to each job alone (tests, benchmarks)
@@ -130,7 +135,10 @@ class Batcher:
     def run(self, job: Job) -> Any:
         """``job``'s answer (its exception raised), once a batch computed it."""
         with self._cond:
-            self._close(getattr(self._mine, "arrival", None))
+            arrival = getattr(self._mine, "arrival", None)
+            if arrival is None:  # not expected (in-process): it returned now
+                self._returning = max(self._returning - 1, 0)
+            self._close(arrival)
             self._queue.append(job)
             if self._forming:
                 self._cond.notify_all()  # only a forming leader waits on it
@@ -167,6 +175,7 @@ class Batcher:
         request that never gets there."""
         with self._cond:
             self._arriving += 1
+            self._returning = max(self._returning - 1, 0)
         return Arrival()
 
     @contextlib.contextmanager
@@ -218,6 +227,8 @@ class Batcher:
             for job, (result, error) in zip(batch, answers, strict=True):
                 job.result, job.error, job.done = result, error, True
                 job.wake.set()
+            if self._queue:  # under load: the answered may be back soon
+                self._returning = sum(job.key is not None for job in batch)
             self._promote()
 
     def _promote(self) -> None:
@@ -235,21 +246,25 @@ class Batcher:
 
     def _take(self) -> list[Job]:
         """The next batch, out of the queue (lock held): after up to
-        ``wait_ms``, or while requests are still arriving (up to
+        ``wait_ms``, or while requests are still arriving or the last
+        batch's clients may be about to send again (up to
         ``arriving_wait_s``), for more rows."""
         fixed = self.wait_s > 0
-        if (fixed or self._arriving) and self._rows_like_head() < self.max_rows:
+        if (fixed or self._arriving or self._returning) and (
+            self._rows_like_head() < self.max_rows
+        ):
             self._forming = True
             start = time.monotonic()
             deadline = start + (self.wait_s if fixed else self.arriving_wait_s)
             try:
                 while self._rows_like_head() < self.max_rows:
                     left = deadline - time.monotonic()
-                    if left <= 0 or not (fixed or self._arriving):
+                    if left <= 0 or not (fixed or self._arriving or self._returning):
                         break
                     self._cond.wait(left)
             finally:
                 self._forming = False
+        self._returning = 0  # those not back yet join the next batch
         if not self._queue:
             return []
         head = self._queue[0]

@@ -1,15 +1,19 @@
-"""glibc's malloc, tuned for a server of big requests and for resident models.
+"""A server's memory: glibc's malloc tuned for big requests and resident
+models, and Python's collector kept off what start-up made.
 
 Each worker keeps freed heap mapped for the next request
 (``keep_freed_memory``): page faults on fresh memory cost more than the rest
 of a big request on the VMs this was measured on (docs/performance-notes.md).
 After a model is loaded, what its loading freed goes back to the system
-(``release_freed_memory``).
+(``release_freed_memory``). Once started, a worker moves every object so far
+(its imports, the API module, the model) out of the collector's reach
+(``freeze_startup_objects``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 
 # glibc's malloc gives a freed block of more than its (dynamic) threshold back
@@ -47,3 +51,17 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to do
         pass
+
+
+def freeze_startup_objects() -> None:
+    """Collect, then freeze every object left (``gc.freeze``): the modules,
+    the API module and the model live as long as the process. Python's full
+    collection walks every tracked object while it holds the GIL: with JAX,
+    FastAPI and tesseract-core imported that stopped every request in the
+    worker for tens of milliseconds each time one ran: the p99 of a server
+    under load (docs/performance-notes.md); frozen, it walks what requests
+    made. A
+    process forked after this shares those objects' pages, since the
+    collector never writes to them."""
+    gc.collect()
+    gc.freeze()

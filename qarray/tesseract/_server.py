@@ -32,7 +32,7 @@ from importlib import resources
 from pathlib import Path
 
 from ._guard import RequestGuard, validation_error_response
-from ._memory import keep_freed_memory
+from ._memory import freeze_startup_objects, keep_freed_memory
 from ._metrics import MetricsRoute
 from ._settings import Settings, SettingsError
 from ._shared_weights import SHARED_WEIGHTS_ENV, make_shared_folder
@@ -141,7 +141,9 @@ def create_app():
     config = get_config()
     docs = OfflineDocs(served, title=f"{config.name or 'Tesseract'} - API docs")
     metrics = MetricsRoute(docs, batcher)
-    return RequestGuard(metrics, settings, input_dir=Path(config.input_path))
+    guard = RequestGuard(metrics, settings, input_dir=Path(config.input_path))
+    freeze_startup_objects()  # the last thing start-up makes: its objects stay
+    return guard
 
 
 def serve(argv: list[str]) -> int | None:

@@ -9,14 +9,13 @@ started) imports those modules once, starting none of them (no JAX backend:
 XLA sizes its thread pool by the cores a worker claims, ``claim_cores``; no
 model: the workers load it, ``_shared_weights``), and forks the workers
 (``_workarounds.fork_workers``): their imports are the supervisor's pages,
-shared copy-on-write, and ``gc.freeze`` keeps the collector from writing to
-(and so copying) them. A worker restarted after a crash is forked from the
+shared copy-on-write, and frozen (``freeze_startup_objects``): the collector
+never writes to (and so copies) them. A worker restarted after a crash is forked from the
 same pages.
 """
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 import signal
@@ -57,9 +56,9 @@ def preload() -> None:
     import tesseract_core.runtime.serve  # noqa: F401
 
     from . import _runtime  # noqa: F401 (the resident model's, the batcher's)
+    from ._memory import freeze_startup_objects
 
-    gc.collect()
-    gc.freeze()
+    freeze_startup_objects()
 
 
 def _default_signals_in_child() -> None:

@@ -565,3 +565,51 @@ def test_an_arrival_that_never_queues_ends_the_wait():
     with pytest.raises(ValueError), batcher.arriving(arrival):
         raise ValueError("a 422 before the batcher")
     assert batcher._arriving == 0 and not arrival.open
+
+
+def test_a_leader_waits_for_the_clients_the_last_batch_answered():
+    # under load the clients of the batch that just finished send again
+    # while the next batch forms: its leader waits for them (up to
+    # arriving_wait_s, long before the 30 s here) instead of computing the
+    # rows queued so far, then theirs in a batch of their own (half batches
+    # in turn, each costing more a row)
+    batcher = Batcher(max_rows=8, max_running=1, arriving_wait_s=30)
+    jobs, calls = _jobs(batcher, 4)
+    release, holder = _busy(batcher)
+    first, _ = _run_all(batcher, jobs[:2])  # the batch that will finish
+    _wait_queued(batcher, 2)
+    release.set()
+    for t in [holder, *first]:
+        t.join(30)
+    assert calls == [("together", [0, 1])]
+    # a third client queued while a batch computed would lead alone once it
+    # ends; with that batch's client about to return it waits for it
+    release, started = threading.Event(), threading.Event()
+    busy = Job("k", 1, alone=lambda: started.set() or release.wait(30))
+    holder = threading.Thread(target=batcher.run, args=(busy,))
+    holder.start()
+    assert started.wait(30)
+    third, _ = _run_all(batcher, [jobs[2]])
+    _wait_queued(batcher, 1)
+    release.set()  # the batch ends with the third client queued
+    holder.join(30)
+    assert batcher._returning == 1  # the busy job's client (in-process)
+    back, _ = _run_all(batcher, [jobs[3]])
+    for t in [*third, *back]:
+        t.join(30)
+    assert calls[-1] == ("together", [2, 3])
+    assert batcher._returning == 0
+
+
+def test_a_lone_client_never_waits_for_itself():
+    # one client: its next request is the one the last batch answered, and
+    # it leads at once (the wait would be 30 s here)
+    batcher = Batcher(max_rows=8, max_running=1, arriving_wait_s=30)
+    jobs, calls = _jobs(batcher, 3)
+    start = time.monotonic()
+    for job in jobs:
+        arrival = batcher.expect()
+        with batcher.arriving(arrival):
+            batcher.run(job)
+    assert calls == [("alone", 0), ("alone", 1), ("alone", 2)]
+    assert time.monotonic() - start < 10

@@ -164,3 +164,25 @@ def test_uvicorn_spawns_its_workers_and_fork_workers_forks_them():
         )
     finally:
         _subprocess.spawn = upstream
+
+
+def test_a_started_worker_keeps_its_startup_objects_from_the_collector(tmp_path):
+    """create_app freezes what start-up made (the imports, the API module,
+    the model): a full collection walks only what requests made since."""
+    code = (
+        "import gc; from qarray.tesseract._server import create_app; "
+        "before = gc.get_freeze_count(); create_app(); "
+        "print(gc.get_freeze_count() - before, len(gc.get_objects()))"
+    )
+    env = {
+        **os.environ,
+        "TESSERACT_API_PATH": str(Path(__file__).parents[2] / "tesseract_api.py"),
+        "TESSERACT_OUTPUT_PATH": str(tmp_path),
+        "JAX_PLATFORMS": "cpu",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True,
+        timeout=120, check=True,
+    ).stdout.split()
+    frozen, tracked = int(out[-2]), int(out[-1])
+    assert frozen > 50_000 and tracked < frozen / 100, (frozen, tracked)
