@@ -446,7 +446,7 @@ def memory_rows(tmp: Path, depth: int = 4, width: int = 8192) -> list[dict]:
         folder = Path(tempfile.mkdtemp(dir=tmp))
         env = {"QARRAY_MODEL": str(model)}
         with serve(folder, OURS, env=env, workers=workers, timeout=600) as url:
-            ys = []
+
             def apply():  # a new connection: whichever worker accepts it
                 request = urllib.request.Request(
                     f"{url}/apply", body, {"Content-Type": "application/json"}

@@ -32,6 +32,8 @@ ACTIVATION_PRECISIONS = ("float32", "int8")
 # what a layer's weights are: int8 per row (the default), int4 per group of
 # ``group_size`` along K (layout "nk"), or float32 as given (not quantized)
 PRECISIONS = ("int8", "int4", "float32")
+# the quantized precisions' bits (``quantize(x, bits, group_size)``)
+PRECISION_BITS = {"int8": 8, "int4": 4}
 # a dense layer's weights: "kn" stored (K, N), one scale per input row (the
 # hijax doc's layout, matmul_q); "nk" stored (N, K), one scale per output
 # channel (PyTorch's and eqx.nn.Linear's weight, linear_q)
@@ -79,6 +81,23 @@ BITS = (8, 4)
 DEFAULT_GROUP_SIZE = 128  # int4: entries of a row per scale, GPTQ's and torchao's
 
 
+def check_group_size(name: str, group_size) -> int:
+    """``group_size`` (int4: values of a row per scale) once it is a positive
+    even int (two int4 values a byte), else a ValueError naming it as
+    ``name`` (the caller's spelling: a parameter, a field, a flag)."""
+    if (
+        not isinstance(group_size, int)
+        or isinstance(group_size, bool)
+        or group_size < 2
+        or group_size % 2
+    ):
+        raise ValueError(
+            f"{name} must be a positive even int (two int4 values a byte), "
+            f"got {group_size!r}."
+        )
+    return group_size
+
+
 def check_bits(name: str, bits, group_size) -> int | None:
     """The group size for ``bits`` (int4: ``group_size`` or the default, a
     positive even int; int8: none), or a ValueError naming the parameter."""
@@ -92,17 +111,7 @@ def check_bits(name: str, bits, group_size) -> int | None:
             )
         return None
     group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
-    if (
-        not isinstance(group_size, int)
-        or isinstance(group_size, bool)
-        or group_size < 2
-        or group_size % 2
-    ):
-        raise ValueError(
-            f"{name} requires group_size to be a positive even int (two int4 "
-            f"values per byte), got {group_size!r}."
-        )
-    return group_size
+    return check_group_size(f"{name}: group_size", group_size)
 
 
 def union_mat(a, b):

@@ -63,7 +63,9 @@ def run_tests(platform: str, seconds: float) -> dict:
         "timed_out": timed_out,
         "seconds": round(time.monotonic() - start, 1),
         "counts": counts,
-        "failures": [name for name, outcome in outcomes if outcome in ("FAILED", "ERROR")][:50],
+        "failures": [
+            name for name, outcome in outcomes if outcome in ("FAILED", "ERROR")
+        ][:50],
         "tail": stdout[-3000:] + stderr[-2000:],
     }
 
@@ -167,7 +169,11 @@ def main() -> int:
     print(f"tests: {report['tests']['counts']} in {report['tests']['seconds']} s")
     print(f"wrote {args.out}")
     tests = report["tests"]
-    return 0 if tests["returncode"] == 0 or (tests["timed_out"] and not tests["failures"]) else 1
+    return (
+        0
+        if tests["returncode"] == 0 or (tests["timed_out"] and not tests["failures"])
+        else 1
+    )
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from .._numerics import (
     relative_error4_np,
     relative_error_np,
 )
-from .._ops import LAYOUTS, PRECISIONS
+from .._ops import DEFAULT_GROUP_SIZE, LAYOUTS, PRECISIONS, check_group_size
 from ..network import ACTIVATIONS, Network
 from ..nn import Linear
 from ._errors import ModelFileError
@@ -134,13 +134,14 @@ def _layer(path, prefix: str, parts: dict, metadata: dict) -> ModelLayer:
             f"{path}: metadata {prefix}.precision must be one of {PRECISIONS}, got "
             f"{precision!r}"
         )
-    group_text = metadata.get(f"{prefix}.group_size", "128")
-    if not group_text.isdigit() or int(group_text) < 2 or int(group_text) % 2:
-        raise ModelFileError(
-            f"{path}: metadata {prefix}.group_size must be a positive even int, got "
-            f"{group_text!r}"
+    group_text = metadata.get(f"{prefix}.group_size", str(DEFAULT_GROUP_SIZE))
+    try:
+        group_size = check_group_size(
+            f"metadata {prefix}.group_size",
+            int(group_text) if group_text.isdigit() else group_text,
         )
-    group_size = int(group_text)
+    except ValueError as error:
+        raise ModelFileError(f"{path}: {error}") from None
     if precision == "int4" and layout != "nk":
         raise ModelFileError(
             f"{path}: {prefix} has precision 'int4', which needs layout 'nk' (got "

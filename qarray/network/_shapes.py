@@ -14,7 +14,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from .._ops import DEFAULT_GROUP_SIZE, LAYOUTS, PRECISIONS
+from .._ops import DEFAULT_GROUP_SIZE, LAYOUTS, PRECISIONS, check_group_size
 from ..nn import Linear
 
 
@@ -169,12 +169,7 @@ def _check_precision(i: int, layer: LayerShapes, name: str, shape) -> None:
                 f"layers.[{i}].layout must be 'nk' for precision 'int4' (weights "
                 f"(N, K), groups along K), got {layer.layout!r} for {name} {shape}"
             )
-        size = layer.group_size
-        if not isinstance(size, int) or isinstance(size, bool) or size < 2 or size % 2:
-            raise ValueError(
-                f"layers.[{i}].group_size must be a positive even int (two int4 "
-                f"values a byte), got {size!r}"
-            )
+        check_group_size(f"layers.[{i}].group_size", layer.group_size)
 
 
 def linear_shapes(layer: Linear) -> LayerShapes:

@@ -29,6 +29,7 @@ import numpy as np
 from jax import lax
 
 from .._numerics import QMAX, pack_nibbles
+from .._ops import PRECISION_BITS
 from .._primitives import dequantize
 from ._conv import Conv
 from ._gptq import gptq
@@ -103,7 +104,7 @@ def _features(layer, inputs: np.ndarray) -> list[np.ndarray]:
 def _gptq_parts(w, features, s_cols, stored, damp, act_order):
     """``stored`` with the values and scales GPTQ gives ``w * s`` for the
     inputs ``features / s`` (per group of rows)."""
-    bits = 4 if stored.precision == "int4" else 8
+    bits = PRECISION_BITS[stored.precision]
     rows = np.array_split(np.arange(w.shape[0]), len(features))
     values, scales = [], []
     for index, f in zip(rows, features, strict=True):
@@ -152,7 +153,7 @@ class Calibration:
         if self.smoothquant is not None:
             w_absmax = weight_channel_absmax(w, len(x_absmax))
             return smoothquant_scale(x_absmax, w_absmax, self.smoothquant)
-        bits = 4 if stored.precision == "int4" else 8
+        bits = PRECISION_BITS[stored.precision]
         best, _ = awq_scale(
             w, features[0], x_mean, bits=bits, group_size=stored.group_size
         )

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .._ops import ACTIVATION_PRECISIONS, PRECISIONS
+from .._ops import ACTIVATION_PRECISIONS, PRECISIONS, check_group_size
 from ._calibrate import METHODS
 
 STATIC_MODES = (False, True, "tensor", "channel")
@@ -62,11 +62,7 @@ class QuantConfig:
                     "QuantConfig: group_size must be an int or None, got "
                     f"{type(self.group_size).__name__}."
                 )
-            if self.group_size < 2 or self.group_size % 2:
-                raise ValueError(
-                    "QuantConfig: group_size must be even and >= 2 (two int4 "
-                    f"values a byte), got {self.group_size}."
-                )
+            check_group_size("QuantConfig: group_size", self.group_size)
         if self.smoothquant is not None:
             if isinstance(self.smoothquant, bool) or not isinstance(
                 self.smoothquant, int | float

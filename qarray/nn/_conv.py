@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._conv import conv_q
+from .._ops import PRECISION_BITS
 from .._primitives import pack, quantize
 from ._inputs import InputScales, check_input_scales
 from ._linear import (
@@ -242,7 +243,7 @@ class Conv(InputScales, eqx.Module):
     def quantized(self):
         """The weights as the 2-D QArray ``q8[out, C/groups * prod(kernel)]``
         (``q4[...]`` for int4)."""
-        bits = 4 if self.precision == "int4" else 8
+        bits = PRECISION_BITS[self.precision]
         if self.trainable:
             w = jnp.asarray(self.weight)
             return quantize(w.reshape(w.shape[0], -1), bits, self.group_size)

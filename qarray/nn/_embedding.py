@@ -8,6 +8,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from .._ops import PRECISION_BITS
 from .._primitives import dequantize, pack, quantize, unpack
 from ._linear import check_modes, checked_group_size, checked_parts, quantization_error
 
@@ -74,7 +75,7 @@ class Embedding(eqx.Module):
 
     @property
     def _bits(self) -> int:
-        return 4 if self.precision == "int4" else 8
+        return PRECISION_BITS[self.precision]
 
     def _quantized(self, rows):
         return quantize(rows, self._bits, self.group_size)

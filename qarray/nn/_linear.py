@@ -12,7 +12,14 @@ import numpy as np
 from jax import lax
 
 from .._numerics import relative_error
-from .._ops import DEFAULT_GROUP_SIZE, LAYOUTS, PRECISIONS, check_activations
+from .._ops import (
+    DEFAULT_GROUP_SIZE,
+    LAYOUTS,
+    PRECISION_BITS,
+    PRECISIONS,
+    check_activations,
+    check_group_size,
+)
 from .._primitives import dequantize, linear_q, matmul_q, pack, quantize, unpack
 from ._inputs import InputScales, check_input_scales
 
@@ -65,7 +72,9 @@ def checked_group_size(
         return None
     if activations != "float32" and not w4a8:
         raise ValueError(f"{owner} with precision 'int4' is weight-only.")
-    return DEFAULT_GROUP_SIZE if group_size is None else group_size
+    return check_group_size(
+        f"{owner}: group_size", DEFAULT_GROUP_SIZE if group_size is None else group_size
+    )
 
 
 def checked_parts(
@@ -289,7 +298,7 @@ class Linear(InputScales, eqx.Module):
         """The weights as a QArray (``q8[K, N]`` or ``q8[N, K]``); traced code."""
         if self.precision == "float32":
             raise ValueError("a float32 Linear has no quantized weights")
-        bits = 4 if self.precision == "int4" else 8
+        bits = PRECISION_BITS[self.precision]
         if self.trainable:
             return quantize(jnp.asarray(self.weight), bits, self.group_size)
         qvalue, scale = jnp.asarray(self.qvalue), jnp.asarray(self.scale)

@@ -168,9 +168,6 @@ class LoRA(eqx.Module):
         return out if batched else out[0]
 
 
-ADAPTED = "Linear, Conv, ConvTranspose, Embedding, SpectralConv"
-
-
 def _shapes(layer, rank: int) -> tuple[tuple, tuple]:
     """(a.shape, b.shape) of a stored quantized layer's adapter."""
     if isinstance(layer, Conv):

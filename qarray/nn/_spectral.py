@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._ops import DEFAULT_GROUP_SIZE, PRECISIONS
+from .._ops import DEFAULT_GROUP_SIZE, PRECISION_BITS, PRECISIONS, check_group_size
 from .._primitives import dequantize, pack, quantize, unpack
 from ._linear import quantization_error, stored_width
 
@@ -89,10 +89,13 @@ class SpectralConv(eqx.Module):
                 f"SpectralConv requires precision in {PRECISIONS}, got {precision!r}."
             )
         if precision == "int4":
-            group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
-            if group_size < 2 or group_size % 2 or (2 * in_channels) % group_size:
+            group_size = check_group_size(
+                "SpectralConv: group_size",
+                DEFAULT_GROUP_SIZE if group_size is None else group_size,
+            )
+            if (2 * in_channels) % group_size:
                 raise ValueError(
-                    f"SpectralConv (int4) requires group_size, even, to divide "
+                    f"SpectralConv (int4) requires group_size to divide "
                     f"2 * in_channels = {2 * in_channels}, got {group_size!r}."
                 )
         else:
@@ -146,7 +149,7 @@ class SpectralConv(eqx.Module):
 
     @property
     def _bits(self) -> int:
-        return 4 if self.precision == "int4" else 8
+        return PRECISION_BITS[self.precision]
 
     def _rows(self, weight):
         """(in, out, *modes, 2) -> rows (out * prod(modes), 2 in)."""

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._ops import PRECISIONS
+from .._ops import DEFAULT_GROUP_SIZE, PRECISIONS, check_group_size
 from ..checkpoint import (
     ModelFileError,
     load_model,
@@ -237,7 +237,9 @@ def accuracy_main(argv: list[str], command: str) -> int:
         help="MODEL is keyed by an equinox model's pytree paths: FILE.py:NAME or "
         "module:NAME, NAME(jax.random.key(0)) building the model",
     )
-    parser.add_argument("--group-size", type=int, default=128, help="int4 groups")
+    parser.add_argument(
+        "--group-size", type=int, default=DEFAULT_GROUP_SIZE, help="int4 groups"
+    )
     parser.add_argument(
         "--method",
         choices=METHODS,
@@ -267,8 +269,10 @@ def accuracy_main(argv: list[str], command: str) -> int:
             "--metric", choices=("output", "gradient"), default="output"
         )
     args = parser.parse_args(argv)
-    if args.group_size < 2 or args.group_size % 2:
-        parser.error("--group-size must be a positive even int")
+    try:
+        check_group_size("--group-size", args.group_size)
+    except ValueError as error:
+        parser.error(str(error))
     start = time.perf_counter()
     try:
         model, write = load_float_model(args)
@@ -413,7 +417,10 @@ def convert_main(argv: list[str] | None = None) -> int:
         "with --tree: int8 or float32 (a float file for evaluate and plan)",
     )
     parser.add_argument(
-        "--group-size", type=int, default=128, help="int4: values per scale along K"
+        "--group-size",
+        type=int,
+        default=DEFAULT_GROUP_SIZE,
+        help="int4: values per scale along K",
     )
     mode.add_argument(
         "--tree", action="store_true", help="keep the state dict's names (paths)"
@@ -482,8 +489,10 @@ def convert_main(argv: list[str] | None = None) -> int:
         return 0
     if args.fold or args.rename or args.transposed:
         parser.error("--fold, --rename and --transposed need --tree")
-    if args.group_size < 2 or args.group_size % 2:
-        parser.error("--group-size must be a positive even int")
+    try:
+        check_group_size("--group-size", args.group_size)
+    except ValueError as error:
+        parser.error(str(error))
     layers = parse_layers(args.layers)
     if calibrating:
         return _convert_network_calibrated(parser, args, layers)

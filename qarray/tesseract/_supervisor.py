@@ -2,15 +2,15 @@
 
 uvicorn's supervisor binds the port, starts the workers and restarts the ones
 that die; it never runs a request. uvicorn spawns each worker as a fresh
-interpreter that imports JAX, tesseract-core's runtime and FastAPI again:
-about 125 MiB of private heap a worker (docs/deployment.md has the PSS),
-paid N times. Here the supervisor (``qarray-serve`` itself, the PID a client
-started) imports those modules once, starting none of them (no JAX backend:
-XLA sizes its thread pool by the cores a worker claims, ``claim_cores``; no
-model: the workers load it, ``_shared_weights``), and forks the workers
+interpreter that imports JAX, tesseract-core's runtime and FastAPI again, a
+private heap paid N times (docs/deployment.md has the PSS). Here the
+supervisor (``qarray-serve`` itself, the PID a client started) imports those
+modules once, starting none of them (no JAX backend: XLA sizes its thread
+pool by the cores a worker claims, ``claim_cores``; no model: the workers
+load it, ``_shared_weights``), freezes them (``freeze_startup_objects``: the
+collector never writes to, and so never copies, them) and forks the workers
 (``_workarounds.fork_workers``): their imports are the supervisor's pages,
-shared copy-on-write, and frozen (``freeze_startup_objects``): the collector
-never writes to (and so copies) them. A worker restarted after a crash is forked from the
+shared copy-on-write. A worker restarted after a crash is forked from the
 same pages.
 """
 

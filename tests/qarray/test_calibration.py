@@ -329,7 +329,7 @@ def test_evaluate_and_plan_with_awq(rng):
         ({"activations": "int4"}, ValueError, "activations must be one of"),
         ({"method": "hqq"}, ValueError, "method must be one of"),
         ({"clip": "percentile"}, ValueError, "clip must be one of"),
-        ({"group_size": 7}, ValueError, "group_size must be even"),
+        ({"group_size": 7}, ValueError, "group_size must be a positive even int"),
         ({"group_size": 8.0}, TypeError, "group_size must be an int"),
         ({"smoothquant": "half"}, TypeError, "smoothquant must be a number"),
         ({"smoothquant": 2.0, "activations": "int8"}, ValueError, r"in \[0, 1\]"),
@@ -361,7 +361,7 @@ def test_quant_config_is_what_the_keywords_build(rng):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # keywords change a config; the result is checked again
     assert qnn.quantize(dense, config, method="rtn").channel_scale is None
-    with pytest.raises(ValueError, match="group_size must be even"):
+    with pytest.raises(ValueError, match="group_size must be a positive even int"):
         qnn.quantize(dense, config, group_size=3)
     with pytest.raises(TypeError, match="unknown option"):
         qnn.quantize(dense, bits=4)

@@ -181,8 +181,12 @@ def test_a_started_worker_keeps_its_startup_objects_from_the_collector(tmp_path)
         "JAX_PLATFORMS": "cpu",
     }
     out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True,
-        timeout=120, check=True,
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     ).stdout.split()
     frozen, tracked = int(out[-2]), int(out[-1])
     assert frozen > 50_000 and tracked < frozen / 100, (frozen, tracked)
