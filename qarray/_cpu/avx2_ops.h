@@ -64,7 +64,9 @@ struct VecAvx2 {
 
 // gemm.h's int8 tile operations
 struct I8Avx2 {
-  static constexpr bool kPairs = false;
+  static constexpr int kLanes = 8, kXBias = 0, kTilePairs = 1;
+  static constexpr bool kPairs = false, kDotPaths = true, kTransposes = true;
+  static constexpr bool kPacksPairs = false;
   // gemm.h's GEMM tiles: 4 rows in registers, any K
   static constexpr int kTileRows = 4;
   static constexpr bool kWholeTiles = false, kOwnTile = false;
@@ -90,6 +92,11 @@ struct I8Avx2 {
   }
   static Acc LoadAcc(const int32_t* p) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  }
+  // p = a's sums times s (plus p's values with add)
+  static void ScaleInto(float* p, Acc a, const float* s, bool add) {
+    const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(a), _mm256_loadu_ps(s));
+    _mm256_storeu_ps(p, add ? _mm256_add_ps(_mm256_loadu_ps(p), v) : v);
   }
   // acc's lanes += four-byte dot products of the block and 32 bytes of x
   static void DotVec(Acc& acc, const W& w, const int8_t* x) {
@@ -174,6 +181,59 @@ struct I8Avx2 {
     _mm256_store_si256(reinterpret_cast<__m256i*>(out[1]), _mm256_permute2x128_si256(c, d, 0x20));
     _mm256_store_si256(reinterpret_cast<__m256i*>(out[2]), _mm256_permute2x128_si256(a, b, 0x31));
     _mm256_store_si256(reinterpret_cast<__m256i*>(out[3]), _mm256_permute2x128_si256(c, d, 0x31));
+  }
+  // 8 rows of 8 floats (in, ld_in apart) transposed: their columns [0, cols)
+  // to out + j * ld_out
+  static void Transpose8Out(const float* in, int64_t ld_in, int64_t cols, float* out,
+                            int64_t ld_out) {
+    __m256 r[8], t[8], s[8];
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(in + i * ld_in);
+    for (int i = 0; i < 4; ++i) {
+      t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {
+      s[4 * i + 0] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+      s[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+      s[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+      s[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; ++i) {
+      r[i] = _mm256_permute2f128_ps(s[i], s[4 + i], 0x20);
+      r[4 + i] = _mm256_permute2f128_ps(s[i], s[4 + i], 0x31);
+    }
+    if (cols == 8) {  // constant indices: r stays in registers
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + j * ld_out, r[j]);
+    } else {
+      for (int j = 0; j < cols; ++j) _mm256_storeu_ps(out + j * ld_out, r[j]);
+    }
+  }
+  // 16 rows of 16 bytes (src, ld_src apart) transposed: dst's row j (ld_dst
+  // apart) holds byte j of every row, through unpacks of ever wider units
+  static void Transpose16x16(const int8_t* src, int64_t ld_src, int8_t* dst, int64_t ld_dst) {
+    __m128i r[16], a[16], b[16], c[16];
+    for (int i = 0; i < 16; ++i)
+      r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * ld_src));
+    for (int i = 0; i < 8; ++i) {  // 16-bit units: rows 2i, 2i + 1 at one column
+      a[2 * i] = _mm_unpacklo_epi8(r[2 * i], r[2 * i + 1]);
+      a[2 * i + 1] = _mm_unpackhi_epi8(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i)  // 32-bit units: rows 4i .. 4i + 3
+      for (int h = 0; h < 2; ++h) {
+        b[4 * i + 2 * h] = _mm_unpacklo_epi16(a[4 * i + h], a[4 * i + 2 + h]);
+        b[4 * i + 2 * h + 1] = _mm_unpackhi_epi16(a[4 * i + h], a[4 * i + 2 + h]);
+      }
+    for (int i = 0; i < 2; ++i)  // 64-bit units: rows 8i .. 8i + 7
+      for (int t = 0; t < 4; ++t) {
+        c[8 * i + 2 * t] = _mm_unpacklo_epi32(b[8 * i + t], b[8 * i + 4 + t]);
+        c[8 * i + 2 * t + 1] = _mm_unpackhi_epi32(b[8 * i + t], b[8 * i + 4 + t]);
+      }
+    for (int u = 0; u < 8; ++u) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * u * ld_dst),
+                       _mm_unpacklo_epi64(c[u], c[8 + u]));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (2 * u + 1) * ld_dst),
+                       _mm_unpackhi_epi64(c[u], c[8 + u]));
+    }
   }
   // 16 packed bytes -> their 32 int4 values as int8 in k order (low nibble
   // first), sign-extended by a table lookup

@@ -54,11 +54,12 @@ struct TileConfig {
 };
 static_assert(sizeof(TileConfig) == 64, "AMX's tile configuration is 64 bytes");
 
-// gemm.h's tiles on AMX; the other paths' operations are AVX2's (they never
-// run here: Next() takes that work)
+// gemm.h's tiles on AMX; its packing is AVX2's (the dot paths are not built
+// here: Next() takes that work)
 struct I8Amx : I8Avx2 {
   static constexpr int kTileRows = 16;
   static constexpr bool kWholeTiles = true, kOwnTile = true;
+  static constexpr bool kDotPaths = false;  // Next() takes the few rows
   static constexpr int64_t kStepAlign = 16;  // a tile's K: 16 steps of 4 bytes
 
   // tiles 0 (sums: 16 x 16 int32), 1 (16 rows of x, 64 bytes), 2 (16 steps

@@ -74,7 +74,9 @@ struct VecNeon {
 // gemm.h's int8 tile operations with sdot; the packing in plain C++ (the
 // compiler vectorizes what it can; it runs once per panel)
 struct I8Dotprod {
-  static constexpr bool kPairs = false;
+  static constexpr int kLanes = 8, kXBias = 0, kTilePairs = 1;
+  static constexpr bool kPairs = false, kDotPaths = true, kTransposes = false;
+  static constexpr bool kPacksPairs = false;
   // gemm.h's GEMM tiles: 4 rows in registers, any K
   static constexpr int kTileRows = 4;
   static constexpr bool kWholeTiles = false, kOwnTile = false;
@@ -96,6 +98,12 @@ struct I8Dotprod {
     vst1q_s32(p + 4, a.val[1]);
   }
   static Acc LoadAcc(const int32_t* p) { return {vld1q_s32(p), vld1q_s32(p + 4)}; }
+  static void ScaleInto(float* p, Acc a, const float* s, bool add) {
+    for (int h = 0; h < 2; ++h) {
+      const float32x4_t v = vmulq_f32(vcvtq_f32_s32(a.val[h]), vld1q_f32(s + 4 * h));
+      vst1q_f32(p + 4 * h, add ? vaddq_f32(vld1q_f32(p + 4 * h), v) : v);
+    }
+  }
   static void DotVec(Acc& acc, const W& w, const int8_t* x) {
     acc.val[0] = vdotq_s32(acc.val[0], w.lo, vld1q_s8(x));
     acc.val[1] = vdotq_s32(acc.val[1], w.hi, vld1q_s8(x + 16));
