@@ -3,9 +3,9 @@
 ``scripts/build_kernels.sh`` (run by ``make setup`` and the image's build
 stage) compiles them into ``qarray/_cpu/libqarray_cpu.so``: four handlers
 over tiles for each instruction set of the architecture (x86-64: AMX,
-AVX-512 VNNI, AVX2 with or without AVX-VNNI; aarch64: dotprod, i8mm), the
-best this CPU has chosen when the library loads. ``QARRAY_CPU_ISA=amx|avx512|
-avx2|i8mm|dotprod`` forces a lower one (tests, benchmarks); ``QARRAY_KERNELS=xla`` asks
+AVX-512 VNNI, AVX-VNNI, AVX2; aarch64: dotprod, i8mm), the best this CPU has
+chosen when the library loads. ``QARRAY_CPU_ISA=amx|avx512|avxvnni|avx2|i8mm|
+dotprod`` forces a lower one (tests, benchmarks); ``QARRAY_KERNELS=xla`` asks
 for the XLA formulations everywhere. ``status`` says which runs
 (``"available (avx2)"``), ``available`` whether one does, and
 ``_kernels.choose_strategy`` picks them on CPU.
@@ -88,7 +88,7 @@ def available() -> bool:
 
 def isa() -> str | None:
     """The instruction set the CPU kernels run on here ("amx", "avx512",
-    "avx2", "i8mm", "dotprod"), or None where they do not run."""
+    "avxvnni", "avx2", "i8mm", "dotprod"), or None where they do not run."""
     if not available():
         return None
     return status()[len("available (") : -1]

@@ -88,7 +88,7 @@ WEIGHT_ONLY_STRATEGIES = ("kernel", "chunked", "split_int8", "dequantize")
 INT8_STRATEGIES = ("kernel", "chunked", "int8_dot")
 
 # rows of int8 weights converted to f32 at a time by the chunked formulation
-CHUNK_ROWS = 128
+CONVERT_ROWS = 128
 
 
 def quantize(x):
@@ -116,13 +116,13 @@ SMALL_WEIGHT_ELEMENTS = 1024
 # both layouts (make bench, suite kernels --strategies, weights cold)
 KERNEL_MAX_ROWS = {"float32": 64, "int8": 128}
 # W8A8 with K up to this: the GEMM at every row count (its chunks' panels stay
-# near L1; at K = 1024 it measured 1.05-1.24x of XLA's int8 dot from 256 to
-# 2048 rows, at K = 4096 0.86-0.89x from 256 rows)
+# near L1, ahead of XLA's int8 dot there; at K = 4096 behind it from 256 rows:
+# make bench, suite kernels --strategies)
 KERNEL_SHORT_K = 2048
 # layout kn packs its weights on every call: with more than KN_LARGE_WEIGHTS
 # of them that costs weight-only's GEMM (three int8 parts a row) its lead
-# past KN_LARGE_MAX_ROWS rows (4096 x 4096: 1.55x of split_int8 at 4 rows,
-# 0.97x at 16)
+# over split_int8 past KN_LARGE_MAX_ROWS rows (make bench, suite kernels
+# --strategies, the 4096 x 4096 kn rows)
 KN_LARGE_WEIGHTS = 2**21
 KN_LARGE_MAX_ROWS = 8
 
@@ -373,10 +373,10 @@ def _chunk_rows(k: int) -> int:
     chunks without a copy), else 128 with a tail: on XLA:CPU 128 rows (an f32
     chunk of 512 bytes per column) beat smaller and larger chunks across N."""
     for delta in range(65):
-        for rows in (CHUNK_ROWS - delta, CHUNK_ROWS + delta):
+        for rows in (CONVERT_ROWS - delta, CONVERT_ROWS + delta):
             if 64 <= rows <= 256 and k % rows == 0:
                 return rows
-    return CHUNK_ROWS
+    return CONVERT_ROWS
 
 
 def _chunked(v, qvalue):

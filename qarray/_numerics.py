@@ -24,7 +24,7 @@ import numpy as np
 
 QMAX = 127.0  # int8 values in [-QMAX, QMAX]
 QMAX4 = 7.0  # int4 values in [-QMAX4, QMAX4]
-CHUNK_ROWS = 256  # NumPy quantizers: rows at a time (temporaries stay small)
+NUMPY_ROWS = 256  # NumPy quantizers: rows at a time (temporaries stay small)
 
 
 # --- jnp (traced)
@@ -92,7 +92,7 @@ def relative_error(w, w_hat):
 
 
 def quantize_rows_np(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``quantize_rows`` in NumPy, ``CHUNK_ROWS`` rows at a time: model files
+    """``quantize_rows`` in NumPy, ``NUMPY_ROWS`` rows at a time: model files
     need no compilation (whose memory a server would keep), and NumPy's
     division is correctly rounded where XLA's may be 1 ulp off (a row entry
     exactly on a rounding tie can differ by one step between the two)."""
@@ -154,5 +154,5 @@ def relative_error4_np(w: np.ndarray, packed: np.ndarray, scale: np.ndarray) -> 
     return float(np.linalg.norm(w64 - groups.reshape(w.shape)) / norm)
 
 
-def _row_chunks(a: np.ndarray, rows: int = CHUNK_ROWS):
+def _row_chunks(a: np.ndarray, rows: int = NUMPY_ROWS):
     return (a[i : i + rows] for i in range(0, max(a.shape[0], 1), rows))

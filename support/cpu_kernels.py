@@ -32,6 +32,8 @@ def best_isa() -> str | None:
             return "amx"
         if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
             return "avx512"
+        if {"avx2", "fma", "avx_vnni"} <= flags:
+            return "avxvnni"
         return "avx2" if {"avx2", "fma"} <= flags else None
     if platform.machine() == "aarch64" and "asimddp" in flags:
         return "i8mm" if "i8mm" in flags else "dotprod"

@@ -25,7 +25,7 @@
 namespace qarray::cpu {
 
 #if defined(__x86_64__)
-extern const Isa kAmx, kAvx512, kAvx2, kAvx2Vnni;
+extern const Isa kAmx, kAvx512, kAvxVnni, kAvx2;
 #elif defined(__aarch64__)
 extern const Isa kI8mm, kDotprod;
 #endif
@@ -82,8 +82,9 @@ std::vector<const Isa*> Supported() {
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
     out.push_back(&kAvx512);
 #endif
-  // AVX-VNNI (Alder Lake and later, Zen 5): the same tiles with vpdpbusd
-  if (avx2) out.push_back(HasAvxVnni() ? &kAvx2Vnni : &kAvx2);
+  // AVX-VNNI (Alder Lake and later, Zen 4/5): the same tiles with vpdpbusd
+  if (avx2 && HasAvxVnni()) out.push_back(&kAvxVnni);
+  if (avx2) out.push_back(&kAvx2);
 #elif defined(__aarch64__)
   const unsigned long hwcap = getauxval(AT_HWCAP), hwcap2 = getauxval(AT_HWCAP2);
   const bool dotprod = hwcap & HWCAP_ASIMDDP;
@@ -146,7 +147,8 @@ const Isa* Below(const char* name) {
 }  // namespace qarray::cpu
 
 // For qarray/_ffi.py (ctypes): the instruction set in use ("amx", "avx512",
-// "avx2", "i8mm", "dotprod"), or null with qarray_cpu_reason() saying why none runs
+// "avxvnni", "avx2", "i8mm", "dotprod"), or null with qarray_cpu_reason() saying why
+// none runs
 extern "C" __attribute__((visibility("default"))) const char* qarray_cpu_isa() {
   const qarray::cpu::Isa* isa = qarray::cpu::Active();
   return isa ? isa->name : nullptr;

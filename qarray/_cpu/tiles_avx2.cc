@@ -15,7 +15,7 @@
 // Compiled for any x86-64: the target pragmas below come after every shared
 // header, so nothing those headers define is compiled for AVX2 (the linker
 // could pick such a copy for code that runs without it); dispatch.cc calls
-// these only where cpuid reports AVX2 and FMA (and AVX-VNNI for kAvx2Vnni).
+// these only where cpuid reports AVX2 and FMA (and AVX-VNNI for kAvxVnni).
 
 #include <immintrin.h>
 
@@ -75,8 +75,8 @@ namespace qarray::cpu {
 extern const Isa kAvx2 = {"avx2",           avx2::Product,  avx2::ProductInt4,
                           avx2::Conv,       avx2::Quantize,
                           avx2::QuantizeRowEntry<avx2::VecAvx2>};
-// named as kAvx2: the same numerics, one instruction fewer per product
-extern const Isa kAvx2Vnni = {"avx2",           avx2vnni::Product, avx2vnni::ProductInt4,
-                              avx2vnni::Conv,   avx2::Quantize,
-                              avx2::QuantizeRowEntry<avx2::VecAvx2>};
+// kAvx2's numerics, one instruction fewer per product
+extern const Isa kAvxVnni = {"avxvnni",        avx2vnni::Product, avx2vnni::ProductInt4,
+                             avx2vnni::Conv,   avx2::Quantize,
+                             avx2::QuantizeRowEntry<avx2::VecAvx2>};
 }  // namespace qarray::cpu

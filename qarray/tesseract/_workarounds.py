@@ -42,9 +42,9 @@ Checked against tesseract-core 1.15.0.
    binds the listening socket itself (``Config.bind_socket``:
    ``socket.socket(family, SOCK_STREAM)``, protocol 0), and asyncio sets
    TCP_NODELAY only on sockets whose protocol is IPPROTO_TCP, so every
-   response waits out Nagle's algorithm against the client's delayed ACK:
-   measured 48 ms for a tiny request with two workers against 1.7 ms with
-   one, stock ``tesseract-runtime serve`` alike.
+   response waits out Nagle's algorithm against the client's delayed ACK (a
+   tiny request took tens of times longer with two workers than with one,
+   stock ``tesseract-runtime serve`` alike: docs/performance-notes.md).
    ``install_nodelay_listener`` makes ``bind_socket`` set TCP_NODELAY on the
    listening socket, which the accepted connections inherit (Linux).
 5. **Every worker a fresh interpreter** (uvicorn 0.54). uvicorn starts its

@@ -22,7 +22,7 @@ import qarray as qa
 from qarray import _ffi, _kernels, _numerics, _thresholds
 from qarray._conv import ConvQ
 from support import reference as ref
-from support.cpu_kernels import best_isa, needs_kernels
+from support.cpu_kernels import best_isa, cpu_flags, needs_kernels
 
 RTOL = ATOL = 2e-4
 
@@ -52,13 +52,30 @@ def test_status_names_the_instruction_set():
     assert _ffi.isa() == forced
 
 
+def test_avx_vnni_is_named_apart_from_avx2():
+    """status tells AVX-VNNI's tiles from AVX2's, and each name forces its own
+    (AVX2's tiles run, and are tested, on a CPU with AVX-VNNI too)."""
+    needs_kernels()
+    flags = cpu_flags()
+    if not {"avx2", "fma"} <= flags:
+        pytest.skip("not an x86-64 CPU with AVX2")
+    assert status_in({_ffi.ISA_ENV: "avx2"}) == "available (avx2)"
+    vnni = status_in({_ffi.ISA_ENV: "avxvnni"})
+    if "avx_vnni" in flags:
+        assert vnni == "available (avxvnni)"
+    else:
+        assert vnni.startswith("QARRAY_CPU_ISA=avxvnni is not among"), vnni
+
+
 def test_qarray_cpu_isa_forces_a_lower_one_and_refuses_a_missing_one():
     needs_kernels()
-    if best_isa() in ("avx512", "avx2"):
+    x86 = best_isa() in ("amx", "avx512", "avxvnni", "avx2")
+    if x86:
+        # plain AVX2 even where AVX-VNNI is there: each is forced by its name
         assert status_in({_ffi.ISA_ENV: "avx2"}) == "available (avx2)"
     else:
         assert status_in({_ffi.ISA_ENV: "dotprod"}) == "available (dotprod)"
-    other = "i8mm" if best_isa() in ("avx512", "avx2") else "avx512"
+    other = "i8mm" if x86 else "avx512"
     refused = status_in({_ffi.ISA_ENV: other})
     assert refused.startswith(f"QARRAY_CPU_ISA={other} is not among"), refused
     assert status_in({_ffi.ISA_ENV: "sse2"}).startswith("QARRAY_CPU_ISA=sse2")
@@ -309,9 +326,10 @@ def test_nan_rows_in_products_give_nan_rows(rng):
 
 
 def test_on_every_isa_avx2_runs_these_checks_too():
-    """Where the CPU's best tiles are AVX-512's, this file again with
-    QARRAY_CPU_ISA=avx2 (where they are AVX2's, the run above was)."""
-    if os.environ.get(_ffi.ISA_ENV) or best_isa() != "avx512":
+    """Where the CPU's best tiles are above AVX2's (AMX, AVX-512, AVX-VNNI),
+    this file again with QARRAY_CPU_ISA=avx2 (where they are AVX2's, the run
+    above was)."""
+    if os.environ.get(_ffi.ISA_ENV) or best_isa() not in ("amx", "avx512", "avxvnni"):
         pytest.skip(f"this run is the AVX2 one or none runs here ({_ffi.status()})")
     env = {**os.environ, _ffi.ISA_ENV: "avx2"}
     out = subprocess.run(

@@ -369,7 +369,7 @@ void CheckConv(const Isa& isa, Pool& pool, std::mt19937& rng) {
 
 int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "--list") {  // what this CPU runs, best first
-    for (const char* name : {"amx", "avx512", "avx2", "i8mm", "dotprod"})
+    for (const char* name : {"amx", "avx512", "avxvnni", "avx2", "i8mm", "dotprod"})
       if (Find(name)) std::printf("%s\n", name);
     return 0;
   }
@@ -382,7 +382,7 @@ int main(int argc, char** argv) {
     }
     isas.push_back(Active());
   } else {
-    for (const char* name : {"amx", "avx512", "avx2", "i8mm", "dotprod"})
+    for (const char* name : {"amx", "avx512", "avxvnni", "avx2", "i8mm", "dotprod"})
       if (const Isa* isa = Find(name)) isas.push_back(isa);
   }
   if (isas.empty()) {
