@@ -281,45 +281,33 @@ def derived_rows(rows: list[dict]) -> list[dict]:
             kind, _, count = kind_rows.split(" ")[:3]
             levels[(name, kind, int(count), r["clients"])] = r
     out = []
-    for key, targets in SCALING_TARGETS.items():
-        one = levels.get((*key, 1))
-        for clients, target in targets.items():
-            level = levels.get((*key, clients))
-            if one is None or level is None:
-                continue
+    for targets_by_key in (SCALING_TARGETS, P99_TARGETS):
+        for key, targets in targets_by_key.items():
             name, kind, count = key
-            out.append(
-                {
-                    "row": f"load: {name}, {kind} of {count} row, {clients} "
-                    "clients against 1, throughput",
-                    "shape": level["shape"],
-                    "baseline": "ours at 1 client (the same run)",
-                    "ratio": level["rps"] / one["rps"],
-                    "target": target,
-                    "unit": "x",
-                    "clients": clients,
-                }
-            )
-    for key, targets in P99_TARGETS.items():
-        for clients, target in targets.items():
-            level = levels.get((*key, clients))
-            if level is None:
-                continue
-            name, kind, count = key
-            out.append(
-                {
-                    "row": f"load: {name}, {kind} of {count} row, {clients} "
-                    "clients, p99",
-                    "shape": level["shape"],
-                    "baseline": "target in ms",
-                    "ratio": level["p99_ms"],
-                    "target": target,
-                    "unit": "ms",
-                    "lower_is_better": True,
-                    "baseline_p99_ms": level["baseline_p99_ms"],
-                    "clients": clients,
-                }
-            )
+            one = levels.get((*key, 1))
+            for clients, target in targets.items():
+                level = levels.get((*key, clients))
+                if level is None or (targets_by_key is SCALING_TARGETS and one is None):
+                    continue
+                head = f"load: {name}, {kind} of {count} row, {clients} clients"
+                row = {"shape": level["shape"], "target": target, "clients": clients}
+                if targets_by_key is SCALING_TARGETS:
+                    row |= {
+                        "row": f"{head} against 1, throughput",
+                        "baseline": "ours at 1 client (the same run)",
+                        "ratio": level["rps"] / one["rps"],
+                        "unit": "x",
+                    }
+                else:
+                    row |= {
+                        "row": f"{head}, p99",
+                        "baseline": "target in ms",
+                        "ratio": level["p99_ms"],
+                        "unit": "ms",
+                        "lower_is_better": True,
+                        "baseline_p99_ms": level["baseline_p99_ms"],
+                    }
+                out.append(row)
     return out
 
 

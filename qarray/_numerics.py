@@ -27,18 +27,36 @@ QMAX4 = 7.0  # int4 values in [-QMAX4, QMAX4]
 NUMPY_ROWS = 256  # NumPy quantizers: rows at a time (temporaries stay small)
 
 
+# --- the quantizer, once: jnp (traced) or NumPy arrays alike
+
+
+def on_grid(x, step, qmax: float, xp=jnp):
+    """``round_half_even(x / step)`` clipped to ``[-qmax, qmax]`` (float):
+    ``x``'s levels on a grid of ``step`` (broadcast against ``x``)."""
+    return xp.clip(xp.round(x / step), -qmax, qmax)
+
+
+def absmax(x, qmax: float, xp=jnp):
+    """x f32[..., g] -> (levels int8[..., g], scale f32[...]): each group
+    along the last axis on the grid of ``max|group| / qmax`` (module doc: a
+    zero group has scale 0, NaN entries level 0). ``xp``: ``jnp`` (traced;
+    XLA:CPU's vectorised float32 division is within 1 ulp, not always
+    correctly rounded: so is ``scale``) or ``np`` (correctly rounded)."""
+    scale = (xp.max(xp.abs(x), axis=-1, initial=0) / xp.float32(qmax)).astype(
+        xp.float32
+    )
+    divisor = xp.where(scale > 0, scale, xp.float32(1))[..., None]
+    levels = on_grid(x, divisor, qmax, xp)
+    return xp.where(xp.isnan(levels), 0, levels).astype(xp.int8), scale
+
+
 # --- jnp (traced)
 
 
 def quantize_rows(x):
     """x f32[..., n] -> (qvalue int8[..., n], scale f32[...]), per row
-    (module doc). XLA:CPU's vectorised float32 division is within 1 ulp, not
-    always correctly rounded: so is ``scale``."""
-    scale = jnp.max(jnp.abs(x), axis=-1, initial=0.0) / QMAX
-    divisor = jnp.where(scale > 0, scale, 1.0)[..., None]
-    scaled = jnp.round(x / divisor)
-    scaled = jnp.where(jnp.isnan(scaled), 0.0, scaled)
-    return jnp.clip(scaled, -QMAX, QMAX).astype(jnp.int8), scale
+    (module doc)."""
+    return absmax(x, QMAX)
 
 
 def dequantize_rows(qvalue, scale):
@@ -50,13 +68,8 @@ def quantize_groups(x, group_size: int):
     """x f32[..., n] -> (uint8[..., n / 2], scale f32[..., n / G]): int4 per
     group of ``group_size`` entries of a row, packed (module doc)."""
     *lead, n = x.shape
-    groups = x.reshape(*lead, n // group_size, group_size)
-    scale = jnp.max(jnp.abs(groups), axis=-1, initial=0.0) / QMAX4
-    divisor = jnp.where(scale > 0, scale, 1.0)[..., None]
-    scaled = jnp.round(groups / divisor)
-    scaled = jnp.where(jnp.isnan(scaled), 0.0, scaled)
-    values = jnp.clip(scaled, -QMAX4, QMAX4).astype(jnp.int8).reshape(*lead, n)
-    return pack_nibbles(values), scale
+    values, scale = absmax(x.reshape(*lead, n // group_size, group_size), QMAX4)
+    return pack_nibbles(values.reshape(*lead, n)), scale
 
 
 def pack_nibbles(values):
@@ -96,17 +109,11 @@ def quantize_rows_np(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     need no compilation (whose memory a server would keep), and NumPy's
     division is correctly rounded where XLA's may be 1 ulp off (a row entry
     exactly on a rounding tie can differ by one step between the two)."""
-    qvalues, scales = [], []
-    for rows in _row_chunks(np.asarray(w)):
-        rows = rows.astype(np.float32, copy=False)
-        scale = (np.max(np.abs(rows), axis=-1, initial=0) / np.float32(QMAX)).astype(
-            np.float32
-        )
-        divisor = np.where(scale > 0, scale, np.float32(1))[:, None]
-        scaled = np.nan_to_num(np.round(rows / divisor), nan=0.0)
-        qvalues.append(np.clip(scaled, -QMAX, QMAX).astype(np.int8))
-        scales.append(scale)
-    return np.concatenate(qvalues), np.concatenate(scales)
+    chunks = [
+        absmax(rows.astype(np.float32, copy=False), QMAX, np)
+        for rows in _row_chunks(np.asarray(w))
+    ]
+    return tuple(np.concatenate(parts) for parts in zip(*chunks, strict=True))
 
 
 def quantize_groups_np(w: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -115,12 +122,7 @@ def quantize_groups_np(w: np.ndarray, group_size: int) -> tuple[np.ndarray, np.n
     packed, scales = [], []
     for rows in _row_chunks(np.asarray(w)):
         groups = rows.astype(np.float32).reshape(rows.shape[0], -1, group_size)
-        scale = (np.max(np.abs(groups), axis=-1, initial=0) / np.float32(QMAX4)).astype(
-            np.float32
-        )
-        divisor = np.where(scale > 0, scale, np.float32(1))[..., None]
-        scaled = np.nan_to_num(np.round(groups / divisor), nan=0.0)
-        values = np.clip(scaled, -QMAX4, QMAX4).astype(np.int8)
+        values, scale = absmax(groups, QMAX4, np)
         packed.append(pack_nibbles(values.reshape(rows.shape[0], -1)))
         scales.append(scale)
     return np.concatenate(packed), np.concatenate(scales)

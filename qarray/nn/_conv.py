@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -12,21 +11,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._conv import conv_q
-from .._ops import PRECISION_BITS
-from .._primitives import pack, quantize
 from ._inputs import InputScales, check_input_scales
 from ._linear import (
     _dtype_str,
     _require,
     check_modes,
     checked_group_size,
-    quantization_error,
-    stored_parts,
     stored_width,
 )
+from ._weights import QuantizedWeights
 
 
-class Conv(InputScales, eqx.Module):
+class Conv(QuantizedWeights, InputScales, eqx.Module):
     """One quantized convolution, ``eqx.nn.Conv``'s conventions: channels
     first, an unbatched ``x (C, *spatial) -> (out, *out_spatial)`` (``vmap``
     for batches; a batched ``(B, C, *spatial)`` works too), 1 to 3 spatial
@@ -225,11 +221,6 @@ class Conv(InputScales, eqx.Module):
         return {}
 
     @property
-    def trainable(self) -> bool:
-        """Float32 weights quantized on every call (else stored int8)."""
-        return self.weight is not None
-
-    @property
     def out_channels(self) -> int:
         return (self.weight if self.trainable else self.qvalue).shape[0]
 
@@ -240,15 +231,9 @@ class Conv(InputScales, eqx.Module):
         per_out = self.qvalue.shape[1] * (2 if self.precision == "int4" else 1)
         return per_out // math.prod(self.kernel_size) * self.groups
 
-    def quantized(self):
-        """The weights as the 2-D QArray ``q8[out, C/groups * prod(kernel)]``
-        (``q4[...]`` for int4)."""
-        bits = PRECISION_BITS[self.precision]
-        if self.trainable:
-            w = jnp.asarray(self.weight)
-            return quantize(w.reshape(w.shape[0], -1), bits, self.group_size)
-        qvalue, scale = jnp.asarray(self.qvalue), jnp.asarray(self.scale)
-        return pack(qvalue, scale, bits, self.group_size)
+    def _weight_rows(self, weight):
+        """``(out, C/groups, *kernel)`` -> ``(out, C/groups * prod(kernel))``."""
+        return weight.reshape(weight.shape[0], -1)
 
     def __call__(self, x, *, key=None):
         """``x (C, *spatial)`` or ``(B, C, *spatial)`` -> ``(out, ...)``;
@@ -276,24 +261,6 @@ class Conv(InputScales, eqx.Module):
             "feature_group_count": self.groups,
             "activations": self.activations,
         }
-
-    def weight_error(self, qw=None):
-        """``||w - W|| / ||w||`` of the float weights (as ``Linear``'s)."""
-        if not self.trainable:
-            return jnp.float32(self.stored_error or 0.0)
-        w = jnp.asarray(self.weight)
-        qw = self.quantized() if qw is None else qw
-        return quantization_error(w.reshape(w.shape[0], -1), qw)
-
-    def frozen(self) -> Conv:
-        """The stored layer (int8, or int4 packed) a trainable one quantizes
-        to. Eager."""
-        if not self.trainable:
-            return self
-        qvalue, scale, error = stored_parts(self)
-        return dataclasses.replace(
-            self, weight=None, qvalue=qvalue, scale=scale, stored_error=float(error)
-        )
 
 
 class ConvTranspose(Conv):

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
 from .._ops import PRECISION_BITS
-from .._primitives import dequantize, pack, quantize, unpack
-from ._linear import check_modes, checked_group_size, checked_parts, quantization_error
+from .._primitives import dequantize, pack, quantize
+from ._linear import check_modes, checked_group_size, checked_parts
+from ._weights import QuantizedWeights
 
 
-class Embedding(eqx.Module):
+class Embedding(QuantizedWeights, eqx.Module):
     """A lookup table of quantized rows: ``index -> weight[index]``, shape
     ``(embedding_size,)``, as ``eqx.nn.Embedding`` (an integer index per call;
     ``jax.vmap`` for many).
@@ -69,26 +68,11 @@ class Embedding(eqx.Module):
         return table if trainable else table.frozen()
 
     @property
-    def trainable(self) -> bool:
-        """Float32 rows quantized on every lookup (else stored)."""
-        return self.weight is not None
-
-    @property
     def _bits(self) -> int:
         return PRECISION_BITS[self.precision]
 
     def _quantized(self, rows):
         return quantize(rows, self._bits, self.group_size)
-
-    def quantized(self):
-        """The table as a QArray ``q8[num_embeddings, embedding_size]``
-        (``q4`` for int4); a float32 table has none."""
-        if self.precision == "float32":
-            raise TypeError("a float32 Embedding has no quantized table.")
-        if self.trainable:
-            return self._quantized(jnp.asarray(self.weight))
-        qvalue, scale = jnp.asarray(self.qvalue), jnp.asarray(self.scale)
-        return pack(qvalue, scale, self._bits, self.group_size)
 
     def __call__(self, x, *, key=None):
         """``x``: an integer index -> its row ``(embedding_size,)``; ``key`` is
@@ -102,31 +86,3 @@ class Embedding(eqx.Module):
         return dequantize(pack(qvalue[None], scale[None], self._bits, self.group_size))[
             0
         ]
-
-    def frozen(self) -> Embedding:
-        """The stored table a trainable one quantizes to (itself if stored or
-        float32). Eager."""
-        if not self.trainable or self.precision == "float32":
-            return self
-        qvalue, scale, error = _stored_table(self)
-        return dataclasses.replace(
-            self, weight=None, qvalue=qvalue, scale=scale, stored_error=float(error)
-        )
-
-    def weight_error(self):
-        """``||w - W|| / ||w||`` of the table (the one recorded when it was
-        stored; 0 when not known or float32)."""
-        if self.precision == "float32":
-            return jnp.float32(0.0)
-        if not self.trainable:
-            return jnp.float32(self.stored_error or 0.0)
-        weight = jnp.asarray(self.weight)
-        return quantization_error(weight, self._quantized(weight))
-
-
-@eqx.filter_jit
-def _stored_table(table: Embedding):
-    weight = jnp.asarray(table.weight)
-    qw = table._quantized(weight)
-    qvalue, scale = unpack(qw)
-    return qvalue, scale, quantization_error(weight, qw)

@@ -28,7 +28,7 @@ import jax.scipy.linalg
 import numpy as np
 from jax import lax
 
-from .._numerics import QMAX, QMAX4
+from .._numerics import QMAX, QMAX4, on_grid
 
 BLOCK = 128  # columns per lazy update
 
@@ -99,7 +99,7 @@ def _columns(w, u, scales, *, qmax, group_size, block, fixed):
                 scale = lax.dynamic_index_in_dim(scales, g, 1, keepdims=False)
             column = lax.dynamic_index_in_dim(wb, j, 1, keepdims=False)
             safe = jnp.where(scale > 0, scale, 1.0)
-            q = jnp.clip(jnp.round(column / safe), -qmax, qmax)
+            q = on_grid(column, safe, qmax)
             values = lax.dynamic_update_index_in_dim(values, q, i, 1)
             row = lax.dynamic_slice(ub, (j, b0), (1, block))[0]
             error = (column - q * scale) / row[j]

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._numerics import QMAX
+from .._numerics import QMAX, on_grid
 
 
 def check_input_scales(
@@ -47,7 +47,7 @@ def check_input_scales(
 def static_int8(x, scale):
     """``x`` on the int8 grid of ``scale``: ``clip(round(x / scale), -127,
     127) * scale``, with a straight-through gradient (the identity)."""
-    q = jnp.clip(jnp.round(x / scale), -QMAX, QMAX) * scale
+    q = on_grid(x, scale, QMAX) * scale
     return x + lax.stop_gradient(q - x)
 
 

@@ -9,19 +9,17 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from .._numerics import relative_error
 from .._ops import (
     DEFAULT_GROUP_SIZE,
     LAYOUTS,
-    PRECISION_BITS,
     PRECISIONS,
     check_activations,
     check_group_size,
 )
-from .._primitives import dequantize, linear_q, matmul_q, pack, quantize, unpack
+from .._primitives import linear_q, matmul_q
 from ._inputs import InputScales, check_input_scales
+from ._weights import QuantizedWeights
 
 
 def _dtype_str(a) -> str:
@@ -126,23 +124,7 @@ def stored_width(owner: str, qvalue, scale, precision: str, group_size) -> int:
     return qvalue.shape[-1]
 
 
-def quantization_error(w, qw):
-    """``||w - dequantize(qw)|| / ||w||`` (0 for zero weights), without a
-    derivative: a diagnostic."""
-    return lax.stop_gradient(relative_error(w, dequantize(qw)))
-
-
-@eqx.filter_jit
-def stored_parts(layer):
-    """(qvalue, scale, relative weight error) a trainable ``Linear`` or
-    ``Conv`` stores when frozen; compiled, as eagerly each primitive would
-    compile on its own (which made quantizing a model take seconds)."""
-    qw = layer.quantized()
-    qvalue, scale = unpack(qw)
-    return qvalue, scale, layer.weight_error(qw)
-
-
-class Linear(InputScales, eqx.Module):
+class Linear(QuantizedWeights, InputScales, eqx.Module):
     """One quantized dense layer: ``x (..., K) -> x @ W + bias (..., N)``.
 
     ``W`` is int8 with one float32 scale per row of the stored matrix
@@ -278,11 +260,6 @@ class Linear(InputScales, eqx.Module):
         return self.weight if self.weight is not None else self.qvalue
 
     @property
-    def trainable(self) -> bool:
-        """Float32 weights quantized on every call (else stored int8)."""
-        return self.weight is not None
-
-    @property
     def in_features(self) -> int:
         shape = self._stored.shape
         if self.precision == "int4" and not self.trainable:
@@ -293,16 +270,6 @@ class Linear(InputScales, eqx.Module):
     def out_features(self) -> int:
         shape = self._stored.shape
         return shape[-1] if self.layout == "kn" else shape[-2]
-
-    def quantized(self):
-        """The weights as a QArray (``q8[K, N]`` or ``q8[N, K]``); traced code."""
-        if self.precision == "float32":
-            raise ValueError("a float32 Linear has no quantized weights")
-        bits = PRECISION_BITS[self.precision]
-        if self.trainable:
-            return quantize(jnp.asarray(self.weight), bits, self.group_size)
-        qvalue, scale = jnp.asarray(self.qvalue), jnp.asarray(self.scale)
-        return pack(qvalue, scale, bits, self.group_size)
 
     def __call__(self, x, *, key=None):
         """``x (..., K) -> (..., N)``; ``key`` is accepted and unused (equinox's
@@ -339,29 +306,6 @@ class Linear(InputScales, eqx.Module):
         product = matmul_q if self.layout == "kn" else linear_q
         y = product(x, qw, activations)
         return y if self.bias is None else y + self.bias
-
-    def weight_error(self, qw=None):
-        """``||w - W|| / ||w||``, the relative quantization error of the float
-        weights (0 for zero weights): computed for a trainable layer, the one
-        recorded at quantization for a stored layer (0 if not known). A
-        diagnostic: it carries no derivative."""
-        if not self.trainable:
-            return jnp.float32(self.stored_error or 0.0)
-        if self.precision == "float32":
-            return jnp.float32(0.0)
-        qw = self.quantized() if qw is None else qw
-        return quantization_error(jnp.asarray(self.weight), qw)
-
-    def frozen(self) -> Linear:
-        """The stored int8 layer a trainable one quantizes to (itself if
-        stored): the export after quantization-aware training. Eager. A
-        float32 layer stays as it is."""
-        if not self.trainable or self.precision == "float32":
-            return self
-        qvalue, scale, error = stored_parts(self)
-        return dataclasses.replace(
-            self, weight=None, qvalue=qvalue, scale=scale, stored_error=float(error)
-        )
 
     def placed(self, put: Callable, model: str) -> Linear:
         """This layer with ``put(array, spec)`` applied to each array: its

@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._ops import DEFAULT_GROUP_SIZE, PRECISION_BITS, PRECISIONS, check_group_size
-from .._primitives import dequantize, pack, quantize, unpack
-from ._linear import quantization_error, stored_width
+from .._primitives import dequantize
+from ._linear import stored_width
+from ._weights import QuantizedWeights
 
 
 def kept_frequencies(n: int, m: int, last: bool) -> np.ndarray:
@@ -27,7 +28,7 @@ def kept_frequencies(n: int, m: int, last: bool) -> np.ndarray:
     return np.r_[0 : (m + 1) // 2, n - m // 2 : n]
 
 
-class SpectralConv(eqx.Module):
+class SpectralConv(QuantizedWeights, eqx.Module):
     """``x (..., in_channels, *spatial) -> (..., out_channels, *spatial)``:
     an rFFT over the ``len(modes)`` spatial axes (1 to 3), the lowest
     ``modes`` frequencies of each axis (``kept_frequencies``) mixed across
@@ -143,34 +144,17 @@ class SpectralConv(eqx.Module):
         self.weight, self.qvalue, self.scale = weight, None, None
 
     @property
-    def trainable(self) -> bool:
-        """Float weights (quantized on every call unless float32)."""
-        return self.weight is not None
-
-    @property
     def _bits(self) -> int:
         return PRECISION_BITS[self.precision]
 
-    def _rows(self, weight):
+    def _weight_rows(self, weight):
         """(in, out, *modes, 2) -> rows (out * prod(modes), 2 in)."""
         return jnp.moveaxis(weight, 0, -2).reshape(-1, 2 * self.in_channels)
 
     def _parts(self, rows):
-        """The inverse of ``_rows``."""
+        """The inverse of ``_weight_rows``."""
         parts = rows.reshape(self.out_channels, *self.modes, self.in_channels, 2)
         return jnp.moveaxis(parts, -2, 0)
-
-    def quantized(self):
-        """The weights' rows as a QArray ``q8[out * prod(modes), 2 in]``
-        (``q4`` for int4); a float32 layer has none."""
-        if self.precision == "float32":
-            raise TypeError("a float32 SpectralConv has no quantized weights.")
-        if self.trainable:
-            return quantize(
-                self._rows(jnp.asarray(self.weight)), self._bits, self.group_size
-            )
-        qvalue, scale = jnp.asarray(self.qvalue), jnp.asarray(self.scale)
-        return pack(qvalue, scale, self._bits, self.group_size)
 
     def spectral_weight(self):
         """The complex weights ``(in, out, *modes)`` the layer multiplies by
@@ -234,30 +218,3 @@ class SpectralConv(eqx.Module):
             self, precision=precision, group_size=group_size, stored_error=None
         )
         return layer if trainable else layer.frozen()
-
-    def frozen(self) -> SpectralConv:
-        """The stored layer a trainable quantized one quantizes to (itself
-        if stored or float32). Eager."""
-        if not self.trainable or self.precision == "float32":
-            return self
-        qvalue, scale, error = _stored_rows(self)
-        return dataclasses.replace(
-            self, weight=None, qvalue=qvalue, scale=scale, stored_error=float(error)
-        )
-
-    def weight_error(self):
-        """``||w - W|| / ||w||`` over the real and imaginary parts (recorded
-        for a stored layer; 0 for float32)."""
-        if self.precision == "float32":
-            return jnp.float32(0.0)
-        if not self.trainable:
-            return jnp.float32(self.stored_error or 0.0)
-        rows = self._rows(jnp.asarray(self.weight))
-        return quantization_error(rows, self.quantized())
-
-
-@eqx.filter_jit
-def _stored_rows(layer: SpectralConv):
-    qw = layer.quantized()
-    qvalue, scale = unpack(qw)
-    return qvalue, scale, quantization_error(layer._rows(jnp.asarray(layer.weight)), qw)

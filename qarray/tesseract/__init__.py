@@ -9,8 +9,8 @@
 - ``Runtime``: the settings, the mesh, the resident model, the residual cache
   and the batcher of one API module (``RUNTIME = Runtime.from_env()``);
 - ``Limits``: request size limits as schema validators and endpoint checks;
-- ``Rows``: concurrent requests merged along their rows into one compiled
-  call (dynamic batching);
+- ``MergedRows``: concurrent requests merged along their rows into one
+  compiled call (dynamic batching; ``Rows``, its name before, still works and warns);
 - ``Endpoints``: apply and the gradient endpoints over a function of the
   request (compiled, batched, the pullback cached): what ``ModelTesseract``
   and the top-level ``tesseract_api.py`` both serve through;
@@ -32,14 +32,16 @@ _WHERE = {
     "Limits": "._limits",
     "ModelTesseract": "._model",
     "Network": "..network",
-    "Rows": "._batching",
+    "MergedRows": "._row_merging",
     "Runtime": "._runtime",
     "Settings": "._settings",
     "create_app": "._server",
-    "jit_request": "._jit",
+    "jit_request": "._request_jit",
     "main": "._cli",
     "shared_memory_tesseract": "._local",
 }
 __all__ = [*_WHERE, "internal"]
-__getattr__, __dir__ = lazy_names(__name__, {**_WHERE, "internal": ".internal"})
+__getattr__, __dir__ = lazy_names(
+    __name__, {**_WHERE, "internal": ".internal"}, renamed={"Rows": "MergedRows"}
+)
 del lazy_names

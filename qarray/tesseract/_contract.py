@@ -151,7 +151,7 @@ class NetworkRequest(BaseModel):
     check_gradient_path = lookup  # what the gradient endpoints' schemas call
 
     def mergeable(self) -> bool:
-        """Whether the request may merge with others (``Rows.job``): the
+        """Whether the request may merge with others (``MergedRows.job``): the
         resident model on rows of x, adapters (if any) one per request, no
         per-layer outputs."""
         if self.layers is not None or self.x.ndim < 2:

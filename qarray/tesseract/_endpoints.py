@@ -5,7 +5,7 @@ function of the request, shared by ``ModelTesseract`` and the top-level
 ``run(request, *constants()) -> outputs`` is the computation (the request
 as a dict of arrays and values, the constants the resident model); around
 it: compiled once per request signature (``jit_request``), concurrent
-requests merged along ``row_fields`` (``Rows``, ``QARRAY_MAX_BATCH_ROWS``),
+requests merged along ``row_fields`` (``MergedRows``, ``QARRAY_MAX_BATCH_ROWS``),
 apply's pullback kept for the VJP that follows (``ResidualCache``), and
 tesseract-core's ``jax_recipes`` for the derivatives of what cannot merge.
 The API module checks a request (its schemas, its 422s) and calls these.
@@ -21,9 +21,9 @@ import numpy as np
 from pydantic import BaseModel
 from tesseract_core.runtime import jax_recipes
 
-from ._batching import Rows
-from ._jit import jit_request
+from ._request_jit import jit_request
 from ._requests import unprocessable
+from ._row_merging import MergedRows
 from ._runtime import Runtime
 
 
@@ -42,7 +42,7 @@ class Endpoints:
         self.runtime = runtime
         self.run = run
         self.constants = constants
-        self.rows = Rows(runtime.batcher, run_rows or run, row_fields, constants)
+        self.rows = MergedRows(runtime.batcher, run_rows or run, row_fields, constants)
         self._compiled = jit_request(run)
 
     def apply_jit(self, request: dict) -> dict:

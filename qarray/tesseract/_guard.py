@@ -19,7 +19,7 @@ and sheds load with 503 + ``Retry-After`` instead of running out of memory:
   Content-Length would pass it is refused before its body is read.
 
 How many compute at once is the batcher's (``QARRAY_MAX_CONCURRENCY``
-batches, each of many requests: ``qarray.tesseract._batching``), not the
+batches, each of many requests: ``qarray.tesseract._batcher``), not the
 guard's: a per-request bound here would cap every batch at it.
 
 Validation errors (422) name the field and the problem but do not echo the

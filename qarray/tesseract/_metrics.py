@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from ._batching import Batcher
+from ._batcher import Batcher
 
 # histogram buckets of rows per computed call (QARRAY_MAX_BATCH_ROWS is 64 by
 # default; larger settings land in +Inf)

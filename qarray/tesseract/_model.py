@@ -27,7 +27,7 @@ follows), ``abstract_eval``, and every client error a 422 naming the field.
 
 ``batch_inputs=("log_k",)`` declares those inputs' leading axis a batch of
 independent examples (and every output's): concurrent requests then merge
-along it into one compiled call (``qarray.tesseract.Rows``; requests with
+along it into one compiled call (``qarray.tesseract.MergedRows``; requests with
 adapters as per-example adapters), up to ``QARRAY_MAX_BATCH_ROWS`` rows.
 
 ``lora_rank=r`` exposes LoRA adapters on the resident model as inputs: the
@@ -59,9 +59,9 @@ from tesseract_core.runtime import Array, Differentiable, Float32
 from ..checkpoint import ModelFileError, load_quantized
 from ..nn import QuantConfig, adapter_shapes, with_adapters
 from ._endpoints import Endpoints, given_paths, request_dict
-from ._jit import merge_request, split_request
 from ._limits import require_finite
 from ._paths import lookup_path
+from ._request_jit import merge_request, split_request
 from ._requests import checked_vectors, unprocessable
 from ._runtime import Runtime
 from ._settings import Settings
@@ -212,7 +212,7 @@ class ModelTesseract:
         return self.forward(model, inputs)
 
     def _run_rows(self, inputs: dict, model) -> dict:
-        """``_run`` on merged rows: adapters gathered one per row (``Rows``)
+        """``_run`` on merged rows: adapters gathered one per row (``MergedRows``)
         apply to their own row, each row its own call of ``forward``."""
         if not any(e is not None for e in inputs.get("lora") or ()):
             return self._run(inputs, model)

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 
 from ..network import LayerShapes, Network, linear_shapes
-from ._batching import Batcher
+from ._batcher import Batcher
 from ._cache import ResidualCache
 from ._limits import Limits
 from ._mesh import make_mesh

@@ -30,7 +30,7 @@ _WHERE = {
     "given_paths": "._endpoints",
     "request_dict": "._endpoints",
     # serving machinery
-    "Batcher": "._batching",
+    "Batcher": "._batcher",
     "ResidualCache": "._cache",
     "RequestGuard": "._guard",
     "binref_problem": "._guard",

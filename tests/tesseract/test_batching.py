@@ -1,6 +1,7 @@
-"""Dynamic batching (qarray.tesseract._batching): the batcher's scheduling,
-and concurrent requests on a resident model merged into one call, each
-answer equal to the request's answer alone and to the NumPy network."""
+"""Dynamic batching (qarray.tesseract._batcher and _row_merging): the
+batcher's scheduling, and concurrent requests on a resident model merged
+into one call, each answer equal to the request's answer alone and to the
+NumPy network."""
 
 import importlib.util
 import os
@@ -16,7 +17,7 @@ import requests
 
 from qarray.checkpoint import save_model, save_tree
 from qarray.tesseract import ModelTesseract
-from qarray.tesseract._batching import Job
+from qarray.tesseract._batcher import Job
 from qarray.tesseract.internal import Batcher
 from support import network as net
 from support.server import ROOT, b64, decode, serve
@@ -613,3 +614,11 @@ def test_a_lone_client_never_waits_for_itself():
             batcher.run(job)
     assert calls == [("alone", 0), ("alone", 1), ("alone", 2)]
     assert time.monotonic() - start < 10
+
+
+def test_rows_the_former_name_of_merged_rows_still_imports_and_warns():
+    from qarray import tesseract
+
+    with pytest.warns(DeprecationWarning, match="MergedRows"):
+        assert tesseract.Rows is tesseract.MergedRows
+    assert "Rows" not in dir(tesseract)
