@@ -28,12 +28,12 @@ from jax.experimental.hijax import (
     HiPrim,
     ShapedArray,
     Zero,
-    instantiate_zeros,
     linearize_from_jvp,
 )
 
 from . import _ffi, _kernels, _numerics
 from ._ops import (
+    ProductVJP,
     check_activations,
     explicit_spec,
     product_rule,
@@ -111,7 +111,7 @@ def _dimension_numbers(nsp: int):
     return ("NC" + space, "OI" + space, "NC" + space)
 
 
-class ConvQ(HiPrim):
+class ConvQ(ProductVJP, HiPrim):
     """f32 ``x (B?, C, *spatial)`` convolved with q8 (or q4) ``qw (out, C/groups *
     prod(kernel_size))`` -> f32 ``(B?, out, *out_spatial)``.
 
@@ -345,17 +345,6 @@ class ConvQ(HiPrim):
         )
 
     lin, linearized = linearize_from_jvp
-
-    def vjp_fwd(self, nzs_in, x, qw):
-        needs_x, needs_qw = nzs_in
-        return self(x, qw), (x if needs_qw else None, qw if needs_x else None)
-
-    def vjp_bwd_retval(self, res, g):
-        x, qw = res
-        g = instantiate_zeros(g)
-        ct_x = None if qw is None else self._ct_x(g, qw)
-        ct_qw = None if x is None else self._ct_w(x, g)
-        return ct_x, ct_qw
 
     def _ct_x(self, g, qw):
         """``g`` pulled back through the convolution with ``W``, typed like x."""

@@ -17,6 +17,7 @@ from jax import lax
 from jax.experimental.hijax import (
     ShapedArray,
     Zero,
+    instantiate_zeros,
 )
 from jax.sharding import AxisType
 
@@ -179,3 +180,21 @@ def batch_at_front(x, d, size):
     if d is None:
         return jnp.broadcast_to(x, (size, *x.shape))
     return jnp.moveaxis(x, d, 0)
+
+
+class ProductVJP:
+    """The reverse rule of a product ``y = x (*) W`` with ``W = dequantize(qw)``
+    (matmul_q, linear_q, conv_q): the forward keeps only what the wanted
+    cotangents read (x's needs qw, qw's needs x); a subclass gives
+    ``_ct_x(g, qw)`` (typed like x) and ``_ct_w(x, g)`` (laid out like qw)."""
+
+    def vjp_fwd(self, nzs_in, x, qw):
+        needs_x, needs_qw = nzs_in
+        return self(x, qw), (x if needs_qw else None, qw if needs_x else None)
+
+    def vjp_bwd_retval(self, res, g):
+        x, qw = res
+        g = instantiate_zeros(g)
+        ct_x = None if qw is None else self._ct_x(g, qw)
+        ct_qw = None if x is None else self._ct_w(x, g)
+        return ct_x, ct_qw

@@ -27,6 +27,7 @@ from jax.experimental.hijax import (
 
 from . import _kernels, _numerics
 from ._ops import (
+    ProductVJP,
     batch_at_front,
     check_activations,
     check_bits,
@@ -139,7 +140,7 @@ class Dequantize(HiPrim):
         return dequantize(q), 0
 
 
-class _QProduct(HiPrim):
+class _QProduct(ProductVJP, HiPrim):
     """What matmul_q and linear_q share: f32 ``x[..., k]`` contracted with a
     2-d QArray ``qw`` over x's last axis and qw's axis ``w_axis``; qw's other
     axis gives the output's last.
@@ -239,22 +240,11 @@ class _QProduct(HiPrim):
 
     lin, linearized = linearize_from_jvp
 
-    def vjp_fwd(self, nzs_in, x, qw):
-        needs_x, needs_qw = nzs_in
-        # keep only what the wanted cotangents read: x's needs W, qw's needs x
-        return self(x, qw), (x if needs_qw else None, qw if needs_x else None)
-
-    def vjp_bwd_retval(self, res, g):
-        x, qw = res
-        g = instantiate_zeros(g)
-        ct_x = None if qw is None else self._ct_x(g, qw)
-        ct_qw = None
-        if x is not None:
-            # x^T g over all leading axes, laid out like qw. Cotangents live
-            # where primals live.
-            pair = (x, g) if self.w_axis == 0 else (g, x)
-            ct_qw = contract_leading(*pair, self.in_avals[1].to_tangent_aval())
-        return ct_x, ct_qw
+    def _ct_w(self, x, g):
+        """x^T g over all leading axes, laid out like qw (cotangents live where
+        primals live)."""
+        pair = (x, g) if self.w_axis == 0 else (g, x)
+        return contract_leading(*pair, self.in_avals[1].to_tangent_aval())
 
     def _ct_x(self, g, qw):
         """``g`` contracted with qw's output axis, typed like ``x``."""

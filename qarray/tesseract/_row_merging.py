@@ -240,4 +240,3 @@ def _merged(merged, vectors, seg, constants, plan: _Plan):
         return grads
     _, tangents = jax.jvp(differentiated, (chosen,), (list(vectors),))
     return dict(zip(plan.outputs, tangents, strict=True))
-

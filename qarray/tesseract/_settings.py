@@ -1,4 +1,13 @@
-"""Start-up configuration: every ``QARRAY_*`` variable, read and checked once."""
+"""Start-up configuration: every ``QARRAY_*`` variable a qarray Tesseract
+and its server read, read and checked once.
+
+Three kinds are read elsewhere, on purpose: the library's own two below
+this package (``QARRAY_KERNELS`` in ``qarray._ffi``, ``QARRAY_CPU_ISA`` by
+the kernels' loader in ``qarray/_cpu/dispatch.cc``), and the two that
+``qarray-serve serve`` sets for its workers, not a user
+(``QARRAY_SERVE_WORKER_SLOTS`` in ``_server``, ``QARRAY_SERVE_SHARED_WEIGHTS``
+in ``_shared_weights``). docs/configuration.md lists the user's ones.
+"""
 
 from __future__ import annotations
 
