@@ -265,9 +265,21 @@ def _rows(name, kind, rows, width, results, targets, baseline, clients):
                 "clients": c,
                 # the batcher's calls in ours' last run of this level
                 "batches": ours[-1].get("batches"),
+                "isa": _isa(ours[-1].get("batches")),
             }
         )
     return out
+
+
+def _isa(batches: dict | None) -> str:
+    """Where ours' products ran, from its /metrics: "avx512", "amx", ...,
+    "xla" (the kernels off), or "-" (no counters: a server without ours')."""
+    status = (batches or {}).get("kernels")
+    if not status:
+        return "-"
+    if status.startswith("available (") and status.endswith(")"):
+        return status.removeprefix("available (").removesuffix(")")
+    return "xla"
 
 
 def derived_rows(rows: list[dict]) -> list[dict]:
@@ -494,7 +506,7 @@ def table(rows) -> str:
     """Throughput and latency per level (the docs' load section)."""
     lines = [
         "| model, request | clients | ours req/s | baseline req/s | ratio (spread) "
-        "| ours p50 / p99 ms | baseline p50 / p99 ms | ours rows a call |",
+        "| ours p50 / p99 ms | baseline p50 / p99 ms | ours rows a call (isa) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -502,7 +514,7 @@ def table(rows) -> str:
             continue
         name = r["row"].removeprefix("load: ").rsplit(",", 2)[0]
         batches = r.get("batches")
-        mean = "-" if not batches else f"{batches['mean_rows']:.1f}"
+        mean = "-" if not batches else f"{batches['mean_rows']:.1f} ({_isa(batches)})"
         lines.append(
             f"| {name} | {r['clients']} | {r['rps']:.0f} | {r['baseline_rps']:.0f} | "
             f"{r['ratio']:.2f} ({r['spread'][0]:.2f}-{r['spread'][1]:.2f}) | "
