@@ -22,6 +22,11 @@ How many compute at once is the batcher's (``QARRAY_MAX_CONCURRENCY``
 batches, each of many requests: ``qarray.tesseract._batcher``), not the
 guard's: a per-request bound here would cap every batch at it.
 
+The guard parses a JSON body once and hands the document down in the scope
+(``PARSED_BODY``): the compute routes (``_workarounds.ComputeRoutes``)
+validate it without parsing the bytes again, and the binref check walks it
+instead of scanning the bytes.
+
 Validation errors (422) name the field and the problem but do not echo the
 input back, and list at most ``MAX_LISTED_ERRORS`` problems with their count,
 so an error body stays small whatever the request.
@@ -39,6 +44,10 @@ from ._settings import Settings
 MAX_LISTED_ERRORS = 10
 MAX_MESSAGE_CHARS = 1000
 RETRY_AFTER_SECONDS = 1
+
+# the scope key of a body's parsed JSON document (None: not JSON); whoever
+# reads it pops it, so the document is not held while the request computes
+PARSED_BODY = "qarray.parsed_body"
 
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 # '<path>[:<offset>[:<compressed size>]]'; a path is plain names joined by '/'
@@ -84,39 +93,25 @@ def _field_name(path: str) -> str:
     return path.removeprefix("inputs.")
 
 
-def _may_hold_binref(body: bytes) -> bool:
-    """False only if no JSON string in ``body`` can decode to "binref".
-
-    Without a backslash (JSON escapes) or a NUL byte (UTF-16/32 bodies, which
-    json.loads accepts), the string "binref" can only be written as the bytes
-    ``"binref"``: every quote is looked at (memchr from quote to quote: a
-    base64 buffer is one long string) instead of scanning for the word, which
-    was the guard's largest cost on big base64 bodies. Bodies with
-    many quotes fall back to that scan.
-    """
-    if b"\\" in body or b"\x00" in body:  # escapes or wide encodings: parse
-        return True
-    find, quotes = body.find, 0
-    at = find(b'"')
-    while at >= 0:
-        if body[at + 1 : at + 8] == b'binref"':
-            return True
-        quotes += 1
-        if quotes > 4096:
-            return b'"binref"' in body
-        at = find(b'"', at + 1)
-    return False
-
-
-def check_body(body: bytes, input_dir: Path, max_elements: int):
-    """(status, message) for a request body that must be refused, else None."""
-    if not _may_hold_binref(body):  # the common case: no parse
+def parse_body(body: bytes):
+    """``body``'s JSON document as ``json.loads`` reads it (what FastAPI
+    reads), or None where it is not one (the application answers that)."""
+    if not body:
         return None
     try:
-        tree = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None  # the application answers malformed JSON itself
-    for path, array in _encoded_arrays(tree):
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+
+
+def check_body(tree, input_dir: Path, max_elements: int):
+    """(status, message) for a request (``tree``: its parsed body, see
+    ``parse_body``) that must be refused, else None."""
+    try:
+        arrays = list(_encoded_arrays(tree))
+    except RecursionError:  # nested beyond any schema: the application refuses
+        return None
+    for path, array in arrays:
         data = array["data"]
         if data.get("encoding") != "binref":
             continue
@@ -194,9 +189,12 @@ class RequestGuard:
                     break
             body = b"".join(chunks)
             del chunks
-            refusal = check_body(body, self.input_dir, self.max_elements)
+            tree = parse_body(body)
+            refusal = check_body(tree, self.input_dir, self.max_elements)
             if refusal:
                 return await reject(send, *refusal)
+            downstream = {**scope, PARSED_BODY: tree}
+            del tree  # the scope holds it until a route takes it
 
             replayed = False
 
@@ -213,7 +211,7 @@ class RequestGuard:
                 return await receive()  # e.g. the client disconnecting
 
             # the bytes stay counted while the request waits and computes
-            return await self.app(scope, replay, send)
+            return await self.app(downstream, replay, send)
         finally:
             held.release()
 

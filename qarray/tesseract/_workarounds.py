@@ -67,6 +67,10 @@ from pathlib import Path
 from tesseract_core.runtime import schema_generation
 from tesseract_core.runtime import serve as _serve
 
+from ._guard import PARSED_BODY, parse_body
+
+_UNPARSED = object()  # a scope the guard did not see (an app without it)
+
 CHECKED_AGAINST = "1.15.0"
 
 _upstream_input_path_validator = schema_generation.input_path_validator
@@ -248,6 +252,8 @@ class ComputeRoutes:
         return await anyio.to_thread.run_sync(compute, limiter=self._limiter())
 
     async def __call__(self, scope, receive, send):
+        # the guard's parse of the body (every route: FastAPI's parse their own)
+        parsed = scope.pop(PARSED_BODY, _UNPARSED)
         route = self.routes.get(scope.get("path")) if scope["type"] == "http" else None
         if route is None or scope.get("method") != "POST" or scope.get("query_string"):
             return await self.app(scope, receive, send)
@@ -260,7 +266,8 @@ class ComputeRoutes:
             more = message.get("more_body", False)
         body = b"".join(body)
         headers = dict(scope.get("headers", []))
-        payload = _well_formed(route[0], body, headers.get(b"content-type"))
+        payload = _well_formed(route[0], body, headers.get(b"content-type"), parsed)
+        del parsed
         if payload is None:  # FastAPI answers it, from the same bytes
             return await self.app(scope, _replay(body, receive), send)
         from fastapi import HTTPException
@@ -291,19 +298,21 @@ class ComputeRoutes:
         return None
 
 
-def _well_formed(schema, body: bytes, content_type: bytes | None):
+def _well_formed(schema, body: bytes, content_type: bytes | None, parsed=_UNPARSED):
     """``body`` as ``schema``'s payload, or None where FastAPI should decide
-    (not JSON as FastAPI reads it, or not valid)."""
-    import json
-
+    (not JSON as FastAPI reads it, or not valid); ``parsed``: the guard's
+    ``parse_body(body)``, where it ran."""
     from pydantic import ValidationError
 
     if content_type is not None:
         kind = content_type.split(b";", 1)[0].strip().lower()
         if kind != b"application/json":
             return None
+    tree = parse_body(body) if parsed is _UNPARSED else parsed
+    if tree is None:  # not JSON (or JSON null, which no payload schema takes)
+        return None
     try:
-        return schema.model_validate(json.loads(body))
+        return schema.model_validate(tree)
     except (ValueError, ValidationError, RecursionError):
         return None
 

@@ -239,3 +239,43 @@ def test_validation_errors_do_not_echo_large_inputs(guarded):
     assert response.status_code == 422
     assert '"loc":["body","inputs","layers",0,"w"]' in response.text
     assert len(response.content) < 2000
+
+
+def test_the_guard_parses_a_body_once_and_hands_the_document_down(tmp_path):
+    """The application gets the body's bytes as sent and, in the scope, the
+    document ``json.loads`` reads from them (None for a body that is not
+    JSON): the compute routes validate it without parsing again."""
+    import asyncio
+
+    from qarray.tesseract._guard import PARSED_BODY, RequestGuard
+    from qarray.tesseract._settings import Settings
+
+    seen = []
+
+    async def app(scope, receive, send):
+        message = await receive()
+        seen.append((scope.get(PARSED_BODY, "absent"), message["body"]))
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    guard = RequestGuard(app, Settings.from_env({}), input_dir=tmp_path)
+
+    async def post(body: bytes):
+        scope = {"type": "http", "method": "POST", "path": "/apply",
+                 "query_string": b"", "headers": [
+                     (b"content-length", str(len(body)).encode())]}  # fmt: skip
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        async def send(message):
+            pass
+
+        await guard(scope, receive, send)
+
+    document = {"inputs": inputs()}
+    body = json.dumps(document).encode()
+    for sent in (body, b"{not json", b""):
+        asyncio.run(post(sent))
+    assert seen == [(document, body), (None, b"{not json"), (None, b"")]

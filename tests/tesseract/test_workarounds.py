@@ -112,8 +112,10 @@ def test_upstream_handler_runs_endpoints_inside_start_run(api):
     assert "_STDIO_REDIRECT_LOCK" in inspect.getsource(mpa.redirect_stdio)
 
 
-async def _post(app, path, payload, query=b"", content_type=b"application/json"):
-    """(status, JSON body) of one POST through an ASGI app."""
+async def _post(app, path, payload, query=b"", content_type=b"application/json",
+                scope_extra=None):  # fmt: skip
+    """(status, JSON body) of one POST through an ASGI app; ``scope_extra``:
+    keys added to its scope."""
     import json
 
     body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
@@ -124,6 +126,7 @@ async def _post(app, path, payload, query=b"", content_type=b"application/json")
         "headers": [(b"content-type", content_type),
                     (b"content-length", str(len(body)).encode())],
         "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+        **(scope_extra or {}),
     }  # fmt: skip
     sent, messages = [], [{"type": "http.request", "body": body, "more_body": False}]
 
@@ -244,5 +247,35 @@ def test_well_formed_requests_skip_fastapi_and_answer_like_upstream(api, rng):
             want = await _post(stock, *args)
             assert await _post(served, *args) == want
         assert reached == ["/apply"] * 4
+
+    asyncio.run(compare())
+
+
+def test_compute_routes_validate_the_guards_document_without_parsing(api, rng):
+    """Where the guard parsed the body (``PARSED_BODY`` in the scope), the
+    compute routes validate that document and never parse the bytes: bytes
+    that are not JSON, handed down with the document of a valid request, get
+    that request's answer."""
+    import asyncio
+    import json
+
+    from tesseract_core.runtime.serve import create_rest_api
+
+    from qarray.tesseract._guard import PARSED_BODY
+
+    served = _workarounds.endpoints_off_event_loop(create_rest_api(api), threads=4)
+    document = _request_body(net.three_layer(rng))
+
+    async def compare():
+        want = await _post(served, "/apply", document)
+        got = await _post(
+            served, "/apply", b"{not json", scope_extra={PARSED_BODY: document}
+        )
+        assert want[0] == 200 and got == want
+        # None: the guard found no JSON document; FastAPI answers the bytes
+        status, answer = await _post(
+            served, "/apply", b"{not json", scope_extra={PARSED_BODY: None}
+        )
+        assert status == 422 and "json" in json.dumps(answer).lower()
 
     asyncio.run(compare())
