@@ -1,12 +1,17 @@
 """The package boundaries: the layers of ``qarray/`` import one way (no
 circle, nothing from a lower layer to a higher one), small public surfaces,
 the contract in ``qarray.network`` (published through ``qarray.tesseract``),
-and no package reaching into another's private modules."""
+no package reaching into another's private modules, and every module of
+``qarray/`` named by its tests (a test file of its name or a ``Covers:`` line).
+
+Covers: qarray/checkpoint/__init__.py"""
 
 import ast
 import pathlib
 import subprocess
 import sys
+
+import pytest
 
 import qarray.nn as qnn
 import qarray.tesseract as qt
@@ -205,3 +210,109 @@ def test_qarray_checkpoint_exports_model_files_only():
     assert ckpt._MOVED["convert_tree"] == ("qarray.checkpoint.pytorch", "convert_tree")
     assert converter.convert_state_dict.__module__ == "qarray.checkpoint._convert"
     assert ckpt._MOVED["quantize_rows"][1] in dir(_numerics)
+
+
+# --- every module of qarray/ named by its tests: by a test file's name
+# (test_<name>.py, the module's name without its leading underscore, a
+# package's __init__.py by the package's name; test_<package>_<name>.py for a
+# subpackage's module) or by a test module's docstring, whose last paragraph
+# then reads ``Covers: qarray/_primitives.py, qarray/_ops.py`` (paths from the
+# repository's root, comma-separated, over as many lines as it takes)
+
+
+def qarray_modules() -> list[pathlib.Path]:
+    return sorted((ROOT / "qarray").rglob("*.py"))
+
+
+def suite_files() -> list[pathlib.Path]:
+    return sorted((ROOT / "tests").rglob("test_*.py"))
+
+
+def names_for(module: pathlib.Path) -> set[str]:
+    """The names of the test files that name ``module``."""
+    if module.name == "__init__.py":
+        return {f"test_{module.parent.name}.py"}
+    name = module.stem.removeprefix("_")
+    names = {f"test_{name}.py"}
+    if module.parent != ROOT / "qarray":
+        names.add(f"test_{module.parent.name}_{name}.py")
+    return names
+
+
+def covers(test: pathlib.Path) -> tuple[list[str], bool]:
+    """The paths the last paragraph of ``test``'s docstring names after
+    ``Covers:``, and whether a ``Covers:`` line stands anywhere else."""
+    doc = ast.get_docstring(ast.parse(test.read_text())) or ""
+    *before, last = doc.strip().split("\n\n")
+    misplaced = any(
+        line.startswith("Covers:") for p in before for line in p.splitlines()
+    )
+    if not last.startswith("Covers:"):
+        return [], misplaced or "\nCovers:" in last
+    return last.removeprefix("Covers:").replace(",", " ").split(), misplaced
+
+
+def _shown(path: pathlib.Path) -> str:
+    return str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+
+
+def naming_problems() -> list[str]:
+    """The modules no test names, and the Covers: paragraphs that are out of
+    place or name a path that does not exist."""
+    modules, tests = qarray_modules(), suite_files()
+    problems, named = [], set()
+    for test in tests:
+        paths, misplaced = covers(test)
+        if misplaced:
+            problems.append(f"{_shown(test)}: Covers: must be the docstring's end")
+        for path in paths:
+            if not (ROOT / path).is_file():
+                problems.append(f"{_shown(test)}: Covers: {path} does not exist")
+            named.add(path)
+    # a name two modules answer to (test_conv.py: qarray/_conv.py and
+    # qarray/nn/_conv.py) names neither: the test says which in Covers:
+    claims = [name for module in modules for name in names_for(module)]
+    files = {test.name for test in tests}
+    for module in modules:
+        if _shown(module) in named or any(
+            name in files and claims.count(name) == 1 for name in names_for(module)
+        ):
+            continue
+        names = " or ".join(
+            f"{name}, which other modules answer to" if name in files else name
+            for name in sorted(names_for(module))
+        )
+        problems.append(f"{_shown(module)}: no test names it (by file: {names})")
+    return problems
+
+
+def test_every_module_is_named_by_a_test():
+    problems = naming_problems()
+    assert problems == [], "\n".join(problems)
+
+
+def test_the_module_check_sees_unnamed_modules_and_dangling_paths(
+    monkeypatch, tmp_path
+):
+    """The check above fails where it should (modules and tests made up here:
+    a module without a test, two modules answering to one test name, a
+    Covers: path that does not exist, a Covers: line that is not the end)."""
+    jit, made_up = ROOT / "qarray/_jit.py", ROOT / "qarray/_made_up.py"
+    conv, nn_conv = ROOT / "qarray/_conv.py", ROOT / "qarray/nn/_conv.py"
+    (tmp_path / "test_conv.py").write_text('"""Covers: qarray/_gone.py"""\n')
+    (tmp_path / "test_jit.py").write_text(
+        '"""jit.\n\nCovers: qarray/_jit.py\n\nMore."""'
+    )
+    monkeypatch.setitem(
+        globals(), "qarray_modules", lambda: [jit, made_up, conv, nn_conv]
+    )
+    monkeypatch.setitem(globals(), "suite_files", lambda: sorted(tmp_path.iterdir()))
+    problems = "\n".join(naming_problems())
+    assert "qarray/_jit.py:" not in problems  # by its name
+    for module in ("qarray/_made_up.py", "qarray/_conv.py", "qarray/nn/_conv.py"):
+        assert f"{module}: no test names it" in problems, (module, problems)
+    assert "test_conv.py, which other modules answer to" in problems
+    assert "Covers: qarray/_gone.py does not exist" in problems
+    assert "test_jit.py: Covers: must be the docstring's end" in problems
+    with pytest.raises(AssertionError, match=r"qarray/_made_up\.py"):
+        test_every_module_is_named_by_a_test()

@@ -1,4 +1,6 @@
-"""qarray.nn.evaluate and plan against errors computed in NumPy."""
+"""qarray.nn.evaluate and plan against errors computed in NumPy.
+
+Covers: qarray/nn/_accuracy.py, qarray/nn/_plan.py"""
 
 import itertools
 

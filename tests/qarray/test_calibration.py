@@ -1,7 +1,10 @@
 """AWQ, SmoothQuant and static activation scales (qnn.quantize(method="awq"),
 smoothquant=alpha, static=...) against NumPy: the scales chosen, the stored
 weights, the layers' outputs and gradients, model files, and what they buy
-on a model with outlier input channels."""
+on a model with outlier input channels.
+
+Covers: qarray/nn/_calibrate.py, qarray/nn/_scales.py, qarray/nn/_inputs.py,
+qarray/nn/_config.py"""
 
 import dataclasses
 

@@ -1,7 +1,9 @@
 """conv_q beyond the transform table (tests/qarray/test_transforms.py holds
 its jit, grad, vjp, jvp, linearize, jacobian, hessian and checkpoint cases):
 realistic shapes, the formulations, vmap, scan, sharding and errors, against
-the float64 references in support/reference.py."""
+the float64 references in support/reference.py.
+
+Covers: qarray/_conv.py"""
 
 import jax
 import jax.numpy as jnp

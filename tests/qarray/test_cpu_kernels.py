@@ -7,6 +7,8 @@ every instruction set's tiles without XLA; this file checks what users reach.
 
 On a CPU whose best tiles are not AVX2's (AVX-512), the last test runs this
 file again with QARRAY_CPU_ISA=avx2.
+
+Covers: qarray/_ffi.py, qarray/_thresholds.py
 """
 
 import os

@@ -1,5 +1,7 @@
 """The hijax doc's other examples (qarray.doc_types): rank-1 matrices and tuples,
-and the top-level namespace that leaves them out."""
+and the top-level namespace that leaves them out.
+
+Covers: qarray/__init__.py, qarray/doc_types.py, qarray/_rank1.py, qarray/_tuple.py"""
 
 import types
 

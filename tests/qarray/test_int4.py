@@ -1,6 +1,8 @@
 """Packed int4 QArrays (quantize(x, bits=4, group_size=G)) and linear_q on
 them, against NumPy; the transform table (tests/qarray/test_transforms.py)
-holds their jit/grad/jvp/hessian/checkpoint cases."""
+holds their jit/grad/jvp/hessian/checkpoint cases.
+
+Covers: qarray/_primitives.py, qarray/_numerics.py"""
 
 import equinox as eqx
 import jax

@@ -3,6 +3,9 @@
 Values and gradients of Linear in both layouts, stored and trainable; any
 equinox MLP quantized by qarray.nn.quantize; quantization-aware training with
 optax and the int8 export.
+
+Covers: qarray/nn/__init__.py, qarray/nn/_linear.py, qarray/nn/_quantize.py,
+qarray/nn/_weights.py
 """
 
 import equinox as eqx

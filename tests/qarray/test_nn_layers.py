@@ -1,4 +1,7 @@
-"""qarray.nn.Embedding and quantized recurrent cells against NumPy."""
+"""qarray.nn.Embedding, quantized recurrent cells, ConvTranspose and
+multi-head attention through its quantized projections, against NumPy.
+
+Covers: qarray/nn/_embedding.py, qarray/nn/_quantize.py"""
 
 import equinox as eqx
 import jax

@@ -1,5 +1,10 @@
-"""Values of quantize / dequantize / matmul_q / linear_q against the NumPy
-reference, and the trace-time errors each primitive raises."""
+"""The primitives' numerics: values of quantize / dequantize / matmul_q /
+linear_q against the NumPy reference, a QArray as one q8 value in jaxprs and
+across jit, each product's backward running as the other product, the
+trace-time errors each primitive raises (the checks in qarray/_ops.py), and
+qarray/_numerics.py's jnp and NumPy quantizers agreeing with the reference.
+
+Covers: qarray/_primitives.py, qarray/_ops.py, qarray/_numerics.py, qarray/_qarray.py"""
 
 import re
 

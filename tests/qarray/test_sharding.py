@@ -1,4 +1,6 @@
-"""Explicit sharding (shardings in types) and shard_map, on 8 CPU devices."""
+"""Explicit sharding (shardings in types) and shard_map, on 8 CPU devices.
+
+Covers: qarray/_primitives.py, qarray/_ops.py, qarray/_qarray.py"""
 
 import re
 

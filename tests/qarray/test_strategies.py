@@ -1,5 +1,7 @@
 """Each matmul_q and linear_q formulation against the NumPy reference, and the
-choice rules."""
+choice rules.
+
+Covers: qarray/_kernels.py"""
 
 import jax
 import jax.numpy as jnp

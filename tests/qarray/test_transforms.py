@@ -5,6 +5,8 @@ qarray primitives, with an independent reference for F and for its
 vector-Jacobian product (straight-through: quantization is the identity for
 derivatives). The Jacobian reference is assembled from the reference VJP, and
 every transformation is checked against it.
+
+Covers: qarray/_primitives.py, qarray/_conv.py, qarray/_ops.py
 """
 
 from collections.abc import Callable

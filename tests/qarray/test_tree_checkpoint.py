@@ -1,5 +1,7 @@
 """Model files of any equinox model (keyed by pytree paths) and the PyTorch
-converter with BatchNorm folding, against NumPy."""
+converter with BatchNorm folding, against NumPy.
+
+Covers: qarray/checkpoint/_tree.py, qarray/checkpoint/pytorch.py"""
 
 import equinox as eqx
 import jax

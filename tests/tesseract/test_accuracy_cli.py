@@ -1,5 +1,7 @@
 """qarray-serve evaluate and plan on a float32 model file: the report, the
-mixed-precision file written, and the errors a user meets."""
+mixed-precision file written, and the errors a user meets.
+
+Covers: qarray/tesseract/_cli.py"""
 
 import importlib.util
 import json

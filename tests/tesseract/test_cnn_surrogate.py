@@ -1,6 +1,8 @@
 """examples/cnn_surrogate: a user's own equinox model served by
 qarray.tesseract.ModelTesseract, over HTTP against a float64 NumPy CNN; and
-the example's pipeline, short."""
+the example's pipeline, short.
+
+Covers: qarray/tesseract/_model.py"""
 
 import json
 import os

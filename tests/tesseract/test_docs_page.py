@@ -1,6 +1,8 @@
 """The served API docs (/docs) render without internet, in headless Chromium
 (Debian's `chromium`; `make test` installs it): GPU clusters are often
-air-gapped, and tesseract-core's page loads ReDoc from a CDN."""
+air-gapped, and tesseract-core's page loads ReDoc from a CDN.
+
+Covers: qarray/tesseract/_server.py"""
 
 import shutil
 import subprocess

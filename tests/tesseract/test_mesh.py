@@ -2,6 +2,8 @@
 
 Each mesh's server answers like the one-device server (rtol 1e-5): rows of x
 over "data" (any number of rows: padded inside), output channels over "model".
+
+Covers: qarray/tesseract/_mesh.py, qarray/tesseract/_runtime.py
 """
 
 import os

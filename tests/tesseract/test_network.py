@@ -1,6 +1,9 @@
 """qarray.tesseract.Network, the contract's network as a module, against
 NumPy: batch axes, its errors, its model file, and its equinox form for the
-calibrators (``to_equinox`` / ``from_equinox``)."""
+calibrators (``to_equinox`` / ``from_equinox``).
+
+Covers: qarray/network/__init__.py, qarray/network/_network.py,
+qarray/network/_shapes.py"""
 
 import equinox as eqx
 import jax.numpy as jnp

@@ -1,5 +1,9 @@
 """Resident models (QARRAY_MODEL): model files, the PyTorch converter, and a
-server whose requests carry only x. Checked against the NumPy reference."""
+server whose requests carry only x. Checked against the NumPy reference.
+
+Covers: qarray/tesseract/_resident.py, qarray/tesseract/_runtime.py,
+qarray/checkpoint/_network_file.py, qarray/checkpoint/_convert.py,
+qarray/checkpoint/_errors.py"""
 
 import json
 import os

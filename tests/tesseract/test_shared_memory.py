@@ -1,6 +1,8 @@
 """One host over shared memory: ``qarray.tesseract.shared_memory_tesseract``
 serves the Tesseract with qarray-serve (the guard) and passes arrays as binref
-files through the binref pool; answers against the NumPy reference network."""
+files through the binref pool; answers against the NumPy reference network.
+
+Covers: qarray/tesseract/_local.py"""
 
 from pathlib import Path
 
