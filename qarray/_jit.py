@@ -19,7 +19,7 @@ from typing import Any
 import jax
 
 from ._primitives import pack, unpack
-from ._qarray import UINT8, QArray, QArrayTy
+from ._qarray import QArray, QArrayTy, kind_of_parts
 
 
 @dataclass(frozen=True)
@@ -43,10 +43,7 @@ def _is_parts(leaf) -> bool:
 
 
 def _parts_of(q: QArray) -> Parts:
-    qvalue, scale = q.qvalue, q.scale
-    if qvalue.dtype != UINT8:
-        return Parts(qvalue, scale, 8, None)
-    return Parts(qvalue, scale, 4, 2 * qvalue.shape[-1] // scale.shape[-1])
+    return Parts(q.qvalue, q.scale, *kind_of_parts(q.qvalue, q.scale))
 
 
 def _map_leaves(convert, tree, is_leaf=None):

@@ -77,6 +77,7 @@ from jax import lax
 
 from . import _ffi
 from ._numerics import dequantize_groups, dequantize_rows, quantize_rows
+from ._qarray import kind_of_parts
 from ._thresholds import KERNEL_GEMM_ROWS, KERNEL_TILE_ROWS, SPLIT_LEVELS
 
 # lhs[m, k] . rhs[k, n]: contract lhs's columns with rhs's rows (matmul_q)
@@ -265,7 +266,7 @@ def linear_int4(x, packed, scale, activations="float32", strategy=None):
         raise ValueError(f"unknown int4 strategy {strategy!r}")
 
     if strategy is None:
-        group = k // max(scale.shape[-1], 1)
+        _, group = kind_of_parts(packed, scale)
         kernel = (
             _ffi.available()
             and m <= INT4_KERNEL_MAX_ROWS[activations]

@@ -286,13 +286,23 @@ def _check_pspec(spec):
     return spec
 
 
+def kind_of_parts(qvalue, scale) -> tuple[int, int | None]:
+    """(bits, group_size) of a QArray's parts, read from their dtype and
+    shapes (arrays or avals): int8 ``qvalue`` -> (8, None); uint8 ``qvalue
+    [..., n / 2]`` with ``scale [..., n / G]`` -> (4, G). The one place the
+    kind is inferred (the type, ``qarray.jit``'s parts, model files)."""
+    if qvalue.dtype != UINT8:
+        return 8, None
+    return 4, 2 * qvalue.shape[-1] // max(scale.shape[-1], 1)
+
+
 def _typeof_qarray(q: QArray) -> QArrayTy:
     qvalue = jax.typeof(q.qvalue)
-    if qvalue.dtype != UINT8:
+    bits, group_size = kind_of_parts(qvalue, q.scale)
+    if bits == 8:
         return QArrayTy.like(qvalue)
     *lead, half = qvalue.shape
-    groups = q.scale.shape[-1]
-    return QArrayTy.like(qvalue, (*lead, 2 * half), None, 4, 2 * half // groups)
+    return QArrayTy.like(qvalue, (*lead, 2 * half), None, bits, group_size)
 
 
 register_hitype(QArray, _typeof_qarray)

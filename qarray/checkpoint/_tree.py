@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from .._numerics import quantize_rows_np, relative_error_np
+from .._qarray import kind_of_parts
 from ..nn import FLOAT_LAYERS, Conv, Embedding, Linear, SpectralConv
 from ..nn import quantize as quantize_model
 from ._errors import ModelFileError
@@ -120,7 +121,7 @@ def _stored_precision(path, tensors, name: str) -> dict | None:
             f"{name}.scale (out, K / group_size) with K = {2 * qvalue.shape[-1]}, "
             f"got {got}"
         )
-    return {"precision": "int4", "group_size": 2 * qvalue.shape[-1] // scale.shape[-1]}
+    return {"precision": "int4", "group_size": kind_of_parts(qvalue, scale)[1]}
 
 
 # the layers qarray.nn.quantize replaces (a quantized file stores each one's

@@ -2,7 +2,7 @@
 them, against NumPy; the transform table (tests/qarray/test_transforms.py)
 holds their jit/grad/jvp/hessian/checkpoint cases.
 
-Covers: qarray/_primitives.py, qarray/_numerics.py"""
+Covers: qarray/_primitives.py, qarray/_numerics.py, qarray/_qarray.py"""
 
 import equinox as eqx
 import jax
@@ -43,6 +43,24 @@ def test_quantize_packs_like_numpy(rng, group_size):
     )
     # the bytes: half of int8's payload
     assert packed.nbytes == x.size // 2
+
+
+@pytest.mark.parametrize("group_size", [2, 32, 256])
+def test_the_kind_is_read_back_from_the_parts(rng, group_size):
+    """kind_of_parts (what the type, qarray.jit and model files read): the
+    bits and group size quantize was given, from the parts alone."""
+    from qarray._qarray import kind_of_parts
+
+    x = normal(rng, (2, 3, 256))
+    q4 = qa.quantize(x, bits=4, group_size=group_size)
+    assert kind_of_parts(q4.qvalue, q4.scale) == (4, group_size)
+    assert kind_of_parts(np.asarray(q4.qvalue), np.asarray(q4.scale)) == (
+        4,
+        group_size,
+    )
+    assert (jax.typeof(q4).bits, jax.typeof(q4).group_size) == (4, group_size)
+    q8 = qa.quantize(x)
+    assert kind_of_parts(q8.qvalue, q8.scale) == (8, None)
 
 
 def test_nibble_order_and_sign():
