@@ -39,6 +39,8 @@ import re
 from pathlib import Path
 from urllib.parse import parse_qs
 
+import orjson
+
 from ._settings import Settings
 
 MAX_LISTED_ERRORS = 10
@@ -95,9 +97,23 @@ def _field_name(path: str) -> str:
 
 def parse_body(body: bytes):
     """``body``'s JSON document as ``json.loads`` reads it (what FastAPI
-    reads), or None where it is not one (the application answers that)."""
+    reads), or None where it is not one (the application answers that).
+
+    orjson reads it first: a large body is mostly one base64 string per
+    array, which orjson scans faster than ``json.loads`` (the
+    QAT loop's bodies: docs/performance-notes.md). What orjson refuses and
+    ``json.loads`` takes (NaN and Infinity, 1e400, UTF-16 and UTF-32,
+    unpaired surrogates, nesting past 1024) is read by ``json.loads``. The
+    one difference left: an integer literal beyond 64 bits reads as the
+    nearest float, which no payload field takes as valid either way (a
+    shape is bounded by the work limit, integer arrays are 8 to 64 bits).
+    """
     if not body:
         return None
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        pass
     try:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError):

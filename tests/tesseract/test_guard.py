@@ -279,3 +279,56 @@ def test_the_guard_parses_a_body_once_and_hands_the_document_down(tmp_path):
     for sent in (body, b"{not json", b""):
         asyncio.run(post(sent))
     assert seen == [(document, body), (None, b"{not json"), (None, b"")]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"a": [1, -2.5, 1e-300, 18446744073709551615, "\\u00e9"], "a": {}}',
+        b'{"x": NaN, "y": -Infinity}',  # json.loads' extensions
+        b'{"big": 1e400}',  # inf for json.loads, an error for orjson
+        '{"utf16": 1}'.encode("utf-16"),
+        b'"\\ud800"',  # an unpaired surrogate
+        b"[" * 1100 + b"]" * 1100,  # past orjson's nesting limit
+    ],
+)
+def test_the_guard_reads_a_body_as_json_loads_does(body):
+    """``parse_body`` gives the document ``json.loads`` gives (what FastAPI
+    reads), including for what only ``json.loads`` takes."""
+    from qarray.tesseract._guard import parse_body
+
+    expected = json.loads(body)
+    assert repr(parse_body(body)) == repr(expected)
+
+
+def test_a_body_that_is_not_json_parses_to_none():
+    from qarray.tesseract._guard import parse_body
+
+    for body in (b"{not json", b"", b"\xff\xfe\x00", b"[" * 100_000):
+        assert parse_body(body) is None
+
+
+@pytest.mark.parametrize("where", ["shape", "data"])
+def test_an_integer_beyond_64_bits_is_a_4xx_naming_its_field(guarded, where):
+    """The one number orjson reads differently from ``json.loads`` (an
+    integer past 64 bits, read as a float): still refused, naming x."""
+    url, _, _ = guarded
+    big = 2**70
+    x = {"object_type": "array", "shape": [2, 3], "dtype": "float32",
+         "data": {"buffer": X.tolist(), "encoding": "json"}}  # fmt: skip
+    if where == "shape":
+        x["shape"] = [big, 3]
+    else:
+        x["dtype"] = "int64"
+        x["data"]["buffer"] = [[1, 2, 3], [4, 5, big]]
+    payload = {"inputs": {**inputs(), "x": x}}
+    body = json.dumps(payload)
+    assert str(big) in body
+    response = requests.post(
+        f"{url}/apply", data=body, headers={"content-type": "application/json"},
+        timeout=30,
+    )  # fmt: skip
+    assert 400 <= response.status_code < 500, response.text
+    assert '"loc":["body","inputs","x"]' in response.text
+    assert len(response.content) < 4000
+    assert requests.get(f"{url}/health", timeout=30).status_code == 200
