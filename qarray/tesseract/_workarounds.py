@@ -241,7 +241,11 @@ class ComputeRoutes:
         from tesseract_core.runtime.config import get_config
 
         encoding = _serve.negotiate_encoding(accept)  # a 406 when it cannot
-        rundir = f"run_{run_id or uuid.uuid4()}"
+        rundir = None  # only binref outputs are written to a run folder
+        if encoding.output_format == "json+binref":
+            # a random name on the event loop is a visible part of a small
+            # request's cost under load: named only where files are written
+            rundir = f"run_{run_id or uuid.uuid4()}"
         output_path = get_config().output_path
 
         def compute():

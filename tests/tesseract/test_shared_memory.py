@@ -93,3 +93,33 @@ def test_upstream_runs_the_runtime_script_beside_the_interpreter(tmp_path):
     assert command == [str(tmp_path / "bin" / "tesseract-runtime")]
     script = Path(command[0]).read_text()
     assert "from qarray.tesseract import main" in script
+
+
+def test_binref_outputs_go_to_the_run_folder_and_base64_makes_none(tess):
+    """A json+binref answer is written under ``run_<run_id>`` (a fresh name
+    without one); a json+base64 answer writes no run folder."""
+    t, folder = tess
+    outputs = folder / "outputs"
+    body = {"inputs": {"x": [[1.0, 2.0]], "layers": [{"w": [[1.0], [3.0]]}]}}
+    url = f"{t._client.url}/apply"
+    before = set(outputs.iterdir())
+    response = requests.post(
+        url, json=body, headers={"accept": "application/json+base64"}, timeout=30
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["y"]["data"]["encoding"] == "base64"
+    assert set(outputs.iterdir()) == before
+    for run_id, params in (("given", {"run_id": "given"}), (None, {})):
+        response = requests.post(
+            url,
+            json=body,
+            params=params,
+            headers={"accept": "application/json+binref"},
+            timeout=30,
+        )
+        assert response.status_code == 200, response.text
+        buffer = response.json()["y"]["data"]["buffer"]
+        run = buffer.split("/")[0]
+        assert run == "run_given" if run_id else run.startswith("run_"), buffer
+        path = outputs / buffer.split(":")[0]
+        assert np.frombuffer(path.read_bytes(), np.float32).tolist() == [7.0]
