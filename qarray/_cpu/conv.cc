@@ -45,16 +45,11 @@ ffi::Error ConvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   a.int8 = int8 != 0;
   a.t.split = split;
   if (auto e = CheckThresholds("qarray_conv", a.t); e.failure()) return e;
-  ffi::Error error = ffi::Error::Success();
-  const Isa* isa = Running(&error, "qarray_conv");
-  if (!isa) return error;
   a.x = x.typed_data();
   a.q = q.typed_data();
   a.scale = scale.typed_data();
   a.y = y->typed_data();
-  FfiPool p(pool);
-  isa->conv(p, a);
-  return ffi::Error::Success();
+  return RunOnIsa("qarray_conv", pool, &Isa::conv, a);
 }
 
 }  // namespace

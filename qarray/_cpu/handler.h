@@ -35,13 +35,18 @@ inline ffi::Error CheckThresholds(const char* handler, const Thresholds& t) {
   return ffi::Error::Success();
 }
 
-// the instruction set in use, or the error a handler returns without one
-// (qarray/_ffi.py registers the handlers only where one runs)
-inline const Isa* Running(ffi::Error* error, const char* handler) {
+// What every handler ends with: the instruction set in use runs its `entry`
+// (&Isa::product, product_int4, conv or quantize) on XLA's pool, or the
+// handler fails where none runs (qarray/_ffi.py registers the handlers only
+// where one does)
+template <class Args>
+ffi::Error RunOnIsa(const char* handler, ffi::ThreadPool& pool,
+                    void (*Isa::*entry)(Pool&, const Args&), const Args& a) {
   const Isa* isa = Active();
-  if (!isa)
-    *error = ffi::Error::Internal(std::string(handler) + ": " + ActiveReason());
-  return isa;
+  if (!isa) return ffi::Error::Internal(std::string(handler) + ": " + ActiveReason());
+  FfiPool p(pool);
+  (isa->*entry)(p, a);
+  return ffi::Error::Success();
 }
 
 }  // namespace qarray::cpu

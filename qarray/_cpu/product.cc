@@ -23,16 +23,11 @@ ffi::Error ProductImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument("qarray_product: x, q and scale do not match");
   a.t = Thresholds{split, gemm_rows, kn_dot_rows};
   if (auto e = CheckThresholds("qarray_product", a.t); e.failure()) return e;
-  ffi::Error error = ffi::Error::Success();
-  const Isa* isa = Running(&error, "qarray_product");
-  if (!isa) return error;
   a.x = x.typed_data();
   a.q = q.typed_data();
   a.scale = scale.typed_data();
   a.y = y->typed_data();
-  FfiPool p(pool);
-  isa->product(p, a);
-  return ffi::Error::Success();
+  return RunOnIsa("qarray_product", pool, &Isa::product, a);
 }
 
 }  // namespace

@@ -26,16 +26,11 @@ ffi::Error ProductInt4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   a.t.split = split;
   a.t.int4_gemm_rows = int4_gemm_rows;
   if (auto e = CheckThresholds("qarray_product_int4", a.t); e.failure()) return e;
-  ffi::Error error = ffi::Error::Success();
-  const Isa* isa = Running(&error, "qarray_product_int4");
-  if (!isa) return error;
   a.x = x.typed_data();
   a.q = q.typed_data();
   a.scale = scale.typed_data();
   a.y = y->typed_data();
-  FfiPool p(pool);
-  isa->product_int4(p, a);
-  return ffi::Error::Success();
+  return RunOnIsa("qarray_product_int4", pool, &Isa::product_int4, a);
 }
 
 }  // namespace

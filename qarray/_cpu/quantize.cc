@@ -9,13 +9,8 @@ ffi::Error QuantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                         ffi::ResultBuffer<ffi::S8> q, ffi::ResultBuffer<ffi::F32> scale) {
   auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("qarray_quantize takes x[M, K]");
-  ffi::Error error = ffi::Error::Success();
-  const Isa* isa = Running(&error, "qarray_quantize");
-  if (!isa) return error;
   QuantizeArgs a{xd[0], xd[1], x.typed_data(), q->typed_data(), scale->typed_data()};
-  FfiPool p(pool);
-  isa->quantize(p, a);
-  return ffi::Error::Success();
+  return RunOnIsa("qarray_quantize", pool, &Isa::quantize, a);
 }
 
 }  // namespace
