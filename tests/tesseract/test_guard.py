@@ -290,13 +290,17 @@ def test_the_guard_parses_a_body_once_and_hands_the_document_down(tmp_path):
         '{"utf16": 1}'.encode("utf-16"),
         b'"\\ud800"',  # an unpaired surrogate
         b"[" * 1100 + b"]" * 1100,  # past orjson's nesting limit
+        b'{"x": {"data": {"buffer": "' + b"QUJD" * (1 << 18) + b'"}}, "n": NaN}',
     ],
+    ids=["plain", "nan", "1e400", "utf16", "surrogate", "nesting", "over-1-MiB"],
 )
 def test_the_guard_reads_a_body_as_json_loads_does(body):
     """``parse_body`` gives the document ``json.loads`` gives (what FastAPI
-    reads), including for what only ``json.loads`` takes."""
-    from qarray.tesseract._guard import parse_body
+    reads), including for what only ``json.loads`` takes, on both sides of
+    ``ORJSON_MAX_BYTES``."""
+    from qarray.tesseract._guard import ORJSON_MAX_BYTES, parse_body
 
+    assert (len(body) >= ORJSON_MAX_BYTES) == (len(body) > 1_000_000)
     expected = json.loads(body)
     assert repr(parse_body(body)) == repr(expected)
 
