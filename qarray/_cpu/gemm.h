@@ -64,6 +64,21 @@ struct Panel8 {
     return w.data() + (b / 2) * k4 * kStepBytes + (b % 2) * 32;
   }
   int8_t* Block(int64_t b) { return w.data() + (b / 2) * k4 * kStepBytes + (b % 2) * 32; }
+  // room for `blocks_` blocks of `k4_` steps: zeros where `whole` is false
+  // (the packing leaves padding past K or past the channels unwritten), else
+  // the bytes as they were: a thread's panels are reused from call to call
+  // (ProductNk's, ProductKn's), and zeroing what the packing overwrites was a visible part
+  // of a resident model's GEMM (benchmarks/gemm_crossover.py, few rows)
+  void Shape(int64_t k4_, int64_t blocks_, bool whole) {
+    k4 = k4_;
+    blocks = blocks_;
+    const auto bytes = static_cast<size_t>(blocks * k4 * 32);
+    if (whole) {
+      w.resize(bytes);
+    } else {
+      w.assign(bytes, 0);
+    }
+  }
   const int32_t* Start(int64_t pair, int64_t s0) const {
     return start.data() + (pair * (k4 / span) + s0 / span) * 16;
   }
@@ -232,9 +247,8 @@ inline int64_t AllocatedRows(int64_t rows) {
 // channels [n0, n1) of nk weights (row c: k int8, ld apart) into p
 inline void PackNk(const int8_t* q, int64_t ld, int64_t k, int64_t n0, int64_t n1,
                    Panel8& p) {
-  p.k4 = PanelSteps(k);
-  p.blocks = RoundUp(n1 - n0, kTileCols) / 8;
-  p.w.assign(p.blocks * p.k4 * 32, 0);
+  const int64_t k4 = PanelSteps(k);
+  p.Shape(k4, RoundUp(n1 - n0, kTileCols) / 8, k4 * 4 == k && (n1 - n0) % kTileCols == 0);
   for (int64_t b = 0; b * 8 < n1 - n0; ++b) {
     const int64_t c0 = n0 + 8 * b, lanes = std::min<int64_t>(8, n1 - c0);
     int8_t* dst = p.Block(b);
@@ -250,9 +264,8 @@ inline void PackNk(const int8_t* q, int64_t ld, int64_t k, int64_t n0, int64_t n
 // columns [n0, n1) of kn weights' rows [0, rows) (row i: n int8 from q + i * n)
 inline void PackKn(const int8_t* q, int64_t n, int64_t rows, int64_t n0, int64_t n1,
                    Panel8& p) {
-  p.k4 = PanelSteps(rows);
-  p.blocks = RoundUp(n1 - n0, kTileCols) / 8;
-  p.w.assign(p.blocks * p.k4 * 32, 0);
+  const int64_t k4 = PanelSteps(rows);
+  p.Shape(k4, RoundUp(n1 - n0, kTileCols) / 8, k4 * 4 == rows && (n1 - n0) % kTileCols == 0);
   const int64_t width = n1 - n0, whole = width / 32 * 32;
   for (int64_t g = 0; g * 4 < rows; ++g) {
     const int8_t* r[4];
@@ -303,7 +316,7 @@ inline void ProductNk(const ProductState& s, int64_t n0, int64_t n1) {
   const ProductArgs& a = s.a;
   for (int64_t r = 0; r < a.m; ++r) std::fill(a.y + r * a.n + n0, a.y + r * a.n + n1, 0.0f);
   const int64_t step = std::max<int64_t>(kTileCols, kPanelBytes / std::max<int64_t>(a.k, 1) / kTileCols * kTileCols);
-  Panel8 panel;
+  thread_local Panel8 panel;
   for (int64_t c0 = n0; c0 < n1; c0 += step) {
     const int64_t c1 = std::min(n1, c0 + step);
     PackNk(a.q, a.k, a.k, c0, c1, panel);
@@ -334,7 +347,7 @@ inline void ProductKn(const ProductState& s, int64_t n0, int64_t n1) {
   const int64_t width = n1 - n0, unit = 4 * I::kStepAlign;
   const int64_t block = std::max<int64_t>(unit, kPanelBytes / width / unit * unit);
   std::vector<int32_t> sums(s.rows * width, 0);
-  Panel8 panel;
+  thread_local Panel8 panel;
   for (int64_t k0 = 0; k0 < a.k; k0 += block) {
     const int64_t kb = std::min(block, a.k - k0);
     PackKn(a.q + k0 * a.n, a.n, kb, n0, n1, panel);
