@@ -596,12 +596,16 @@ inline void PackedInt4Pair(const uint8_t* q, int64_t half, int64_t lanes, int64_
 inline void PackInt4(const Int4Args& a, int64_t n0, int64_t n1, Int4Panel& panel) {
   Panel8& p = panel.p;
   const int64_t half = a.k / 2, groups = a.k / a.group;
-  p.k4 = a.k / 4;  // a multiple of the group's steps (providers align groups)
-  p.blocks = RoundUp(n1 - n0, kTileCols) / 8;
-  p.w.assign(p.blocks * p.k4 * 32, 0);
+  // k4 = K / 4: a multiple of the group's steps (providers align groups)
+  const bool whole = (n1 - n0) % kTileCols == 0;  // else channels past N stay zeros
+  p.Shape(a.k / 4, RoundUp(n1 - n0, kTileCols) / 8, whole);
   panel.groups = groups;
   panel.g4 = a.group / 4;
-  panel.sg.assign(p.blocks * groups * 8, 0.0f);
+  if (whole) {
+    panel.sg.resize(p.blocks * groups * 8);
+  } else {
+    panel.sg.assign(p.blocks * groups * 8, 0.0f);
+  }
   alignas(32) int8_t rows[8][32];
   for (int64_t b = 0; b * 8 < n1 - n0; ++b) {
     const int64_t c0 = n0 + 8 * b, lanes = std::min<int64_t>(8, n1 - c0);
@@ -641,7 +645,7 @@ inline void Int4Chunk(const Int4State& s, int64_t n0, int64_t n1) {
   // packed int4 weights take half the bytes of int8: panels of 2 kPanelBytes
   // of them unpacked
   const int64_t step = std::max<int64_t>(kTileCols, kPanelBytes / std::max<int64_t>(a.k, 1) / kTileCols * kTileCols);
-  Int4Panel panel;
+  thread_local Int4Panel panel;
   for (int64_t c0 = n0; c0 < n1; c0 += step) {
     const int64_t c1 = std::min(n1, c0 + step);
     PackInt4(a, c0, c1, panel);
