@@ -37,7 +37,7 @@ from ._metrics import MetricsRoute
 from ._settings import Settings, SettingsError
 from ._shared_weights import SHARED_WEIGHTS_ENV, make_shared_folder
 from ._supervisor import APP, KEEP_ALIVE_S, stop_when_closed, supervise
-from ._workarounds import endpoints_off_event_loop
+from ._workarounds import endpoints_off_event_loop, install_local_binref_files
 
 # set by main for its workers: a folder of one lock file per worker slot
 _WORKER_SLOTS = "QARRAY_SERVE_WORKER_SLOTS"
@@ -134,6 +134,7 @@ def create_app():
         threads *= settings.max_batch_rows
     batcher = runtime.batcher if runtime is not None else None
     served = endpoints_off_event_loop(app, threads, batcher) or app
+    install_local_binref_files()
     # after the API module loaded (a resident model's float32 file is read and
     # freed there): what it let go of goes back to the system as before
     keep_freed_memory()

@@ -279,3 +279,67 @@ def test_compute_routes_validate_the_guards_document_without_parsing(api, rng):
         assert status == 422 and "json" in json.dumps(answer).lower()
 
     asyncio.run(compare())
+
+
+# --- workaround 6: binref output files without fsspec
+
+
+def _dump_two(folder):
+    """Two arrays written as one response's binref outputs (one file, the
+    second appended): their documents and the file's bytes."""
+    from tesseract_core.runtime import array_encoding
+
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    b = np.arange(5, dtype=np.int8)
+    first, name = array_encoding.dump_binref_arraydict(a, folder, "run_x", "f")
+    second, _ = array_encoding.dump_binref_arraydict(b, folder, "run_x", name)
+    return first, second, (folder / "run_x" / "f.bin").read_bytes()
+
+
+def _count_fsspec_opens(monkeypatch):
+    import fsspec
+
+    opened = []
+    upstream = fsspec.open
+
+    def counted(*args, **kwargs):
+        opened.append(args[0])
+        return upstream(*args, **kwargs)
+
+    monkeypatch.setattr(fsspec, "open", counted)
+    return opened
+
+
+def test_upstream_binref_outputs_open_each_file_through_fsspec(tmp_path, monkeypatch):
+    opened = _count_fsspec_opens(monkeypatch)
+    first, second, data = _dump_two(tmp_path)
+    assert len(opened) >= 4  # a size and a write per array
+    assert first["data"]["buffer"] == "run_x/f.bin:0"
+    assert second["data"]["buffer"] == "run_x/f.bin:24"
+    assert data == np.arange(6, dtype=np.float32).tobytes() + bytes(range(5))
+
+
+def test_local_binref_files_write_what_upstream_writes(tmp_path, monkeypatch):
+    from tesseract_core.runtime import array_encoding
+
+    expected = _dump_two(tmp_path / "upstream")
+    monkeypatch.setattr(array_encoding, "get_filesize", array_encoding.get_filesize)
+    monkeypatch.setattr(array_encoding, "write_to_path", array_encoding.write_to_path)
+    _workarounds.install_local_binref_files()
+    opened = _count_fsspec_opens(monkeypatch)
+    assert _dump_two(tmp_path / "local") == expected
+    assert opened == []
+
+
+def test_local_binref_files_leave_urls_to_fsspec():
+    import fsspec
+
+    path = "memory://qarray-test/run/f.bin"
+    assert _workarounds.local_filesize(path) == 0
+    _workarounds.local_write(b"abc", path, append=True)
+    _workarounds.local_write(b"de", path, append=True)
+    assert _workarounds.local_filesize(path) == 5
+    with fsspec.open(path, "rb") as f:
+        assert f.read() == b"abcde"
+    _workarounds.local_write(b"x", path)  # not appending: replaced
+    assert _workarounds.local_filesize(path) == 1
