@@ -64,21 +64,14 @@ struct Panel8 {
     return w.data() + (b / 2) * k4 * kStepBytes + (b % 2) * 32;
   }
   int8_t* Block(int64_t b) { return w.data() + (b / 2) * k4 * kStepBytes + (b % 2) * 32; }
-  // room for `blocks_` blocks of `k4_` steps: zeros where `whole` is false
-  // (the packing leaves padding past K or past the channels unwritten), else
-  // the bytes as they were: a thread's panels are reused from call to call
-  // (ProductNk's, ProductKn's), and zeroing what the packing overwrites was a visible part
-  // of a resident model's GEMM (benchmarks/gemm_crossover.py, few rows)
-  void Shape(int64_t k4_, int64_t blocks_, bool whole) {
-    k4 = k4_;
-    blocks = blocks_;
-    const auto bytes = static_cast<size_t>(blocks * k4 * 32);
-    if (whole) {
-      w.resize(bytes);
-    } else {
-      w.assign(bytes, 0);
-    }
-  }
+  // room for K = k and `channels` channels (whole tiles, K / 4 steps padded
+  // to the provider's alignment); returns whether the packing writes every
+  // byte. Where it does not (padding past K or past the channels) the panel
+  // starts as zeros; where it does, the bytes are left as they were: a
+  // thread's panels are reused from call to call, and zeroing what the
+  // packing overwrites was a visible part of a small GEMM
+  // (benchmarks/gemm_crossover.py)
+  bool Shape(int64_t k, int64_t channels);
   const int32_t* Start(int64_t pair, int64_t s0) const {
     return start.data() + (pair * (k4 / span) + s0 / span) * 16;
   }
@@ -244,11 +237,23 @@ inline int64_t AllocatedRows(int64_t rows) {
 
 // --- packing
 
+inline bool Panel8::Shape(int64_t k, int64_t channels) {
+  k4 = PanelSteps(k);
+  blocks = RoundUp(channels, kTileCols) / 8;
+  const bool whole = k4 * 4 == k && channels % kTileCols == 0;
+  const auto bytes = static_cast<size_t>(blocks * k4 * 32);
+  if (whole) {
+    w.resize(bytes);
+  } else {
+    w.assign(bytes, 0);
+  }
+  return whole;
+}
+
 // channels [n0, n1) of nk weights (row c: k int8, ld apart) into p
 inline void PackNk(const int8_t* q, int64_t ld, int64_t k, int64_t n0, int64_t n1,
                    Panel8& p) {
-  const int64_t k4 = PanelSteps(k);
-  p.Shape(k4, RoundUp(n1 - n0, kTileCols) / 8, k4 * 4 == k && (n1 - n0) % kTileCols == 0);
+  p.Shape(k, n1 - n0);
   for (int64_t b = 0; b * 8 < n1 - n0; ++b) {
     const int64_t c0 = n0 + 8 * b, lanes = std::min<int64_t>(8, n1 - c0);
     int8_t* dst = p.Block(b);
@@ -264,8 +269,7 @@ inline void PackNk(const int8_t* q, int64_t ld, int64_t k, int64_t n0, int64_t n
 // columns [n0, n1) of kn weights' rows [0, rows) (row i: n int8 from q + i * n)
 inline void PackKn(const int8_t* q, int64_t n, int64_t rows, int64_t n0, int64_t n1,
                    Panel8& p) {
-  const int64_t k4 = PanelSteps(rows);
-  p.Shape(k4, RoundUp(n1 - n0, kTileCols) / 8, k4 * 4 == rows && (n1 - n0) % kTileCols == 0);
+  p.Shape(rows, n1 - n0);
   const int64_t width = n1 - n0, whole = width / 32 * 32;
   for (int64_t g = 0; g * 4 < rows; ++g) {
     const int8_t* r[4];
@@ -596,9 +600,8 @@ inline void PackedInt4Pair(const uint8_t* q, int64_t half, int64_t lanes, int64_
 inline void PackInt4(const Int4Args& a, int64_t n0, int64_t n1, Int4Panel& panel) {
   Panel8& p = panel.p;
   const int64_t half = a.k / 2, groups = a.k / a.group;
-  // k4 = K / 4: a multiple of the group's steps (providers align groups)
-  const bool whole = (n1 - n0) % kTileCols == 0;  // else channels past N stay zeros
-  p.Shape(a.k / 4, RoundUp(n1 - n0, kTileCols) / 8, whole);
+  // K / 4 steps: a multiple of the group's steps (providers align groups)
+  const bool whole = p.Shape(a.k, n1 - n0);
   panel.groups = groups;
   panel.g4 = a.group / 4;
   if (whole) {
