@@ -304,6 +304,23 @@ inline void QuantizeRows(const float* x, const float* fold, int64_t m, int64_t k
                             RowOut{nullptr, s8 ? s8 + r * ks : nullptr, u8 ? u8 + r * ks : nullptr});
 }
 
+// QuantizeRows on the pool's threads, a range of rows each, from
+// kParallelRows elements: one thread quantizing x was a tenth of a product
+// of hundreds of rows (benchmarks.compare_builds)
+constexpr int64_t kParallelRows = 1 << 18;
+template <class V>
+inline void QuantizeRowsOn(Pool& pool, const float* x, const float* fold, int64_t m, int64_t k,
+                           int64_t ks, int64_t parts, int8_t* out, float* sx) {
+  const int64_t threads = m * k * parts < kParallelRows ? 1 : pool.num_threads();
+  if (threads <= 1) return QuantizeRows<V>(x, fold, m, k, ks, parts, out, sx);
+  Parallel(pool, m, (m + 2 * threads - 1) / (2 * threads), threads,
+           [=](int64_t r0, int64_t r1) {
+             QuantizeRows<V>(x + r0 * k, fold, r1 - r0, k, ks, parts, out + r0 * parts * ks,
+                             sx + r0 * parts);
+           },
+           std::shared_ptr<void>());
+}
+
 // --- the int8 product (common.h's ProductArgs)
 
 struct ProductState {
@@ -536,7 +553,7 @@ inline int64_t ProductThreads(const Pool& pool, int64_t rows, int64_t k, int64_t
 // x's int8 rows for a product (null where there is nothing to compute: y
 // written already)
 template <class V>
-std::shared_ptr<ProductState> ProductRows(const ProductArgs& args) {
+std::shared_ptr<ProductState> ProductRows(Pool& pool, const ProductArgs& args) {
   if (args.m == 0 || args.n == 0) return nullptr;
   if (args.k == 0) {
     std::memset(args.y, 0, sizeof(float) * args.m * args.n);
@@ -553,14 +570,14 @@ std::shared_ptr<ProductState> ProductRows(const ProductArgs& args) {
   s->xs.assign(AllocatedRows(s->rows) * s->ks, 0);
   s->sx.resize(s->rows);
   // kn: v = x * scale
-  QuantizeRows<V>(a.x, a.kn ? a.scale : nullptr, a.m, a.k, s->ks, s->parts, s->xs.data(),
+  QuantizeRowsOn<V>(pool, a.x, a.kn ? a.scale : nullptr, a.m, a.k, s->ks, s->parts, s->xs.data(),
                   s->sx.data());
   return s;
 }
 
 template <class V>
 void ProductT(Pool& pool, const ProductArgs& args) {
-  const std::shared_ptr<ProductState> s = ProductRows<V>(args);
+  const std::shared_ptr<ProductState> s = ProductRows<V>(pool, args);
   if (!s) return;
   const ProductArgs& a = s->a;
   const int64_t threads = ProductThreads(pool, s->rows, a.k, a.n);
@@ -751,7 +768,7 @@ void ProductInt4T(Pool& pool, const Int4Args& args) {
   s->rows = s->parts * a.m;
   s->xs.assign(AllocatedRows(s->rows) * a.k, 0);
   s->sx.resize(s->rows);
-  QuantizeRows<V>(a.x, nullptr, a.m, a.k, a.k, s->parts, s->xs.data(), s->sx.data());
+  QuantizeRowsOn<V>(pool, a.x, nullptr, a.m, a.k, a.k, s->parts, s->xs.data(), s->sx.data());
   const bool gemm = a.m >= a.t.int4_gemm_rows;
   if constexpr (I::kDotPaths) {
     if (!gemm) PermuteEvenOdd(s->xs);  // k: a multiple of 32

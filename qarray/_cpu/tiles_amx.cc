@@ -104,15 +104,238 @@ const Isa& Next() {
   return *next;
 }
 
-void Product(Pool& pool, const ProductArgs& a) {
-  if (a.m == 0 || a.n == 0 || a.k == 0 || !UsesGemm(a)) return Next().product(pool, a);
-  ProductT<VecAvx2>(pool, a);
+// --- layout nk: the weights as AMX's left operand, straight from memory
+//
+// y^T = W x^T: tile A is 16 output channels x 64 k of W, rows k bytes apart
+// (W's own layout: nothing packed), tile B 16 steps of x's int8 rows packed
+// as gemm.h packs weights (PackNk: 16 rows x 4 k a step, the small operand),
+// C their 16 channels x 16 rows of int32 sums. Packing the weights cost
+// twice the products at the rows a served batch has (benchmarks/amx_nk.py).
+// Several C tiles at once (WeightTiles): the loads of A and B are shared and
+// the sums' tiles are independent, so tdpbssd does not wait on its own
+// previous result.
+
+// all eight tiles 16 rows x 64 bytes: C 0-3, A 4-5, B 6-7
+struct AllTiles {
+  AllTiles() {
+    TileConfig config;
+    for (int t = 0; t < 8; ++t) {
+      config.rows[t] = 16;
+      config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+  }
+  ~AllTiles() { _tile_release(); }
+  AllTiles(const AllTiles&) = delete;
+  AllTiles& operator=(const AllTiles&) = delete;
+};
+
+// CB blocks of 16 channels (a[i]: k bytes a row, lda apart) x RB blocks of
+// 16 rows of x (b[j]: panel steps) over steps [s0, s0 + steps) of 4 k (both
+// multiples of 16) into sums[i * RB + j] (channel, row); CB x RB: 4 x 1,
+// 2 x 2 or 2 x 1
+template <int CB, int RB>
+void WeightTiles(const int8_t* const (&a)[CB], int64_t lda, const int8_t* const (&b)[RB],
+                 int64_t s0, int64_t steps, int32_t (*sums)[16][16]) {
+  static_assert((CB == 4 && RB == 1) || (CB == 2 && RB <= 2), "C tiles 0-3");
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (CB * RB > 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t s = s0; s < s0 + steps; s += I8Amx::kStepAlign) {
+    _tile_loadd(6, b[0] + s * kStepBytes, kStepBytes);
+    if constexpr (RB == 2) _tile_loadd(7, b[1] + s * kStepBytes, kStepBytes);
+    _tile_loadd(4, a[0] + 4 * s, lda);
+    _tile_dpbssd(0, 4, 6);
+    if constexpr (RB == 2) _tile_dpbssd(1, 4, 7);
+    _tile_loadd(5, a[1] + 4 * s, lda);
+    if constexpr (RB == 2) {
+      _tile_dpbssd(2, 5, 6);
+      _tile_dpbssd(3, 5, 7);
+    } else {
+      _tile_dpbssd(1, 5, 6);
+    }
+    if constexpr (CB == 4) {
+      _tile_loadd(4, a[2] + 4 * s, lda);
+      _tile_dpbssd(2, 4, 6);
+      _tile_loadd(5, a[3] + 4 * s, lda);
+      _tile_dpbssd(3, 5, 6);
+    }
+  }
+  _tile_stored(0, sums[0], 64);
+  _tile_stored(1, sums[1], 64);
+  if constexpr (CB * RB > 2) {
+    _tile_stored(2, sums[2], 64);
+    _tile_stored(3, sums[3], 64);
+  }
 }
 
-void ProductInt4(Pool& pool, const Int4Args& a) {
-  if (a.m < a.t.int4_gemm_rows || a.group % (4 * I::kStepAlign))
-    return Next().product_int4(pool, a);
-  ProductInt4T<VecAvx2>(pool, a);
+// where a product's int8 rows of x go: row r is part r % parts of y's row
+// r / parts (y: n floats a row), scaled by sx[r]
+struct RowsOut {
+  float* y;
+  int64_t n, rows, parts;
+  const float* sx;
+};
+
+// v (16 channels from c x 16 int8 rows from row: int32 sums, or float32
+// ones) times scale[c + j] (where given) into y: the first part written, the
+// others added in part order (gemm.h's order)
+template <class T>
+void ChannelRowsOut(const RowsOut& o, const T (&v)[16][16], const float* scale, int64_t c,
+                    int64_t row) {
+  static_assert(sizeof(T) == 4, "transposed as 32-bit lanes");
+  alignas(32) T t[16][16];  // (row, channel)
+  for (int bj = 0; bj < 16; bj += 8)
+    for (int bi = 0; bi < 16; bi += 8)
+      I8Amx::Transpose8Out(reinterpret_cast<const float*>(&v[bj][bi]), 16, 8,
+                           reinterpret_cast<float*>(&t[bi][bj]), 16);
+  const int64_t cols = std::min<int64_t>(16, o.n - c);
+  float f[16];
+  for (int i = 0; i < 16 && row + i < o.rows; ++i) {
+    const int64_t r = row + i;
+    for (int j = 0; j < 16; ++j) f[j] = static_cast<float>(t[i][j]);
+    if (scale)
+      for (int64_t j = 0; j < cols; ++j) f[j] *= scale[c + j];
+    float* y = o.y + (r / o.parts) * o.n + c;
+    const float sx = o.sx[r];
+    if (r % o.parts == 0) {
+      for (int64_t j = 0; j < cols; ++j) y[j] = f[j] * sx;
+    } else {
+      for (int64_t j = 0; j < cols; ++j) y[j] += f[j] * sx;
+    }
+  }
+}
+
+// channels [n0, n1) of y = x W^T (W: n channels of k), x's int8 rows (ks
+// apart, ks a multiple of 64) packed a panel at a time, every block of
+// channels passed over it:
+//   weights(c, width) -> {w, lda}: channels [c, c + width) of W as int8 rows
+//     (whole tiles: zeros past n1 and past K);
+//   tiles(CB, RB, wa, lda, xb, c, v): v[i * RB + j] (channel, row) from
+//     WeightTiles<CB, RB>, T (int32 or float32), then times scale[channel]
+//     where scale is given.
+template <class T, class Weights, class Tiles>
+void WeightsFirst(const int8_t* xs, int64_t ks, const RowsOut& o, const float* scale,
+                  int64_t n0, int64_t n1, Weights weights, Tiles tiles) {
+  const AllTiles on;
+  const int64_t per_panel = std::max<int64_t>(16, kPanelBytes / ks / 16 * 16);
+  thread_local Panel8 panel;
+  alignas(32) T v[4][16][16];
+  for (int64_t r0 = 0; r0 < o.rows; r0 += per_panel) {
+    const int64_t r1 = std::min(o.rows, r0 + per_panel);
+    PackNk(xs, ks, ks, r0, r1, panel);
+    const int64_t pairs = panel.blocks / 2;
+    // one block of rows: four of channels share it; more: two by two
+    const int64_t width = pairs == 1 ? 64 : 32;
+    for (int64_t c = n0; c < n1; c += width) {
+      const auto [w, lda] = weights(c, width);
+      if (pairs == 1) {
+        const int8_t* const wa[4] = {w, w + 16 * lda, w + 32 * lda, w + 48 * lda};
+        const int8_t* const xb[1] = {panel.Block(0)};
+        tiles(std::integral_constant<int, 4>{}, std::integral_constant<int, 1>{}, wa, lda, xb,
+              c, v);
+        for (int cb = 0; cb < 4; ++cb) ChannelRowsOut(o, v[cb], scale, c + 16 * cb, r0);
+        continue;
+      }
+      const int8_t* const wa[2] = {w, w + 16 * lda};
+      int64_t pair = 0;
+      for (; pair + 2 <= pairs; pair += 2) {
+        const int8_t* const xb[2] = {panel.Block(2 * pair), panel.Block(2 * pair + 2)};
+        tiles(std::integral_constant<int, 2>{}, std::integral_constant<int, 2>{}, wa, lda, xb,
+              c, v);
+        for (int t = 0; t < 4; ++t) ChannelRowsOut(o, v[t], scale, c + 16 * (t / 2), r0 + 16 * (pair + t % 2));
+      }
+      if (pair < pairs) {
+        const int8_t* const xb[1] = {panel.Block(2 * pair)};
+        tiles(std::integral_constant<int, 2>{}, std::integral_constant<int, 1>{}, wa, lda, xb,
+              c, v);
+        for (int t = 0; t < 2; ++t) ChannelRowsOut(o, v[t], scale, c + 16 * t, r0 + 16 * pair);
+      }
+    }
+  }
+}
+
+// a thread's buffer of whole tiles of weights (width x ks int8), zeros past
+// the channels the caller fills
+inline int8_t* WeightBuffer(int64_t width, int64_t ks) {
+  thread_local std::vector<int8_t, CacheAligned<int8_t>> buffer;
+  buffer.assign(width * ks, 0);
+  return buffer.data();
+}
+
+void Product(Pool& pool, const ProductArgs& a) {
+  if (a.m == 0 || a.n == 0 || a.k == 0 || !UsesGemm(a)) return Next().product(pool, a);
+  if (a.kn) return ProductT<VecAvx2>(pool, a);
+  const std::shared_ptr<ProductState> s = ProductRows<VecAvx2>(pool, a);
+  const ProductState* p = s.get();
+  const int64_t threads = ProductThreads(pool, s->rows, a.k, a.n);
+  Parallel(pool, a.n, ChunkSize(a.n, threads, 4), threads, [p](int64_t n0, int64_t n1) {
+    const ProductArgs& a = p->a;
+    // W's own rows where K fills whole tiles; else (and past n1) a copy
+    auto weights = [&](int64_t c, int64_t width) -> std::pair<const int8_t*, int64_t> {
+      if (a.k % 64 == 0 && c + width <= n1) return {a.q + c * a.k, a.k};
+      int8_t* w = WeightBuffer(width, p->ks);
+      for (int64_t j = 0; j < std::min(width, n1 - c); ++j)
+        std::memcpy(w + j * p->ks, a.q + (c + j) * a.k, a.k);
+      return {w, p->ks};
+    };
+    auto tiles = [&](auto cb, auto rb, const auto& wa, int64_t lda, const auto& xb, int64_t,
+                     int32_t (*v)[16][16]) {
+      WeightTiles<decltype(cb)::value, decltype(rb)::value>(wa, lda, xb, 0, p->ks / 4, v);
+    };
+    WeightsFirst<int32_t>(p->xs.data(), p->ks,
+                          RowsOut{a.y, a.n, p->rows, p->parts, p->sx.data()}, a.scale, n0, n1,
+                          weights, tiles);
+  }, s);
+}
+
+void ProductInt4(Pool& pool, const Int4Args& args) {
+  if (args.m < args.t.int4_gemm_rows || args.group % (4 * I::kStepAlign))
+    return Next().product_int4(pool, args);
+  if (args.n == 0) return;
+  auto s = std::make_shared<Int4State>();
+  s->a = args;
+  const Int4Args& a = s->a;
+  s->parts = a.int8 ? 1 : a.t.split;
+  s->rows = s->parts * a.m;
+  s->xs.assign(AllocatedRows(s->rows) * a.k, 0);
+  s->sx.resize(s->rows);
+  QuantizeRowsOn<VecAvx2>(pool, a.x, nullptr, a.m, a.k, a.k, s->parts, s->xs.data(),
+                          s->sx.data());
+  const Int4State* p = s.get();
+  const int64_t threads = ProductThreads(pool, s->rows, a.k, a.n);
+  Parallel(pool, a.n, ChunkSize(a.n, threads, 4), threads, [p](int64_t n0, int64_t n1) {
+    const Int4Args& a = p->a;
+    const int64_t half = a.k / 2, groups = a.k / a.group, g4 = a.group / 4;
+    // the nibbles unpacked (K: a multiple of the group, of 64)
+    auto weights = [&](int64_t c, int64_t width) -> std::pair<const int8_t*, int64_t> {
+      int8_t* w = WeightBuffer(width, a.k);
+      for (int64_t j = 0; j < std::min(width, n1 - c); ++j)
+        for (int64_t i = 0; i < a.k; i += 32) I::Int4Row(a.q + (c + j) * half + i / 2, w + j * a.k + i);
+      return {w, a.k};
+    };
+    // each group's integer sums scaled by the group's scales, summed in float32
+    auto tiles = [&](auto cb, auto rb, const auto& wa, int64_t lda, const auto& xb, int64_t c,
+                     float (*v)[16][16]) {
+      constexpr int CB = decltype(cb)::value, RB = decltype(rb)::value;
+      std::memset(v, 0, sizeof(float) * CB * RB * 256);
+      int32_t sums[4][16][16];
+      for (int64_t g = 0; g < groups; ++g) {
+        WeightTiles<CB, RB>(wa, lda, xb, g * g4, g4, sums);
+        for (int t = 0; t < CB * RB; ++t)
+          for (int j = 0; j < 16; ++j) {
+            const int64_t ch = c + 16 * (t / RB) + j;
+            const float scale = ch < a.n ? a.scale[ch * groups + g] : 0.0f;
+            for (int i = 0; i < 16; ++i) v[t][j][i] += static_cast<float>(sums[t][j][i]) * scale;
+          }
+      }
+    };
+    WeightsFirst<float>(p->xs.data(), a.k, RowsOut{a.y, a.n, p->rows, p->parts, p->sx.data()},
+                        nullptr, n0, n1, weights, tiles);
+  }, s);
 }
 
 void Conv(Pool& pool, const ConvArgs& a) { Next().conv(pool, a); }

@@ -372,7 +372,7 @@ void KnDotProduct(Pool& pool, int64_t threads, std::shared_ptr<ProductState> s) 
 
 void Product(Pool& pool, const ProductArgs& a) {
   if (UsesGemm(a)) return ProductT<VecAvx512>(pool, a);
-  const std::shared_ptr<ProductState> s = ProductRows<VecAvx512>(a);
+  const std::shared_ptr<ProductState> s = ProductRows<VecAvx512>(pool, a);
   if (!s) return;
   const int64_t threads = ProductThreads(pool, s->rows, a.k, a.n);
   if (a.kn) return KnDotProduct(pool, threads, s);

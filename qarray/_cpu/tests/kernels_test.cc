@@ -167,8 +167,9 @@ void CheckProduct(const Isa& isa, Pool& pool, std::mt19937& rng) {
   const Shape shapes[] = {{1, 1, 1},     {1, 7, 5},      {2, 33, 17},   {3, 64, 64},
                           {4, 100, 70},  {5, 256, 129},  {8, 40, 33},   {9, 257, 31},
                           {13, 130, 300}, {37, 64, 48},  {64, 300, 96},
-                          // over the pool's threads (4M multiply-adds and more)
-                          {1, 2048, 700}, {20, 512, 410}};
+                          // over the pool's threads (4M multiply-adds and more;
+                          // x quantized on them from 2^18 elements)
+                          {1, 2048, 700}, {20, 512, 410}, {520, 512, 24}};
   // the default thresholds, and every path forced to the GEMM
   const Thresholds thresholds[] = {Thresholds{}, Thresholds{3, 1, 0}, Thresholds{2, 8, 9}};
   for (const Shape& sh : shapes)
@@ -232,7 +233,7 @@ void CheckInt4(const Isa& isa, Pool& pool, std::mt19937& rng) {
   };
   const Shape shapes[] = {{1, 32, 5, 32},    {2, 64, 17, 32},   {3, 256, 33, 64},
                           {5, 128, 40, 128}, {17, 96, 9, 32},   {1, 2048, 300, 128},
-                          {24, 512, 70, 256}};
+                          {24, 512, 70, 256}, {520, 512, 24, 128}};
   // the GEMM from 2 rows (Thresholds{}'s), at every row count, or never
   const int64_t switches[] = {Thresholds{}.int4_gemm_rows, 1, 1 << 20};
   for (const Shape& sh : shapes)
