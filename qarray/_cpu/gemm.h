@@ -182,11 +182,24 @@ inline void SpanStarts(Panel8& p, int64_t span) {
   }
 }
 
-// the provider's own tile (looked up when used: only providers with kOwnTile)
+// the provider's own tile (looked up when used: only providers with
+// kOwnTile): whole, or started, given steps (added to its sums), stored
 template <class Ops, int MR>
 inline void OwnTile(const int8_t* x, int64_t xs, const int8_t* w, int64_t steps,
                     TileOut<MR>& out) {
   Ops::template Tile<MR>(x, xs, w, steps, out);
+}
+template <class Ops>
+inline void OwnTileStart() {
+  Ops::TileStart();
+}
+template <class Ops>
+inline void OwnTileSteps(const int8_t* x, int64_t xs, const int8_t* w, int64_t steps) {
+  Ops::TileSteps(x, xs, w, steps);
+}
+template <class Ops, int MR>
+inline void OwnTileStore(TileOut<MR>& out) {
+  Ops::template TileStore<MR>(out);
 }
 
 // MR rows from x (xs apart) times the panel's tile of channels from pair
@@ -818,23 +831,41 @@ template <int MR>
   const Panel8& p = c.panel;
   const int8_t* w = p.Block(2 * pair);
   const int64_t row_step = g.stride[2] * c.cpad, c4 = c.cg4 / 4;
-  Sums<MR> acc;
-  StartAcc<MR>(acc, p, pair, 0);
   const int8_t* xe = c.xc.data() + e * c.plane * c.cpad + c.group * c.cg;
-  int64_t step = 0;
-  for (int64_t i0 = 0; i0 < g.k[0]; ++i0)
-    for (int64_t i1 = 0; i1 < g.k[1]; ++i1)
-      for (int64_t i2 = 0; i2 < g.k[2]; ++i2) {
-        const int64_t p0 = o0 * g.stride[0] + i0 * g.dilation[0];
-        const int64_t p1 = o1 * g.stride[1] + i1 * g.dilation[1];
-        const int64_t p2 = o2 * g.stride[2] + i2 * g.dilation[2];
-        const int8_t* x = xe + ((p0 * g.padded[1] + p1) * g.padded[2] + p2) * c.cpad;
-        DotSteps<MR>(acc, x, row_step, w + step * kStepBytes, p.k4 * kStepBytes, c4);
-        step += c4;
-      }
-  for (int r = 0; r < MR; ++r)
-    for (int a = 0; a < kAccs; ++a)
-      I::ScaleInto(v[r] + a * I::kLanes, acc[r][a], scale + a * I::kLanes, add);
+  // f(x, step): each kernel offset's MR rows of channels (row_step apart)
+  // and its first step in the panel
+  auto offsets = [&](auto f) {
+    int64_t step = 0;
+    for (int64_t i0 = 0; i0 < g.k[0]; ++i0)
+      for (int64_t i1 = 0; i1 < g.k[1]; ++i1)
+        for (int64_t i2 = 0; i2 < g.k[2]; ++i2) {
+          const int64_t p0 = o0 * g.stride[0] + i0 * g.dilation[0];
+          const int64_t p1 = o1 * g.stride[1] + i1 * g.dilation[1];
+          const int64_t p2 = o2 * g.stride[2] + i2 * g.dilation[2];
+          f(xe + ((p0 * g.padded[1] + p1) * g.padded[2] + p2) * c.cpad, step);
+          step += c4;
+        }
+  };
+  if constexpr (I::kOwnTile) {  // the provider's tile, summed over the offsets
+    TileOut<MR> out;
+    OwnTileStart<I>();
+    offsets([&](const int8_t* x, int64_t step) {
+      OwnTileSteps<I>(x, row_step, w + step * kStepBytes, c4);
+    });
+    OwnTileStore<I, MR>(out);
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < kTileCols; j += I::kLanes)
+        I::ScaleInto(v[r] + j, I::LoadAcc(out[r] + j), scale + j, add);
+  } else {
+    Sums<MR> acc;
+    StartAcc<MR>(acc, p, pair, 0);
+    offsets([&](const int8_t* x, int64_t step) {
+      DotSteps<MR>(acc, x, row_step, w + step * kStepBytes, p.k4 * kStepBytes, c4);
+    });
+    for (int r = 0; r < MR; ++r)
+      for (int a = 0; a < kAccs; ++a)
+        I::ScaleInto(v[r] + a * I::kLanes, acc[r][a], scale + a * I::kLanes, add);
+  }
 }
 
 // the provider's 8 x 8 transpose (looked up when used: providers with kTransposes)
@@ -844,25 +875,29 @@ inline void Transposed8(const float* in, int64_t ld_in, int64_t cols, float* out
   Ops::Transpose8Out(in, ld_in, cols, out, ld_out);
 }
 
-// v's columns [0, cols) to dst + j * ld, MR values each: y's (channels,
-// positions) layout; 8 x 8 blocks through the provider's register transpose
-// where it has one (kTransposes)
+// v's columns [0, cols) to dst + j * ld, its first `rows` values each (a
+// whole tile's rows past the line are not y's): y's (channels, positions)
+// layout; 8 x 8 blocks through the provider's register transpose where it
+// has one (kTransposes)
 template <int MR>
-inline void StoreColumns(const float (&v)[MR][kTileCols], int64_t cols, float* dst,
-                         int64_t ld) {
+inline void StoreColumns(const float (&v)[MR][kTileCols], int64_t cols, int64_t rows,
+                         float* dst, int64_t ld) {
   if constexpr (I::kTransposes && MR % 8 == 0) {
-    for (int r0 = 0; r0 < MR; r0 += 8)
-      for (int64_t b = 0; b < cols; b += 8)
-        Transposed8<I, MR>(&v[r0][b], kTileCols, std::min<int64_t>(8, cols - b), dst + b * ld + r0,
-                           ld);
-    return;
+    if (rows == MR) {
+      for (int r0 = 0; r0 < MR; r0 += 8)
+        for (int64_t b = 0; b < cols; b += 8)
+          Transposed8<I, MR>(&v[r0][b], kTileCols, std::min<int64_t>(8, cols - b),
+                             dst + b * ld + r0, ld);
+      return;
+    }
   }
   for (int64_t j = 0; j < cols; ++j)
-    for (int r = 0; r < MR; ++r) dst[j * ld + r] = v[r][j];
+    for (int r = 0; r < rows; ++r) dst[j * ld + r] = v[r][j];
 }
 
 // lines [l0, l1) of all examples (a line: fixed o0, o1; all of o2)
 inline void ConvLines(const ConvState& c, int64_t l0, int64_t l1) {
+  const typename I::Scope tiles;
   const ConvGeometry& g = c.a.g;
   const ConvArgs& a = c.a;
   const int64_t lines = g.out[0] * g.out[1], ch0 = c.group * c.og;
@@ -884,7 +919,8 @@ inline void ConvLines(const ConvState& c, int64_t l0, int64_t l1) {
           for (int64_t j = 0; j < cols; ++j) scale[j] = c.sx[e] * a.scale[ch0 + 16 * pair + j];
           ConvTile<MR>(c, e, o0, o1, o2, pair, scale, part > 0, v);
         }
-        StoreColumns<MR>(v, cols, y + 16 * pair * c.positions + o2, c.positions);
+        StoreColumns<MR>(v, cols, std::min<int64_t>(MR, g.out[2] - o2),
+                         y + 16 * pair * c.positions + o2, c.positions);
       });
     }
   }
@@ -936,8 +972,12 @@ void ConvT(Pool& pool, const ConvArgs& args) {
   c.cg = c.a.channels / g.groups;
   c.og = c.a.out_channels / g.groups;
   c.offsets = g.k[0] * g.k[1] * g.k[2];
-  c.cg4 = (c.cg + 3) / 4 * 4;
-  c.cpad = c.a.channels + 4;  // a group's last 4 bytes stay inside the row
+  // an offset's channels: whole steps of the panel (kStepAlign: AMX's
+  // tiles take 64 of them, the channels past cg multiplied by zero weights)
+  c.cg4 = RoundUp(c.cg, 4 * I::kStepAlign);
+  // a group's last step stays inside the buffer (the bytes it reads past the
+  // group's channels: the next channels or position's, times zero weights)
+  c.cpad = c.a.channels + 4;
   c.positions = g.out[0] * g.out[1] * g.out[2];
   c.plane = g.padded[0] * g.padded[1] * g.padded[2];
   c.parts = c.a.int8 ? 1 : c.a.t.split;
@@ -946,7 +986,9 @@ void ConvT(Pool& pool, const ConvArgs& args) {
   const int64_t examples = c.parts * c.a.batch;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   c.sx.resize(examples);
-  c.xc.assign(examples * c.plane * c.cpad, static_cast<int8_t>(I::kXBias));  // zeros
+  // (and whole tiles' rows past the last line: AllocatedRows)
+  const int64_t past = AllocatedRows(g.out[2]) * g.stride[2] * c.cpad + c.cg4;
+  c.xc.assign(examples * c.plane * c.cpad + past, static_cast<int8_t>(I::kXBias));  // zeros
   {
     ConvState* p = s.get();
     Parallel(pool, c.a.batch, 1, example < 4096 ? 1 : threads,

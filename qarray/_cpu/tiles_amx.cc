@@ -54,6 +54,29 @@ struct TileConfig {
 };
 static_assert(sizeof(TileConfig) == 64, "AMX's tile configuration is 64 bytes");
 
+// every tile 16 rows x 64 bytes, a constant: GCC 12's _tile_loadconfig tells
+// the compiler it reads 8 bytes, so a configuration built on the stack had
+// its rows and widths dropped as dead stores (ldtilecfg then faulted)
+constexpr TileConfig AllTilesConfig() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  return config;
+}
+alignas(64) constexpr TileConfig kAllTiles = AllTilesConfig();
+
+// the tile state, alive while a thread runs tiles: loaded where a thread
+// starts on a chunk of work and released after (XLA's pool threads may run
+// other AMX code between our calls)
+struct TileScope {
+  TileScope() { _tile_loadconfig(&kAllTiles); }
+  ~TileScope() { _tile_release(); }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+};
+
 // gemm.h's tiles on AMX; its packing is AVX2's (the dot paths are not built
 // here: Next() takes that work)
 struct I8Amx : I8Avx2 {
@@ -64,33 +87,30 @@ struct I8Amx : I8Avx2 {
 
   // tiles 0 (sums: 16 x 16 int32), 1 (16 rows of x, 64 bytes), 2 (16 steps
   // of a pair of blocks, 64 bytes)
-  struct Scope {
-    Scope() {
-      TileConfig config;
-      for (int t = 0; t < 3; ++t) {
-        config.rows[t] = 16;
-        config.colsb[t] = 64;
-      }
-      _tile_loadconfig(&config);
-    }
-    ~Scope() { _tile_release(); }
-    Scope(const Scope&) = delete;
-    Scope& operator=(const Scope&) = delete;
-  };
+  using Scope = TileScope;
 
   // 16 rows of x (xs bytes apart, 4 bytes a step) times a pair of blocks'
-  // `steps` steps from w (a multiple of 16)
-  template <int MR>
-  static void Tile(const int8_t* x, int64_t xs, const int8_t* w, int64_t steps,
-                   int32_t (&out)[MR][16]) {
-    static_assert(MR == kTileRows, "AMX's tiles are whole");
-    _tile_zero(0);
+  // `steps` steps from w (a multiple of 16): whole (Tile), or the sums
+  // started, steps added (conv: a kernel offset's at a time), stored
+  static void TileStart() { _tile_zero(0); }
+  static void TileSteps(const int8_t* x, int64_t xs, const int8_t* w, int64_t steps) {
     for (int64_t s = 0; s < steps; s += kStepAlign) {
       _tile_loadd(1, x + 4 * s, xs);
       _tile_loadd(2, w + s * kStepBytes, kStepBytes);
       _tile_dpbssd(0, 1, 2);
     }
+  }
+  template <int MR>
+  static void TileStore(int32_t (&out)[MR][16]) {
+    static_assert(MR == kTileRows, "AMX's tiles are whole");
     _tile_stored(0, out, 16 * sizeof(int32_t));
+  }
+  template <int MR>
+  static void Tile(const int8_t* x, int64_t xs, const int8_t* w, int64_t steps,
+                   int32_t (&out)[MR][16]) {
+    TileStart();
+    TileSteps(x, xs, w, steps);
+    TileStore<MR>(out);
   }
 };
 
@@ -114,21 +134,6 @@ const Isa& Next() {
 // Several C tiles at once (WeightTiles): the loads of A and B are shared and
 // the sums' tiles are independent, so tdpbssd does not wait on its own
 // previous result.
-
-// all eight tiles 16 rows x 64 bytes: C 0-3, A 4-5, B 6-7
-struct AllTiles {
-  AllTiles() {
-    TileConfig config;
-    for (int t = 0; t < 8; ++t) {
-      config.rows[t] = 16;
-      config.colsb[t] = 64;
-    }
-    _tile_loadconfig(&config);
-  }
-  ~AllTiles() { _tile_release(); }
-  AllTiles(const AllTiles&) = delete;
-  AllTiles& operator=(const AllTiles&) = delete;
-};
 
 // CB blocks of 16 channels (a[i]: k bytes a row, lda apart) x RB blocks of
 // 16 rows of x (b[j]: panel steps) over steps [s0, s0 + steps) of 4 k (both
@@ -220,7 +225,7 @@ void ChannelRowsOut(const RowsOut& o, const T (&v)[16][16], const float* scale, 
 template <class T, class Weights, class Tiles>
 void WeightsFirst(const int8_t* xs, int64_t ks, const RowsOut& o, const float* scale,
                   int64_t n0, int64_t n1, Weights weights, Tiles tiles) {
-  const AllTiles on;
+  const TileScope state;  // C 0-3, A 4-5, B 6-7
   const int64_t per_panel = std::max<int64_t>(16, kPanelBytes / ks / 16 * 16);
   thread_local Panel8 panel;
   alignas(32) T v[4][16][16];
@@ -338,7 +343,19 @@ void ProductInt4(Pool& pool, const Int4Args& args) {
   }, s);
 }
 
-void Conv(Pool& pool, const ConvArgs& a) { Next().conv(pool, a); }
+// conv_q's implicit GEMM on the tiles where a group has 32 channels or more
+// (each kernel offset's channels are padded to 64, AMX's K: fewer would be
+// mostly zeros) and a tile's K (offsets x padded channels) is 256 or more: a
+// tile's sums are stored and scaled once per 16 positions x 16 channels,
+// which below that cost more than the tiles saved (PointNet's 1 x 1 layer,
+// 64 channels: benchmarks.compare_builds, conv rows)
+constexpr int64_t kConvChannels = 32, kConvDepth = 256;
+void Conv(Pool& pool, const ConvArgs& a) {
+  const int64_t cg = a.channels / a.g.groups, offsets = a.g.k[0] * a.g.k[1] * a.g.k[2];
+  if (cg < kConvChannels || offsets * RoundUp(cg, 64) < kConvDepth) return Next().conv(pool, a);
+  ConvT<VecAvx2>(pool, a);
+}
+
 void Quantize(Pool& pool, const QuantizeArgs& a) { Next().quantize(pool, a); }
 
 }  // namespace qarray::cpu::amx
