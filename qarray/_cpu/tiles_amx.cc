@@ -214,25 +214,50 @@ void ChannelRowsOut(const RowsOut& o, const T (&v)[16][16], const float* scale, 
   }
 }
 
-// channels [n0, n1) of y = x W^T (W: n channels of k), x's int8 rows (ks
-// apart, ks a multiple of 64) packed a panel at a time, every block of
-// channels passed over it:
+// x's int8 rows packed as tile B's steps (gemm.h's PackNk, rows taking the
+// place of channels) once a call, a panel of per_panel rows at a time, for
+// every chunk of channels to read (packed per chunk, 512 rows were packed
+// eight times: benchmarks.compare_builds)
+struct PackedRows {
+  std::shared_ptr<void> owner;  // what xs lives in
+  std::vector<Panel8> panels;
+  int64_t per_panel = 0, rows = 0;
+};
+
+inline std::shared_ptr<PackedRows> PackRows(Pool& pool, std::shared_ptr<void> owner,
+                                            const int8_t* xs, int64_t ks, int64_t rows) {
+  auto packed = std::make_shared<PackedRows>();
+  packed->owner = std::move(owner);
+  packed->rows = rows;
+  packed->per_panel = std::max<int64_t>(16, kPanelBytes / ks / 16 * 16);
+  const int64_t count = (rows + packed->per_panel - 1) / packed->per_panel;
+  packed->panels.resize(count);
+  PackedRows* p = packed.get();
+  Parallel(pool, count, 1, count > 1 ? pool.num_threads() : 1,
+           [p, xs, ks](int64_t i0, int64_t i1) {
+             for (int64_t i = i0; i < i1; ++i)
+               PackNk(xs, ks, ks, i * p->per_panel, std::min(p->rows, (i + 1) * p->per_panel),
+                      p->panels[i]);
+           },
+           packed);
+  return packed;
+}
+
+// channels [n0, n1) of y = x W^T (W: n channels of k), every block of
+// channels passed over each panel of x's rows in turn:
 //   weights(c, width) -> {w, lda}: channels [c, c + width) of W as int8 rows
 //     (whole tiles: zeros past n1 and past K);
 //   tiles(CB, RB, wa, lda, xb, c, v): v[i * RB + j] (channel, row) from
 //     WeightTiles<CB, RB>, T (int32 or float32), then times scale[channel]
 //     where scale is given.
 template <class T, class Weights, class Tiles>
-void WeightsFirst(const int8_t* xs, int64_t ks, const RowsOut& o, const float* scale,
-                  int64_t n0, int64_t n1, Weights weights, Tiles tiles) {
+void WeightsFirst(const PackedRows& x, const RowsOut& o, const float* scale, int64_t n0,
+                  int64_t n1, Weights weights, Tiles tiles) {
   const TileScope state;  // C 0-3, A 4-5, B 6-7
-  const int64_t per_panel = std::max<int64_t>(16, kPanelBytes / ks / 16 * 16);
-  thread_local Panel8 panel;
   alignas(32) T v[4][16][16];
-  for (int64_t r0 = 0; r0 < o.rows; r0 += per_panel) {
-    const int64_t r1 = std::min(o.rows, r0 + per_panel);
-    PackNk(xs, ks, ks, r0, r1, panel);
-    const int64_t pairs = panel.blocks / 2;
+  for (size_t i = 0; i < x.panels.size(); ++i) {
+    const Panel8& panel = x.panels[i];
+    const int64_t r0 = i * x.per_panel, pairs = panel.blocks / 2;
     // one block of rows: four of channels share it; more: two by two
     const int64_t width = pairs == 1 ? 64 : 32;
     for (int64_t c = n0; c < n1; c += width) {
@@ -251,7 +276,8 @@ void WeightsFirst(const int8_t* xs, int64_t ks, const RowsOut& o, const float* s
         const int8_t* const xb[2] = {panel.Block(2 * pair), panel.Block(2 * pair + 2)};
         tiles(std::integral_constant<int, 2>{}, std::integral_constant<int, 2>{}, wa, lda, xb,
               c, v);
-        for (int t = 0; t < 4; ++t) ChannelRowsOut(o, v[t], scale, c + 16 * (t / 2), r0 + 16 * (pair + t % 2));
+        for (int t = 0; t < 4; ++t)
+          ChannelRowsOut(o, v[t], scale, c + 16 * (t / 2), r0 + 16 * (pair + t % 2));
       }
       if (pair < pairs) {
         const int8_t* const xb[1] = {panel.Block(2 * pair)};
@@ -276,8 +302,10 @@ void Product(Pool& pool, const ProductArgs& a) {
   if (a.kn) return ProductT<VecAvx2>(pool, a);
   const std::shared_ptr<ProductState> s = ProductRows<VecAvx2>(pool, a);
   const ProductState* p = s.get();
+  const std::shared_ptr<PackedRows> x = PackRows(pool, s, s->xs.data(), s->ks, s->rows);
+  const PackedRows* px = x.get();
   const int64_t threads = ProductThreads(pool, s->rows, a.k, a.n);
-  Parallel(pool, a.n, ChunkSize(a.n, threads, 4), threads, [p](int64_t n0, int64_t n1) {
+  Parallel(pool, a.n, ChunkSize(a.n, threads, 4), threads, [p, px](int64_t n0, int64_t n1) {
     const ProductArgs& a = p->a;
     // W's own rows where K fills whole tiles; else (and past n1) a copy
     auto weights = [&](int64_t c, int64_t width) -> std::pair<const int8_t*, int64_t> {
@@ -291,10 +319,9 @@ void Product(Pool& pool, const ProductArgs& a) {
                      int32_t (*v)[16][16]) {
       WeightTiles<decltype(cb)::value, decltype(rb)::value>(wa, lda, xb, 0, p->ks / 4, v);
     };
-    WeightsFirst<int32_t>(p->xs.data(), p->ks,
-                          RowsOut{a.y, a.n, p->rows, p->parts, p->sx.data()}, a.scale, n0, n1,
-                          weights, tiles);
-  }, s);
+    WeightsFirst<int32_t>(*px, RowsOut{a.y, a.n, p->rows, p->parts, p->sx.data()}, a.scale,
+                          n0, n1, weights, tiles);
+  }, x);
 }
 
 void ProductInt4(Pool& pool, const Int4Args& args) {
@@ -311,8 +338,10 @@ void ProductInt4(Pool& pool, const Int4Args& args) {
   QuantizeRowsOn<VecAvx2>(pool, a.x, nullptr, a.m, a.k, a.k, s->parts, s->xs.data(),
                           s->sx.data());
   const Int4State* p = s.get();
+  const std::shared_ptr<PackedRows> x = PackRows(pool, s, s->xs.data(), a.k, s->rows);
+  const PackedRows* px = x.get();
   const int64_t threads = ProductThreads(pool, s->rows, a.k, a.n);
-  Parallel(pool, a.n, ChunkSize(a.n, threads, 4), threads, [p](int64_t n0, int64_t n1) {
+  Parallel(pool, a.n, ChunkSize(a.n, threads, 4), threads, [p, px](int64_t n0, int64_t n1) {
     const Int4Args& a = p->a;
     const int64_t half = a.k / 2, groups = a.k / a.group, g4 = a.group / 4;
     // the nibbles unpacked (K: a multiple of the group, of 64)
@@ -338,9 +367,9 @@ void ProductInt4(Pool& pool, const Int4Args& args) {
           }
       }
     };
-    WeightsFirst<float>(p->xs.data(), a.k, RowsOut{a.y, a.n, p->rows, p->parts, p->sx.data()},
-                        nullptr, n0, n1, weights, tiles);
-  }, s);
+    WeightsFirst<float>(*px, RowsOut{a.y, a.n, p->rows, p->parts, p->sx.data()}, nullptr, n0,
+                        n1, weights, tiles);
+  }, x);
 }
 
 // conv_q's implicit GEMM on the tiles where a group has 32 channels or more
