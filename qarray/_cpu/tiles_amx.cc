@@ -198,19 +198,37 @@ void ChannelRowsOut(const RowsOut& o, const T (&v)[16][16], const float* scale, 
       I8Amx::Transpose8Out(reinterpret_cast<const float*>(&v[bj][bi]), 16, 8,
                            reinterpret_cast<float*>(&t[bi][bj]), 16);
   const int64_t cols = std::min<int64_t>(16, o.n - c);
-  float f[16];
+  alignas(32) float sc[16];  // the channels' scales (ones where none), zeros past n
+  for (int j = 0; j < 16; ++j) sc[j] = j < cols ? (scale ? scale[c + j] : 1.0f) : 0.0f;
+  const __m256 s0 = _mm256_load_ps(sc), s1 = _mm256_load_ps(sc + 8);
   for (int i = 0; i < 16 && row + i < o.rows; ++i) {
     const int64_t r = row + i;
-    for (int j = 0; j < 16; ++j) f[j] = static_cast<float>(t[i][j]);
-    if (scale)
-      for (int64_t j = 0; j < cols; ++j) f[j] *= scale[c + j];
-    float* y = o.y + (r / o.parts) * o.n + c;
-    const float sx = o.sx[r];
-    if (r % o.parts == 0) {
-      for (int64_t j = 0; j < cols; ++j) y[j] = f[j] * sx;
+    const __m256 sx = _mm256_set1_ps(o.sx[r]);
+    __m256 f0, f1;
+    if constexpr (std::is_same_v<T, float>) {
+      f0 = _mm256_load_ps(t[i]);
+      f1 = _mm256_load_ps(t[i] + 8);
     } else {
-      for (int64_t j = 0; j < cols; ++j) y[j] += f[j] * sx;
+      f0 = _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(t[i])));
+      f1 = _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(t[i] + 8)));
     }
+    // (sums x scale) x sx, the order of gemm.h's products
+    f0 = _mm256_mul_ps(_mm256_mul_ps(f0, s0), sx);
+    f1 = _mm256_mul_ps(_mm256_mul_ps(f1, s1), sx);
+    float* y = o.y + (r / o.parts) * o.n + c;
+    alignas(32) float out[16];
+    if (cols == 16) {
+      if (r % o.parts != 0) {
+        f0 = _mm256_add_ps(_mm256_loadu_ps(y), f0);
+        f1 = _mm256_add_ps(_mm256_loadu_ps(y + 8), f1);
+      }
+      _mm256_storeu_ps(y, f0);
+      _mm256_storeu_ps(y + 8, f1);
+      continue;
+    }
+    _mm256_store_ps(out, f0);
+    _mm256_store_ps(out + 8, f1);
+    for (int64_t j = 0; j < cols; ++j) y[j] = r % o.parts == 0 ? out[j] : y[j] + out[j];
   }
 }
 
