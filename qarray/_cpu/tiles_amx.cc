@@ -1,22 +1,27 @@
-// qarray's AMX tiles (Intel Xeon since Sapphire Rapids): gemm.h's GEMM with
-// its tile on AMX's tile registers, for the products that are bound by compute.
+// qarray's AMX tiles (Intel Xeon since Sapphire Rapids), for the products
+// that are bound by compute.
 //
-// TDPBSSD multiplies 16 rows x 64 signed bytes of x (tile 1) by 16 steps of a
-// panel's pair of blocks (tile 2: 16 x 4 k of 16 output channels, the row
-// layout gemm.h's panels keep, kStepBytes apart) into 16 x 16 int32 sums
-// (tile 0): 16K multiply-adds an instruction, against VNNI's 64 a vector. Both
-// operands are signed, so x needs no +128 shift and the sums no correction.
-// Every tile is 16 rows, so x's buffers hold whole tiles (zero rows past the
-// last) and panels and x's rows are padded to 64 bytes of K (kStepAlign).
+// TDPBSSD multiplies tile A (16 rows x 64 signed bytes) by tile B (16 steps
+// of 16 columns x 4 signed bytes) into C (16 x 16 int32 sums): 16K
+// multiply-adds an instruction, against VNNI's 64 a vector. Both operands are
+// signed, so x needs no +128 shift and the sums no correction. Every tile is
+// 16 rows, so x's buffers hold whole tiles (zero rows past the last) and x's
+// rows are padded to 64 bytes of K (kStepAlign).
+//
+//   layout nk (int8 and int4): the weights are A, straight from their rows
+//     (WeightsFirst, below); x's rows are B, packed once a call;
+//   layout kn: gemm.h's panel driver with I8Amx's tile (x as A, a panel's
+//     pair of blocks as B: its 64-byte steps are B's rows);
+//   conv_q: gemm.h's implicit GEMM with I8Amx's tile summed over the kernel
+//     offsets, each offset's channels padded to 64 (Conv's rules, below).
 //
 // What the tiles do not take goes to the next best instruction set (Next(),
 // AVX-512 on every CPU with AMX): products below the GEMM's thresholds (a few
 // rows read their weights from memory: the vector tiles are as fast there),
 // int4 with groups of fewer than 64 values (a group's sums are scaled apart,
-// and AMX's K is 64), conv_q (its implicit GEMM takes each kernel offset's
-// channels as K, rarely 64 of them) and the row quantizer.
+// and AMX's K is 64), the convolutions Conv leaves, and the row quantizer.
 //
-// The tile state is the thread's: Scope loads the configuration where a
+// The tile state is the thread's: TileScope loads the configuration where a
 // thread starts on a chunk of tiles and releases it after (XLA's pool threads
 // may run other AMX code between our calls). Linux hands a process the tile
 // state only on request (arch_prctl, dispatch.cc's AmxPermitted).
