@@ -64,7 +64,7 @@ def crossover(activations: str, size: int, copies: int, rows, rounds=2, reps=40)
             for _ in range(rounds):
                 for side, gemm_rows in FORCED.items():
                     # read when the call is traced: a fresh jit per side
-                    _ffi.KERNEL_GEMM_ROWS = gemm_rows
+                    _ffi.KERNEL_GEMM_ROWS = {"other": gemm_rows}
                     fn = jax.jit(
                         lambda x, q, s: _kernels.linear(x, q, s, activations, "kernel")
                     )
@@ -77,7 +77,7 @@ def crossover(activations: str, size: int, copies: int, rows, rounds=2, reps=40)
 
 def main() -> None:
     from qarray import _ffi
-    from qarray._thresholds import KERNEL_GEMM_ROWS, SPLIT_LEVELS
+    from qarray._thresholds import SPLIT_LEVELS
 
     parser = argparse.ArgumentParser(prog="benchmarks.gemm_crossover")
     parser.add_argument("--activations", choices=("float32", "int8"), default="int8")
@@ -90,14 +90,14 @@ def main() -> None:
     parts = SPLIT_LEVELS if args.activations == "float32" else 1
     print(
         f"{_ffi.status()}; {args.activations}, ({args.size}, {args.size}) x "
-        f"{args.copies}; KERNEL_GEMM_ROWS {KERNEL_GEMM_ROWS} int8 rows"
+        f"{args.copies}; KERNEL_GEMM_ROWS {_ffi.gemm_rows()} int8 rows"
     )
     print("| rows of x (int8 rows) | GEMM ms | dot tiles ms | tiles / GEMM | runs |")
     print("|---|---|---|---|---|")
     for m, gemm, tiles in crossover(
         args.activations, args.size, args.copies, rows, args.rounds
     ):
-        runs = "GEMM" if m * parts >= KERNEL_GEMM_ROWS else "dot tiles"
+        runs = "GEMM" if m * parts >= _ffi.gemm_rows() else "dot tiles"
         print(
             f"| {m} ({m * parts}) | {gemm:.3f} | {tiles:.3f} | {tiles / gemm:.2f} "
             f"| {runs} |"

@@ -131,9 +131,14 @@ def thresholds() -> dict[str, np.int64]:
     range)."""
     return {
         "split": np.int64(SPLIT_LEVELS),
-        "gemm_rows": np.int64(KERNEL_GEMM_ROWS),
+        "gemm_rows": np.int64(gemm_rows()),
         "kn_dot_rows": np.int64(KERNEL_TILE_ROWS["kn", "int8"]),
     }
+
+
+def gemm_rows() -> int:
+    """``_thresholds.KERNEL_GEMM_ROWS`` for the instruction set that runs."""
+    return KERNEL_GEMM_ROWS.get(isa() or "other", KERNEL_GEMM_ROWS["other"])
 
 
 def int4_gemm_rows(activations: str) -> int:

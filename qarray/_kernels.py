@@ -78,7 +78,7 @@ from jax import lax
 from . import _ffi
 from ._numerics import dequantize_groups, dequantize_rows, quantize_rows
 from ._qarray import kind_of_parts
-from ._thresholds import KERNEL_GEMM_ROWS, KERNEL_TILE_ROWS, SPLIT_LEVELS
+from ._thresholds import KERNEL_TILE_ROWS, SPLIT_LEVELS
 
 # lhs[m, k] . rhs[k, n]: contract lhs's columns with rhs's rows (matmul_q)
 _ROWS_BY_COLS = (((1,), (0,)), ((), ()))
@@ -138,7 +138,7 @@ def kernel_wins(m: int, k: int, n: int, activations: str, layout: str) -> bool:
         too_many = False
     if layout == "kn" and activations == "float32" and k * n > KN_LARGE_WEIGHTS:
         too_many = m > KN_LARGE_MAX_ROWS
-    return int8_rows >= KERNEL_GEMM_ROWS and not too_many
+    return int8_rows >= _ffi.gemm_rows() and not too_many
 
 
 def choose_strategy(

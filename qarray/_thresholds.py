@@ -24,9 +24,12 @@ KERNEL_TILE_ROWS = {
     ("kn", "int8"): KN_DOT_INT8_ROWS,
 }
 # int8 rows (weight-only: SPLIT_LEVELS parts a row) from which the kernels run
-# their GEMM on panels that stay in L2 (ahead of XLA's int8 dots and of
-# split_int8 from there, layout nk)
-KERNEL_GEMM_ROWS = 8
+# their GEMM rather than their dot tiles (ahead of XLA's int8 dots and of
+# split_int8 from there, layout nk), by instruction set: the vector sets' GEMM
+# packs panels that stay in L2; AMX's reads the weights straight from their
+# rows and leads AVX-512's dot tiles from 6 int8 rows (level at 4:
+# benchmarks.gemm_crossover, weights cold, docs/kernels.md)
+KERNEL_GEMM_ROWS = {"amx": 6, "other": 8}
 
 # rows of x from which the int4 kernel runs its GEMM rather than its dot
 # tiles, by instruction set and activations. The AVX-512 tiles pay a table

@@ -92,8 +92,18 @@ def test_thresholds_come_from_one_module():
     choose_strategy uses."""
     t = _ffi.thresholds()
     assert t["split"] == _kernels.SPLIT_LEVELS == _thresholds.SPLIT_LEVELS
-    assert t["gemm_rows"] == _kernels.KERNEL_GEMM_ROWS
+    assert t["gemm_rows"] == _ffi.gemm_rows()
     assert t["kn_dot_rows"] == _kernels.KERNEL_TILE_ROWS["kn", "int8"]
+
+
+def test_gemm_rows_come_from_thresholds_by_isa(monkeypatch):
+    table = _thresholds.KERNEL_GEMM_ROWS
+    assert _ffi.gemm_rows() == table.get(_ffi.isa() or "other", table["other"])
+    monkeypatch.setattr(_ffi, "isa", lambda: "amx")
+    assert _ffi.gemm_rows() == table["amx"]
+    assert _ffi.thresholds()["gemm_rows"] == table["amx"]
+    monkeypatch.setattr(_ffi, "isa", lambda: "i8mm")  # not in the table
+    assert _ffi.gemm_rows() == table["other"]
 
 
 def test_int4_gemm_rows_come_from_thresholds_by_isa(monkeypatch):
