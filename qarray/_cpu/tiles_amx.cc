@@ -191,18 +191,19 @@ struct RowsOut {
 };
 
 // v (16 channels from c x 16 int8 rows from row: int32 sums, or float32
-// ones) times scale[c + j] (where given) into y: the first part written, the
-// others added in part order (gemm.h's order)
+// ones) times scale[c + j] (where given) into y's channels below `end` (the
+// chunk's: a tile past it holds another thread's channels, as zeros): the
+// first part written, the others added in part order (gemm.h's order)
 template <class T>
 void ChannelRowsOut(const RowsOut& o, const T (&v)[16][16], const float* scale, int64_t c,
-                    int64_t row) {
+                    int64_t end, int64_t row) {
   static_assert(sizeof(T) == 4, "transposed as 32-bit lanes");
   alignas(32) T t[16][16];  // (row, channel)
   for (int bj = 0; bj < 16; bj += 8)
     for (int bi = 0; bi < 16; bi += 8)
       I8Amx::Transpose8Out(reinterpret_cast<const float*>(&v[bj][bi]), 16, 8,
                            reinterpret_cast<float*>(&t[bi][bj]), 16);
-  const int64_t cols = std::min<int64_t>(16, o.n - c);
+  const int64_t cols = std::max<int64_t>(0, std::min<int64_t>(16, end - c));
   alignas(32) float sc[16];  // the channels' scales (ones where none), zeros past n
   for (int j = 0; j < 16; ++j) sc[j] = j < cols ? (scale ? scale[c + j] : 1.0f) : 0.0f;
   const __m256 s0 = _mm256_load_ps(sc), s1 = _mm256_load_ps(sc + 8);
@@ -290,7 +291,7 @@ void WeightsFirst(const PackedRows& x, const RowsOut& o, const float* scale, int
         const int8_t* const xb[1] = {panel.Block(0)};
         tiles(std::integral_constant<int, 4>{}, std::integral_constant<int, 1>{}, wa, lda, xb,
               c, v);
-        for (int cb = 0; cb < 4; ++cb) ChannelRowsOut(o, v[cb], scale, c + 16 * cb, r0);
+        for (int cb = 0; cb < 4; ++cb) ChannelRowsOut(o, v[cb], scale, c + 16 * cb, n1, r0);
         continue;
       }
       const int8_t* const wa[2] = {w, w + 16 * lda};
@@ -300,13 +301,14 @@ void WeightsFirst(const PackedRows& x, const RowsOut& o, const float* scale, int
         tiles(std::integral_constant<int, 2>{}, std::integral_constant<int, 2>{}, wa, lda, xb,
               c, v);
         for (int t = 0; t < 4; ++t)
-          ChannelRowsOut(o, v[t], scale, c + 16 * (t / 2), r0 + 16 * (pair + t % 2));
+          ChannelRowsOut(o, v[t], scale, c + 16 * (t / 2), n1, r0 + 16 * (pair + t % 2));
       }
       if (pair < pairs) {
         const int8_t* const xb[1] = {panel.Block(2 * pair)};
         tiles(std::integral_constant<int, 2>{}, std::integral_constant<int, 1>{}, wa, lda, xb,
               c, v);
-        for (int t = 0; t < 2; ++t) ChannelRowsOut(o, v[t], scale, c + 16 * t, r0 + 16 * pair);
+        for (int t = 0; t < 2; ++t)
+          ChannelRowsOut(o, v[t], scale, c + 16 * t, n1, r0 + 16 * pair);
       }
     }
   }
