@@ -55,7 +55,7 @@ def best_ms(parse, body: bytes, rounds: int, reps: int) -> float:
 def main() -> None:
     import orjson
 
-    from qarray.tesseract._guard import parse_body
+    from qarray.tesseract._json_body import parse_body
     from qarray.tesseract.internal import keep_freed_memory
 
     keep_freed_memory()

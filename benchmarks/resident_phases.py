@@ -84,7 +84,7 @@ def measure(calls: int) -> dict[str, tuple[float, float]]:
     import jax
     from tesseract_core.runtime import serve as tesseract_serve
 
-    from qarray.tesseract._guard import parse_body
+    from qarray.tesseract._json_body import parse_body
     from qarray.tesseract.internal import request_dict
 
     rng = np.random.default_rng(1)
@@ -95,12 +95,17 @@ def measure(calls: int) -> dict[str, tuple[float, float]]:
             "object_type": "array",
             "shape": [ROWS, WIDTH],
             "dtype": "float32",
-            "data": {"buffer": base64.b64encode(x.tobytes()).decode(), "encoding": "base64"},
+            "data": {
+                "buffer": base64.b64encode(x.tobytes()).decode(),
+                "encoding": "base64",
+            },
         }
         body = json.dumps({"inputs": {"x": array}}).encode()
         encoding = tesseract_serve.negotiate_encoding("application/json+base64")
         payload = schema.model_validate(parse_body(body))
-        request = request_dict(payload.root.inputs if hasattr(payload, "root") else payload.inputs)
+        request = request_dict(
+            payload.root.inputs if hasattr(payload, "root") else payload.inputs
+        )
         compiled, resident = api.ENDPOINTS._compiled, api.RUNTIME.resident
 
         def phases() -> list[float]:
@@ -111,7 +116,9 @@ def measure(calls: int) -> dict[str, tuple[float, float]]:
             stamps.append(time.perf_counter())
             outputs = endpoint(validated)
             stamps.append(time.perf_counter())
-            tesseract_serve.create_response(outputs, encoding, base_dir=name, binref_dir=None)
+            tesseract_serve.create_response(
+                outputs, encoding, base_dir=name, binref_dir=None
+            )
             stamps.append(time.perf_counter())
             return np.diff(stamps)
 
@@ -133,7 +140,10 @@ def measure(calls: int) -> dict[str, tuple[float, float]]:
                 cold.append(run())
             cold = np.median(cold, axis=0)
             figures.update(
-                {n: (1e6 * w, 1e6 * c) for n, w, c in zip(names, warm, cold, strict=True)}
+                {
+                    n: (1e6 * w, 1e6 * c)
+                    for n, w, c in zip(names, warm, cold, strict=True)
+                }
             )
     return figures
 

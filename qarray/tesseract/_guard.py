@@ -39,8 +39,7 @@ import re
 from pathlib import Path
 from urllib.parse import parse_qs
 
-import orjson
-
+from ._json_body import parse_body
 from ._settings import Settings
 
 MAX_LISTED_ERRORS = 10
@@ -50,8 +49,6 @@ RETRY_AFTER_SECONDS = 1
 # the scope key of a body's parsed JSON document (None: not JSON); whoever
 # reads it pops it, so the document is not held while the request computes
 PARSED_BODY = "qarray.parsed_body"
-# bodies from this size are read by json.loads alone (parse_body)
-ORJSON_MAX_BYTES = 1 << 20
 
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 # '<path>[:<offset>[:<compressed size>]]'; a path is plain names joined by '/'
@@ -95,34 +92,6 @@ def _encoded_arrays(tree, path=""):
 def _field_name(path: str) -> str:
     # the endpoint payload nests the schema under "inputs"
     return path.removeprefix("inputs.")
-
-
-def parse_body(body: bytes):
-    """``body``'s JSON document as ``json.loads`` reads it (what FastAPI
-    reads), or None where it is not one (the application answers that).
-
-    A body under ``ORJSON_MAX_BYTES`` is read by orjson first, which is
-    faster on small bodies and on arrays written as JSON numbers; a larger one
-    is mostly base64 strings, which ``json.loads`` reads faster under the
-    server's malloc settings (``python -m benchmarks.parse_bodies``). What
-    orjson refuses and ``json.loads`` takes (NaN and Infinity, 1e400,
-    UTF-16 and UTF-32, unpaired surrogates, nesting past 1024) is read by
-    ``json.loads``. The one difference left: an integer literal beyond 64
-    bits reads as the nearest float under orjson, which no payload field
-    takes as valid either way (a shape is bounded by the work limit, integer
-    arrays are 8 to 64 bits).
-    """
-    if not body:
-        return None
-    if len(body) < ORJSON_MAX_BYTES:
-        try:
-            return orjson.loads(body)
-        except orjson.JSONDecodeError:
-            pass
-    try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return None
 
 
 def check_body(tree, input_dir: Path, max_elements: int):

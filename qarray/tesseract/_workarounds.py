@@ -75,7 +75,8 @@ from pathlib import Path
 from tesseract_core.runtime import array_encoding, schema_generation
 from tesseract_core.runtime import serve as _serve
 
-from ._guard import PARSED_BODY, parse_body
+from ._guard import PARSED_BODY
+from ._json_body import parse_body
 
 _UNPARSED = object()  # a scope the guard did not see (an app without it)
 

@@ -281,37 +281,6 @@ def test_the_guard_parses_a_body_once_and_hands_the_document_down(tmp_path):
     assert seen == [(document, body), (None, b"{not json"), (None, b"")]
 
 
-@pytest.mark.parametrize(
-    "body",
-    [
-        b'{"a": [1, -2.5, 1e-300, 18446744073709551615, "\\u00e9"], "a": {}}',
-        b'{"x": NaN, "y": -Infinity}',  # json.loads' extensions
-        b'{"big": 1e400}',  # inf for json.loads, an error for orjson
-        '{"utf16": 1}'.encode("utf-16"),
-        b'"\\ud800"',  # an unpaired surrogate
-        b"[" * 1100 + b"]" * 1100,  # past orjson's nesting limit
-        b'{"x": {"data": {"buffer": "' + b"QUJD" * (1 << 18) + b'"}}, "n": NaN}',
-    ],
-    ids=["plain", "nan", "1e400", "utf16", "surrogate", "nesting", "over-1-MiB"],
-)
-def test_the_guard_reads_a_body_as_json_loads_does(body):
-    """``parse_body`` gives the document ``json.loads`` gives (what FastAPI
-    reads), including for what only ``json.loads`` takes, on both sides of
-    ``ORJSON_MAX_BYTES``."""
-    from qarray.tesseract._guard import ORJSON_MAX_BYTES, parse_body
-
-    assert (len(body) >= ORJSON_MAX_BYTES) == (len(body) > 1_000_000)
-    expected = json.loads(body)
-    assert repr(parse_body(body)) == repr(expected)
-
-
-def test_a_body_that_is_not_json_parses_to_none():
-    from qarray.tesseract._guard import parse_body
-
-    for body in (b"{not json", b"", b"\xff\xfe\x00", b"[" * 100_000):
-        assert parse_body(body) is None
-
-
 @pytest.mark.parametrize("where", ["shape", "data"])
 def test_an_integer_beyond_64_bits_is_a_4xx_naming_its_field(guarded, where):
     """The one number orjson reads differently from ``json.loads`` (an
