@@ -385,11 +385,15 @@ def workers_rows(tmp, clients=(1, 16, 64), runs=1, seconds=4.0, warm=1.5):
     )
 
 
-def run(runs=3, seconds=4.0, warm=1.5, clients=CLIENTS) -> list[dict]:
+def run(
+    runs=3, seconds=4.0, warm=1.5, clients=CLIENTS, models=MODELS, others=True
+) -> list[dict]:
+    """The suite's rows: ``models``' levels, then (``others``) the FNO's,
+    the workers' and their memory."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        for name, depth, width, kinds in MODELS:
+        for name, depth, width, kinds in models:
             ours_file, dense_file = _model_files(tmp, depth, width)
             with _servers(
                 tmp, {"QARRAY_MODEL": str(ours_file)}, {"QARRAY_MODEL": str(dense_file)}
@@ -409,9 +413,10 @@ def run(runs=3, seconds=4.0, warm=1.5, clients=CLIENTS) -> list[dict]:
                     rows += _rows(
                         name, kind, rows_, width, results, targets, BASELINE, clients
                     )
-        rows += _fno_rows(tmp, clients, runs, seconds, warm)
-        rows += workers_rows(tmp, runs=runs, seconds=seconds, warm=warm)
-        rows += memory_rows(tmp)
+        if others:
+            rows += _fno_rows(tmp, clients, runs, seconds, warm)
+            rows += workers_rows(tmp, runs=runs, seconds=seconds, warm=warm)
+            rows += memory_rows(tmp)
     return rows + derived_rows(rows)
 
 
@@ -572,7 +577,14 @@ def plot(rows, path: Path) -> None:
 if __name__ == "__main__":
     import sys
 
-    quick = "--quick" in sys.argv
-    rows = run(runs=1 if quick else 3, seconds=2.0 if quick else 4.0)
+    # --first-model: the 4096x4 model's levels alone (the issue-43 rows,
+    # a few minutes), not written to results.json
+    quick, first = "--quick" in sys.argv, "--first-model" in sys.argv
+    rows = run(
+        runs=1 if quick else 3,
+        seconds=2.0 if quick else 4.0,
+        models=MODELS[:1] if first else MODELS,
+        others=not first,
+    )
     print(table(rows))
     print(json.dumps(rows, indent=1, default=float))

@@ -1,4 +1,4 @@
-"""The request guard's JSON parse (``_guard.parse_body``) against
+"""The request guard's JSON parse (``_json_body.parse_body``) against
 ``json.loads`` (what tesseract-core's stock server parses with) and orjson,
 on the bodies clients send, under the server's malloc settings
 (``keep_freed_memory``: without them each large string is fresh pages, and
