@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import qarray
-from qarray.tesseract._cache import ResidualCache
+from qarray.tesseract._cache import ResidualCache, same_bytes
 
 
 def _network(inputs, weights, scales):
@@ -64,3 +64,46 @@ def test_a_kept_pullback_gives_the_recomputed_cotangents():
     d2 = g * (z2 > 0)
     d1 = (d2 @ w[1]) * (z1 > 0)
     np.testing.assert_allclose(got["x"], d1 @ w[0], rtol=1e-4, atol=1e-4)
+
+
+def test_same_bytes_is_bitwise():
+    """The key's compare: equal bytes, not equal values (-0.0 != 0.0, a NaN
+    equals itself), contiguous (memcmp) or strided (NumPy) alike."""
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal((64, 33)).astype(np.float32)
+    assert same_bytes(a, a.copy())
+    b = a.copy()
+    b[63, 32] = np.nextafter(b[63, 32], np.float32(np.inf))  # the last byte's element
+    assert not same_bytes(a, b)
+    zeros = np.zeros(5, np.float32)
+    assert not same_bytes(zeros, -zeros)  # equal values, different bits
+    nan = np.full(3, np.nan, np.float32)
+    assert same_bytes(nan, nan.copy())  # unequal values, same bits
+    assert same_bytes(a[:, ::2], a.copy()[:, ::2])  # strided: not memcmp's
+    assert not same_bytes(a[:, ::2], b[:, ::2])  # [63, 32] is among them
+    c = np.zeros((2, 2), np.complex128)
+    assert same_bytes(c[:, :1], c.copy()[:, :1])
+    assert same_bytes(np.zeros((0, 4), np.int8), np.zeros((0, 4), np.int8))
+
+
+def test_a_vjp_compares_the_request_once(monkeypatch):
+    """A hit reads the request's arrays against the kept key's once (the
+    LRU's reordering finds the stored key by identity): the compare is the
+    size of the request, a VJP's cost on a big one."""
+    from qarray.tesseract import _cache
+
+    rng = np.random.default_rng(3)
+    weights, scales = _constants(rng)
+    cache = ResidualCache(8, 0, 0)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    g = rng.standard_normal((3, 64)).astype(np.float32)
+    cache.apply(_network, {"x": x}, (weights, scales))
+    calls = []
+
+    def counted(a, b):
+        calls.append(a.shape)
+        return same_bytes(a, b)
+
+    monkeypatch.setattr(_cache, "same_bytes", counted)
+    assert cache.vjp(_network, {"x": x.copy()}, {"y": g}, ["x"]) is not None
+    assert calls == [x.shape]
