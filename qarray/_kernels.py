@@ -126,6 +126,10 @@ KERNEL_SHORT_K = 2048
 # --strategies, the 4096 x 4096 kn rows)
 KN_LARGE_WEIGHTS = 2**21
 KN_LARGE_MAX_ROWS = 8
+# AMX's GEMM, on the weights' own rows (layout nk), stays ahead of split_int8
+# weight-only at every row count measured: no KERNEL_MAX_ROWS there (make
+# bench, suite kernels --strategies, on AMX; docs/kernels.md)
+AMX_UNCAPPED = ("nk", "float32")
 
 
 def kernel_wins(m: int, k: int, n: int, activations: str, layout: str) -> bool:
@@ -134,6 +138,8 @@ def kernel_wins(m: int, k: int, n: int, activations: str, layout: str) -> bool:
         return True
     int8_rows = m if activations == "int8" else SPLIT_LEVELS * m
     too_many = m > KERNEL_MAX_ROWS[activations]
+    if (layout, activations) == AMX_UNCAPPED and _ffi.isa() == "amx":
+        too_many = False
     if activations == "int8" and k <= KERNEL_SHORT_K:
         too_many = False
     if layout == "kn" and activations == "float32" and k * n > KN_LARGE_WEIGHTS:

@@ -149,12 +149,31 @@ def test_choose_strategy(m, kn, activations, platform, expected):
     ],
 )
 def test_choose_strategy_with_the_cpu_kernels(
-    m, layout, activations, platform, expected
+    m, layout, activations, platform, expected, monkeypatch
 ):
+    """The vector instruction sets' choices (AMX's: below)."""
+    monkeypatch.setattr(_ffi, "isa", lambda: "avx512")
     got = _kernels.choose_strategy(
         m, 4096, 4096, activations, platform, layout, kernels=True
     )
     assert got == expected
+
+
+@pytest.mark.parametrize("m", [65, 128, 512, 4096])
+def test_amx_takes_weight_only_nk_products_at_every_row_count(m, monkeypatch):
+    """AMX's nk GEMM: no row cap weight-only; kn and W8A8 keep theirs."""
+    monkeypatch.setattr(_ffi, "isa", lambda: "amx")
+    for k, n in ((1024, 1024), (4096, 1024), (4096, 4096)):
+        assert _kernels.choose_strategy(m, k, n, "float32", "cpu", "nk", True) == (
+            "kernel"
+        )
+    assert _kernels.choose_strategy(m, 4096, 4096, "float32", "cpu", "kn", True) == (
+        "split_int8"
+    )
+    if m > 128:
+        assert _kernels.choose_strategy(m, 4096, 4096, "int8", "cpu", "nk", True) == (
+            "int8_dot"
+        )
 
 
 def test_w8a8_with_a_short_k_takes_the_gemm_at_every_row_count():
