@@ -356,13 +356,13 @@ class ResidualCache:
         stale = []
         for stored, other in self._entries.items():
             if other is entry:
-                break
+                break  # ``stored`` is now the entry's own key object
             if other.read:
                 stale.append(stored)
-        for old in stale:
-            del self._entries[old]
+        for earlier in stale:
+            del self._entries[earlier]
         entry.read = True
-        # the stored key, not ``key``: a dict finds its own key object by
+        # by the stored key, not ``key``: a dict finds its own key object by
         # identity, where ``key`` would be compared (its arrays, bitwise)
         # a second time
         self._entries.move_to_end(stored)
