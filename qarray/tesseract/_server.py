@@ -37,7 +37,11 @@ from ._metrics import MetricsRoute
 from ._settings import Settings, SettingsError
 from ._shared_weights import SHARED_WEIGHTS_ENV, make_shared_folder
 from ._supervisor import APP, KEEP_ALIVE_S, stop_when_closed, supervise
-from ._workarounds import endpoints_off_event_loop, install_local_binref_files
+from ._workarounds import (
+    OneWriteHTTPProtocol,
+    endpoints_off_event_loop,
+    install_local_binref_files,
+)
 
 # set by main for its workers: a folder of one lock file per worker slot
 _WORKER_SLOTS = "QARRAY_SERVE_WORKER_SLOTS"
@@ -180,6 +184,7 @@ def serve(argv: list[str]) -> int | None:
         host=args.host,
         port=args.port,
         timeout_keep_alive=KEEP_ALIVE_S,
+        http=OneWriteHTTPProtocol,
     )
     return None
 

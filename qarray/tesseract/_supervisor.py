@@ -72,7 +72,11 @@ def supervise(host: str, port: int, workers: int, folders: tuple[Path, ...]) -> 
     from this process after ``preload`` (module doc); removes ``folders``
     (the workers' slots, the shared weights': a segment is memory while it
     exists) when it ends."""
-    from ._workarounds import fork_workers, install_nodelay_listener
+    from ._workarounds import (
+        OneWriteHTTPProtocol,
+        fork_workers,
+        install_nodelay_listener,
+    )
 
     install_nodelay_listener()
     preload()
@@ -88,6 +92,7 @@ def supervise(host: str, port: int, workers: int, folders: tuple[Path, ...]) -> 
             port=port,
             workers=workers,
             timeout_keep_alive=KEEP_ALIVE_S,
+            http=OneWriteHTTPProtocol,
         )
     finally:
         for folder in folders:

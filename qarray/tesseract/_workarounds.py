@@ -1,4 +1,4 @@
-"""Every tesseract-core workaround of qarray, in one place.
+"""Every tesseract-core (and uvicorn) workaround of qarray, in one place.
 
 Each names the behaviour it works around and the tesseract-core version it
 was checked against; ``tests/tesseract/test_workarounds.py`` has a test per
@@ -62,6 +62,20 @@ Checked against tesseract-core 1.15.0.
    response's encoding (docs/performance-notes.md).
    ``install_local_binref_files`` gives ``array_encoding`` versions that use
    ``os`` for plain local paths and upstream's for URLs and fsspec chains.
+7. **A response's headers and body in two writes** (uvicorn 0.54, h11 and
+   httptools alike). ``http.response.start`` writes the status line and
+   headers to the socket at once, ``http.response.body`` the body after it:
+   two ``send`` calls, and between them the event loop's thread gives up
+   the GIL (the first call is a system call) to the worker threads, for
+   up to a switch interval. A replica killed in that gap has sent a
+   response's headers and not its body: a balancer in front (nginx) has
+   passed the headers on and cannot replay the request on another replica,
+   and the client reads a short body (docs/deployment.md).
+   ``OneWriteHTTPProtocol`` is uvicorn's HTTP protocol (the one
+   ``http="auto"`` picks) whose transport gathers the writes of one
+   event-loop turn and sends them with one ``writelines`` (one
+   ``sendmsg``): a response that fits the socket's buffer leaves whole or
+   not at all.
 """
 
 from __future__ import annotations
@@ -74,6 +88,7 @@ from pathlib import Path
 
 from tesseract_core.runtime import array_encoding, schema_generation
 from tesseract_core.runtime import serve as _serve
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from ._guard import PARSED_BODY
 from ._json_body import parse_body
@@ -161,6 +176,67 @@ def install_local_binref_files() -> None:
     """Workaround 6 (module doc); idempotent."""
     array_encoding.get_filesize = local_filesize
     array_encoding.write_to_path = local_write
+
+
+class OneWriteTransport:
+    """``transport`` (an asyncio write transport) whose writes of one
+    event-loop turn go out together, as one ``writelines`` at the end of
+    the turn (workaround 7); ``close`` sends what is gathered first. Every
+    other attribute is the wrapped transport's."""
+
+    def __init__(self, transport):
+        import asyncio
+
+        self._transport = transport
+        self._loop = asyncio.get_running_loop()
+        self._gathered: list[bytes] = []
+
+    def write(self, data) -> None:
+        if not data:
+            return
+        if not self._gathered:
+            self._loop.call_soon(self.flush)
+        self._gathered.append(data)
+
+    def writelines(self, list_of_data) -> None:
+        for data in list_of_data:
+            self.write(data)
+
+    def flush(self) -> None:
+        """Sends what this turn gathered: one write (asyncio's ``write``
+        keeps flow control for the common single piece), else one
+        ``writelines``."""
+        gathered, self._gathered = self._gathered, []
+        if not gathered or self._transport.is_closing():
+            return
+        if len(gathered) == 1:
+            self._transport.write(gathered[0])
+        else:
+            self._transport.writelines(gathered)
+
+    def get_write_buffer_size(self) -> int:
+        pending = sum(len(data) for data in self._gathered)
+        return self._transport.get_write_buffer_size() + pending
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._gathered.clear()
+        self._transport.abort()
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+
+class OneWriteHTTPProtocol(AutoHTTPProtocol):
+    """Workaround 7 (module doc): the HTTP protocol to give
+    ``uvicorn.run(http=...)``: uvicorn's own (``http="auto"``'s) over a
+    ``OneWriteTransport``."""
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(OneWriteTransport(transport))
 
 
 def install_gradient_path_check() -> None:

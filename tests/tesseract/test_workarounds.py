@@ -343,3 +343,111 @@ def test_local_binref_files_leave_urls_to_fsspec():
         assert f.read() == b"abcde"
     _workarounds.local_write(b"x", path)  # not appending: replaced
     assert _workarounds.local_filesize(path) == 1
+
+
+class _RecordingTransport:
+    """What uvicorn's HTTP protocol needs of a socket transport, keeping each
+    write (a ``writelines`` is one write: asyncio sends it with one
+    ``sendmsg``)."""
+
+    def __init__(self):
+        self.writes, self.closed = [], False
+        self.closed_by_server = None  # closed before the client left
+
+    def write(self, data):
+        assert not self.closed, "written after close"
+        self.writes.append(bytes(data))
+
+    def writelines(self, list_of_data):
+        self.write(b"".join(bytes(data) for data in list_of_data))
+
+    def get_extra_info(self, name, default=None):
+        addresses = {"peername": ("127.0.0.1", 50000), "sockname": ("127.0.0.1", 80)}
+        return addresses.get(name, default)
+
+    def is_closing(self):
+        return self.closed
+
+    def close(self):
+        self.closed = True
+
+    def get_write_buffer_size(self):
+        return 0
+
+    def pause_reading(self):
+        pass
+
+    def resume_reading(self):
+        pass
+
+
+async def _hello(scope, receive, send):
+    await receive()
+    headers = [(b"content-length", b"5"), (b"content-type", b"text/plain")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": b"hello"})
+
+
+def _serve_one_request(protocol_class, request: bytes) -> _RecordingTransport:
+    """``request`` through ``protocol_class`` over a recording transport,
+    until its response is written."""
+    import asyncio
+
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    async def run():
+        config = Config(app=_hello, lifespan="off", access_log=False)
+        config.load()
+        protocol = protocol_class(
+            config=config, server_state=ServerState(), app_state={}
+        )
+        transport = _RecordingTransport()
+        protocol.connection_made(transport)
+        protocol.data_received(request)
+        for _ in range(100):
+            await asyncio.sleep(0)
+            if any(w.endswith(b"hello") for w in transport.writes):
+                break
+        await asyncio.sleep(0)  # a turn past the body: nothing more comes
+        transport.closed_by_server = transport.closed
+        protocol.connection_lost(None)
+        return transport
+
+    return asyncio.run(run())
+
+
+REQUEST = b"GET / HTTP/1.1\r\nHost: qarray\r\n\r\n"
+
+
+def test_upstream_writes_a_responses_headers_and_body_apart():
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    writes = [w for w in _serve_one_request(AutoHTTPProtocol, REQUEST).writes if w]
+    assert len(writes) == 2, writes
+    assert writes[0].startswith(b"HTTP/1.1 200") and writes[0].endswith(b"\r\n\r\n")
+    assert writes[1] == b"hello"
+
+
+def test_one_write_protocol_sends_a_response_in_one_write():
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    upstream = _serve_one_request(AutoHTTPProtocol, REQUEST).writes
+    ours = _serve_one_request(_workarounds.OneWriteHTTPProtocol, REQUEST)
+    assert len(ours.writes) == 1, ours.writes
+    assert _without_date(ours.writes[0]) == _without_date(b"".join(upstream))
+    assert not ours.closed_by_server  # kept alive
+
+
+def test_one_write_protocol_sends_before_it_closes():
+    closing = REQUEST.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n")
+    ours = _serve_one_request(_workarounds.OneWriteHTTPProtocol, closing)
+    assert ours.closed_by_server
+    assert len(ours.writes) == 1 and ours.writes[0].endswith(b"hello"), ours.writes
+    assert b"connection: close" in ours.writes[0].lower()
+
+
+def _without_date(response: bytes) -> bytes:
+    """The response without its ``date`` header (seconds apart)."""
+    lines = response.split(b"\r\n")
+    return b"\r\n".join(line for line in lines if not line.lower().startswith(b"date:"))
