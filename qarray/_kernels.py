@@ -126,6 +126,10 @@ KERNEL_SHORT_K = 2048
 # --strategies, the 4096 x 4096 kn rows)
 KN_LARGE_WEIGHTS = 2**21
 KN_LARGE_MAX_ROWS = 8
+# AVX-512's tiles (16 channels a vector) keep the GEMM ahead of split_int8 at
+# every row count to KERNEL_MAX_ROWS there, packing included (the backward
+# of linear_q layers under load: docs/kernels.md, "kn past 8 rows on AVX-512")
+KN_LARGE_UNCAPPED = ("avx512",)
 # AMX's GEMM, on the weights' own rows (layout nk), stays ahead of split_int8
 # weight-only at every row count measured: no KERNEL_MAX_ROWS there (make
 # bench, suite kernels --strategies, on AMX; docs/kernels.md)
@@ -142,7 +146,8 @@ def kernel_wins(m: int, k: int, n: int, activations: str, layout: str) -> bool:
         too_many = False
     if activations == "int8" and k <= KERNEL_SHORT_K:
         too_many = False
-    if layout == "kn" and activations == "float32" and k * n > KN_LARGE_WEIGHTS:
+    large_kn = layout == "kn" and activations == "float32" and k * n > KN_LARGE_WEIGHTS
+    if large_kn and _ffi.isa() not in KN_LARGE_UNCAPPED:
         too_many = m > KN_LARGE_MAX_ROWS
     return int8_rows >= _ffi.gemm_rows() and not too_many
 

@@ -137,7 +137,9 @@ def test_choose_strategy(m, kn, activations, platform, expected):
         (128, "nk", "int8", "cpu", "kernel"),
         (129, "nk", "int8", "cpu", "int8_dot"),
         (8, "kn", "float32", "cpu", "kernel"),
-        (16, "kn", "float32", "cpu", "split_int8"),  # 4096 x 4096: packing costs
+        (16, "kn", "float32", "cpu", "kernel"),  # AVX-512: ahead, packing and all
+        (64, "kn", "float32", "cpu", "kernel"),
+        (65, "kn", "float32", "cpu", "split_int8"),
         (1, "kn", "float32", "cpu", "kernel"),
         (1, "kn", "int8", "cpu", "kernel"),
         (3, "kn", "float32", "cpu", "kernel"),  # 9 int8 rows: integer products
@@ -174,6 +176,17 @@ def test_amx_takes_weight_only_nk_products_at_every_row_count(m, monkeypatch):
         assert _kernels.choose_strategy(m, 4096, 4096, "int8", "cpu", "nk", True) == (
             "int8_dot"
         )
+
+
+@pytest.mark.parametrize("isa", ["amx", "avxvnni", "avx2", "i8mm"])
+def test_large_kn_weight_only_keeps_split_int8_past_8_rows_elsewhere(isa, monkeypatch):
+    """Where the per-call packing of large kn weights costs the GEMM its
+    lead (measured on AVX-512 only as ahead: there it keeps the kernel)."""
+    monkeypatch.setattr(_ffi, "isa", lambda: isa)
+    choose = _kernels.choose_strategy
+    assert choose(8, 4096, 4096, "float32", "cpu", "kn", True) == "kernel"
+    assert choose(16, 4096, 4096, "float32", "cpu", "kn", True) == "split_int8"
+    assert choose(16, 1024, 1024, "float32", "cpu", "kn", True) == "kernel"
 
 
 def test_w8a8_with_a_short_k_takes_the_gemm_at_every_row_count():
