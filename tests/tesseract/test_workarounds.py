@@ -382,9 +382,14 @@ class _RecordingTransport:
 
 
 async def _hello(scope, receive, send):
+    import asyncio
+
     await receive()
     headers = [(b"content-length", b"5"), (b"content-type", b"text/plain")]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
+    if scope["path"] == "/streamed":  # the body a turn later
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
     await send({"type": "http.response.body", "body": b"hello"})
 
 
@@ -445,6 +450,13 @@ def test_one_write_protocol_sends_before_it_closes():
     assert ours.closed_by_server
     assert len(ours.writes) == 1 and ours.writes[0].endswith(b"hello"), ours.writes
     assert b"connection: close" in ours.writes[0].lower()
+
+
+def test_one_write_protocol_sends_headers_alone_when_the_body_comes_later():
+    streamed = REQUEST.replace(b"GET / ", b"GET /streamed ")
+    ours = _serve_one_request(_workarounds.OneWriteHTTPProtocol, streamed)
+    assert len(ours.writes) == 2, ours.writes
+    assert ours.writes[0].endswith(b"\r\n\r\n") and ours.writes[1] == b"hello"
 
 
 def _without_date(response: bytes) -> bytes:
