@@ -82,6 +82,7 @@ Checked against tesseract-core 1.15.0.
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import os
 import socket
@@ -188,8 +189,6 @@ class OneWriteTransport:
     holds first. Every other attribute is the wrapped transport's."""
 
     def __init__(self, transport):
-        import asyncio
-
         self._transport = transport
         self._loop = asyncio.get_running_loop()
         self._held = None

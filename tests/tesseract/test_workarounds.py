@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from tesseract_core.runtime import schema_generation
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from qarray.tesseract import _workarounds
 from support import network as net
@@ -426,8 +427,6 @@ REQUEST = b"GET / HTTP/1.1\r\nHost: qarray\r\n\r\n"
 
 
 def test_upstream_writes_a_responses_headers_and_body_apart():
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
-
     writes = [w for w in _serve_one_request(AutoHTTPProtocol, REQUEST).writes if w]
     assert len(writes) == 2, writes
     assert writes[0].startswith(b"HTTP/1.1 200") and writes[0].endswith(b"\r\n\r\n")
@@ -435,8 +434,6 @@ def test_upstream_writes_a_responses_headers_and_body_apart():
 
 
 def test_one_write_protocol_sends_a_response_in_one_write():
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
-
     upstream = _serve_one_request(AutoHTTPProtocol, REQUEST).writes
     ours = _serve_one_request(_workarounds.OneWriteHTTPProtocol, REQUEST)
     assert len(ours.writes) == 1, ours.writes
