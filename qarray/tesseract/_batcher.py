@@ -54,12 +54,20 @@ class Arrival:
         self.open = True
 
 
-# the longest a leader waits for requests the server is still reading or
-# validating (``Batcher.expect``): their rows join its batch rather than the
-# next, and the product of the bigger batch costs less a row (``make bench``,
-# suite load: the rows a call at 16 clients); a lone client is never expected
-# while a batch forms, so it never waits
+# the longest a leader waits for the next of the requests the server is
+# still reading or validating (``Batcher.expect``), or of the clients the last
+# batch answered: their rows join its batch rather than the next, and the
+# product of the bigger batch costs less a row (``make bench``, suite load:
+# the rows a call at 16 clients); a lone client is never expected while a
+# batch forms, so it never waits
 ARRIVING_WAIT_S = 0.005
+# the longest a batch forms while its requests keep arriving (each arrival
+# restarts the wait above): 16 clients coming back one after another take
+# longer than one ARRIVING_WAIT_S to be read and validated, and a batch that
+# stopped at the first gap computed two-thirds of them
+# (docs/performance-notes.md, ninth pass). Also how long after a batch its
+# clients count as returning: after an idle spell nobody waits for them
+FORMING_LIMIT_S = 0.02
 
 
 class Batcher:
@@ -71,7 +79,10 @@ class Batcher:
     ``max_running``: batches computing at once; ``context()``: a context
     manager every computation runs in (e.g. ``jax.set_mesh(mesh)``, which
     holds for the thread that sets it only); ``arriving_wait_s``: how long
-    a leader waits for requests still arriving (``expect``).
+    a leader waits for the next request still arriving (``expect``) or
+    returning (a client the last batch answered); ``forming_limit_s``: how
+    long a batch forms at most while they keep coming, and how long after a
+    batch its clients count as returning.
 
     Each waiting thread sleeps on its own job's event: a finished batch wakes
     the threads of its jobs and, when a compute slot is free, the thread of
@@ -87,10 +98,12 @@ class Batcher:
         max_running: int = 1,
         context: Callable[[], Any] = contextlib.nullcontext,
         arriving_wait_s: float = ARRIVING_WAIT_S,
+        forming_limit_s: float = FORMING_LIMIT_S,
     ):
         self.max_rows = max_rows
         self.wait_s = wait_ms / 1000
         self.arriving_wait_s = arriving_wait_s
+        self.forming_limit_s = forming_limit_s
         self.max_running = max_running
         self.context = context
         # the lock of the queue and the counts; a leader waiting out wait_ms
@@ -104,9 +117,11 @@ class Batcher:
         self._arriving = 0
         # requests the last batch answered whose next requests have not come
         # yet: under load their clients send again while the next batch
-        # forms, and a leader waits for them too (up to arriving_wait_s)
-        # rather than compute half the clients' rows, then the other half's
+        # forms, and a leader waits for them too rather than compute part of
+        # the clients' rows, then the rest; until _returning_until (the
+        # batch's end + forming_limit_s)
         self._returning = 0
+        self._returning_until = 0.0
         self._mine = threading.local()  # .arrival: the request this thread serves
         # merged calls so far, the jobs they answered, and merged calls that
         # failed and fell back to each job alone (tests, benchmarks)
@@ -210,8 +225,10 @@ class Batcher:
             for job, (result, error) in zip(batch, answers, strict=True):
                 job.result, job.error, job.done = result, error, True
                 job.wake.set()
-            if self._queue:  # under load: the answered may be back soon
-                self._returning = sum(job.key is not None for job in batch)
+            # their clients may be back soon (under load: whether or not
+            # others queued meanwhile; all of them fit the batch at 16)
+            self._returning = sum(job.key is not None for job in batch)
+            self._returning_until = time.monotonic() + self.forming_limit_s
             self._promote()
 
     def _promote(self) -> None:
@@ -231,20 +248,28 @@ class Batcher:
         """The next batch, out of the queue (lock held): after up to
         ``wait_ms``, or while requests are still arriving or the last
         batch's clients may be about to send again (up to
-        ``arriving_wait_s``), for more rows."""
+        ``arriving_wait_s`` for the next of them, ``forming_limit_s`` in
+        all), for more rows."""
         fixed = self.wait_s > 0
+        if self._returning and time.monotonic() > self._returning_until:
+            self._returning = 0  # an idle spell: they are not coming back
         if (fixed or self._arriving or self._returning) and (
             self._rows_like_head() < self.max_rows
         ):
             self._forming = True
             start = time.monotonic()
             deadline = start + (self.wait_s if fixed else self.arriving_wait_s)
+            limit = start + self.forming_limit_s
             try:
                 while self._rows_like_head() < self.max_rows:
                     left = deadline - time.monotonic()
                     if left <= 0 or not (fixed or self._arriving or self._returning):
                         break
-                    self._cond.wait(left)
+                    # woken: a job queued or an arrival settled; the next
+                    # may follow as closely
+                    if self._cond.wait(left) and not fixed:
+                        later = min(limit, time.monotonic() + self.arriving_wait_s)
+                        deadline = max(deadline, later)
             finally:
                 self._forming = False
         self._returning = 0  # those not back yet join the next batch

@@ -95,6 +95,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from ._guard import PARSED_BODY
 from ._json_body import parse_body
+from ._threads import WorkerThreads
 
 _UNPARSED = object()  # a scope the guard did not see (an app without it)
 
@@ -324,9 +325,8 @@ class ComputeRoutes:
         from fastapi.routing import APIRoute
 
         self.app = app
-        self.threads = threads
+        self.workers = WorkerThreads(threads)
         self.batcher = batcher
-        self._limiters = []  # made in the event loop, by the first request
         self.routes: dict[str, tuple] = {}  # path: (payload schema, endpoint)
         for route in list(app.router.routes):
             if not isinstance(route, APIRoute) or route.path not in COMPUTE_ROUTES:
@@ -348,19 +348,11 @@ class ComputeRoutes:
             app.router.routes.remove(route)
             app.add_api_route(route.path, handler, methods=sorted(route.methods))
 
-    def _limiter(self):
-        import anyio
-
-        if not self._limiters:
-            self._limiters.append(anyio.CapacityLimiter(self.threads))
-        return self._limiters[0]
-
     async def _respond(self, call, accept: str | None, run_id: str | None):
         """``call()``'s result as tesseract-core's response, both made on a
         worker thread (the run folder named as upstream names it)."""
         import uuid
 
-        import anyio
         from tesseract_core.runtime.config import get_config
 
         encoding = _serve.negotiate_encoding(accept)  # a 406 when it cannot
@@ -376,7 +368,7 @@ class ComputeRoutes:
                 call(), encoding, base_dir=output_path, binref_dir=rundir
             )
 
-        return await anyio.to_thread.run_sync(compute, limiter=self._limiter())
+        return await self.workers.run(compute)
 
     async def __call__(self, scope, receive, send):
         # the guard's parse of the body (every route: FastAPI's parse their own)

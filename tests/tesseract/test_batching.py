@@ -87,6 +87,14 @@ def _run_queued(batcher, jobs):
     return results
 
 
+def _wait_forming(batcher):
+    """Until a leader waits for more rows (``Batcher._take``)."""
+    deadline = time.monotonic() + 30
+    while not batcher._forming:
+        assert time.monotonic() < deadline, "no batch formed"
+        time.sleep(0.001)
+
+
 def _wait_queued(batcher, count):
     deadline = time.monotonic() + 30
     while len(batcher._queue) < count:
@@ -574,11 +582,12 @@ def test_an_arrival_that_never_queues_ends_the_wait():
 def test_a_leader_waits_for_the_clients_the_last_batch_answered():
     # under load the clients of the batch that just finished send again
     # while the next batch forms: its leader waits for them (up to
-    # arriving_wait_s, long before the 30 s here) instead of computing the
-    # rows queued so far, then theirs in a batch of their own (half batches
-    # in turn, each costing more a row)
-    batcher = Batcher(max_rows=8, max_running=1, arriving_wait_s=30)
-    jobs, calls = _jobs(batcher, 4)
+    # arriving_wait_s for each, long before the 30 s here) instead of
+    # computing the first one's rows, then the others' in a batch of their
+    # own. So with nothing queued when the batch ended: 16 clients all fit
+    # one batch, and come back one after another
+    batcher = Batcher(max_rows=8, max_running=1, arriving_wait_s=30, forming_limit_s=60)
+    jobs, calls = _jobs(batcher, 5)
     release, holder = _busy(batcher)
     first, _ = _run_all(batcher, jobs[:2])  # the batch that will finish
     _wait_queued(batcher, 2)
@@ -586,23 +595,55 @@ def test_a_leader_waits_for_the_clients_the_last_batch_answered():
     for t in [holder, *first]:
         t.join(30)
     assert calls == [("together", [0, 1])]
-    # a third client queued while a batch computed would lead alone once it
-    # ends; with that batch's client about to return it waits for it
-    release, started = threading.Event(), threading.Event()
-    busy = Job("k", 1, alone=lambda: started.set() or release.wait(30))
-    holder = threading.Thread(target=batcher.run, args=(busy,))
-    holder.start()
-    assert started.wait(30)
-    third, _ = _run_all(batcher, [jobs[2]])
-    _wait_queued(batcher, 1)
-    release.set()  # the batch ends with the third client queued
-    holder.join(30)
-    assert batcher._returning == 1  # the busy job's client (in-process)
-    back, _ = _run_all(batcher, [jobs[3]])
-    for t in [*third, *back]:
+    assert batcher._returning == 2 and not batcher._queue
+    # the first client back (in-process: it counts as one of them) leads and
+    # waits for the other
+    back, _ = _run_all(batcher, [jobs[2]])
+    _wait_forming(batcher)
+    assert batcher._returning == 1 and calls == [("together", [0, 1])]
+    other, _ = _run_all(batcher, [jobs[3]])
+    for t in [*back, *other]:
         t.join(30)
     assert calls[-1] == ("together", [2, 3])
-    assert batcher._returning == 0
+    assert batcher._returning == 2  # and the batch's clients are expected again
+
+
+def test_returning_clients_are_not_waited_for_after_an_idle_spell():
+    # a burst's clients that do not send again: a request after
+    # forming_limit_s does not wait for them (the wait would be 30 s here)
+    batcher = Batcher(
+        max_rows=8, max_running=1, arriving_wait_s=30, forming_limit_s=0.05
+    )
+    jobs, calls = _jobs(batcher, 3)
+    _run_queued(batcher, jobs[:2])
+    assert calls == [("together", [0, 1])] and batcher._returning == 2
+    time.sleep(0.2)
+    start = time.monotonic()
+    assert batcher.run(jobs[2]) == ("alone", 2)
+    assert time.monotonic() - start < 10
+    assert batcher._returning == 1  # its own client, from now on
+
+
+def test_arrivals_extend_a_forming_batch_up_to_the_limit():
+    # each arrival restarts the leader's wait for the next (arriving_wait_s),
+    # so clients coming back one after another all join one batch, even when
+    # that takes longer than one wait; past forming_limit_s it computes what
+    # came
+    batcher = Batcher(
+        max_rows=8, max_running=1, arriving_wait_s=1.0, forming_limit_s=30
+    )
+    jobs, calls = _jobs(batcher, 7)
+    _run_queued(batcher, jobs[:4])
+    assert calls == [("together", [0, 1, 2, 3])]
+    # three of the four come back 0.6 s apart: 1.2 s in all, more than one
+    # wait; the fourth never does
+    threads = []
+    for job in jobs[4:7]:
+        threads += _run_all(batcher, [job])[0]
+        time.sleep(0.6)
+    for t in threads:
+        t.join(30)
+    assert calls[1:] == [("together", [4, 5, 6])]
 
 
 def test_a_lone_client_never_waits_for_itself():
