@@ -4,13 +4,12 @@ into one call, each answer equal to the request's answer alone and to the
 NumPy network.
 
 Covers: qarray/tesseract/_batcher.py, qarray/tesseract/_row_merging.py,
-qarray/tesseract/_metrics.py"""
+qarray/tesseract/_metrics.py (how a batch forms: test_batch_forming.py)"""
 
 import importlib.util
 import os
 import sys
 import threading
-import time
 
 import equinox as eqx
 import jax
@@ -23,6 +22,13 @@ from qarray.tesseract import ModelTesseract
 from qarray.tesseract._batcher import Job
 from qarray.tesseract.internal import Batcher
 from support import network as net
+from support.batching import (
+    busy,
+    jobs_recording,
+    run_all,
+    run_queued,
+    wait_queued,
+)
 from support.server import ROOT, b64, decode, serve
 
 RTOL = ATOL = 2e-4
@@ -31,81 +37,10 @@ RTOL = ATOL = 2e-4
 # --- the batcher alone, with jobs whose answers say how they were computed
 
 
-def _jobs(batcher, count, key="k", rows=1):
-    calls = []
-
-    def job(i):
-        return Job(
-            key,
-            rows,
-            alone=lambda: calls.append(("alone", i)) or ("alone", i),
-            together=lambda jobs: (
-                calls.append(("together", [j.payload for j in jobs]))
-                or [("together", j.payload) for j in jobs]
-            ),
-            payload=i,
-        )
-
-    return [job(i) for i in range(count)], calls
-
-
-def _run_all(batcher, jobs):
-    results = [None] * len(jobs)
-
-    def go(i):
-        results[i] = batcher.run(jobs[i])
-
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(jobs))]
-    for t in threads:
-        t.start()
-    return threads, results
-
-
-def _busy(batcher):
-    """A computation holding the batcher's only slot until released."""
-    release, started = threading.Event(), threading.Event()
-
-    def hold():
-        started.set()
-        release.wait(30)
-
-    thread = threading.Thread(target=batcher.call, args=(hold,))
-    thread.start()
-    assert started.wait(30)
-    return release, thread
-
-
-def _run_queued(batcher, jobs):
-    """``jobs`` queued while the batcher's slot is held, then released:
-    their results, once every thread is done."""
-    release, holder = _busy(batcher)
-    threads, results = _run_all(batcher, jobs)
-    _wait_queued(batcher, len(jobs))
-    release.set()
-    for t in [holder, *threads]:
-        t.join(30)
-    return results
-
-
-def _wait_forming(batcher):
-    """Until a leader waits for more rows (``Batcher._take``)."""
-    deadline = time.monotonic() + 30
-    while not batcher._forming:
-        assert time.monotonic() < deadline, "no batch formed"
-        time.sleep(0.001)
-
-
-def _wait_queued(batcher, count):
-    deadline = time.monotonic() + 30
-    while len(batcher._queue) < count:
-        assert time.monotonic() < deadline, "jobs never queued"
-        time.sleep(0.001)
-
-
 def test_batcher_merges_what_queued_while_busy():
     batcher = Batcher(max_rows=3, max_running=1)
-    jobs, calls = _jobs(batcher, 5)
-    results = _run_queued(batcher, jobs)
+    jobs, calls = jobs_recording(batcher, 5)
+    results = run_queued(batcher, jobs)
     # in arrival order, at most max_rows rows a call: 3, then the other 2
     merged = [c[1] for c in calls if c[0] == "together"]
     assert sorted(map(sorted, merged)) == [[0, 1, 2], [3, 4]] or sorted(
@@ -117,11 +52,11 @@ def test_batcher_merges_what_queued_while_busy():
 
 def test_batcher_keeps_keys_apart_and_never_merges_none():
     batcher = Batcher(max_rows=8, max_running=1)
-    a, _ = _jobs(batcher, 2, key="a")
-    b, _ = _jobs(batcher, 2, key="b")
-    lone, _ = _jobs(batcher, 2, key=None)
+    a, _ = jobs_recording(batcher, 2, key="a")
+    b, _ = jobs_recording(batcher, 2, key="b")
+    lone, _ = jobs_recording(batcher, 2, key=None)
     jobs = [a[0], b[0], lone[0], a[1], b[1], lone[1]]
-    results = _run_queued(batcher, jobs)
+    results = run_queued(batcher, jobs)
     assert [r[0] for r in results] == [
         "together", "together", "alone", "together", "together", "alone",
     ]  # fmt: skip
@@ -130,7 +65,7 @@ def test_batcher_keeps_keys_apart_and_never_merges_none():
 
 def test_batcher_lone_job_computes_alone_without_waiting():
     batcher = Batcher(max_rows=64, wait_ms=0)
-    jobs, calls = _jobs(batcher, 1)
+    jobs, calls = jobs_recording(batcher, 1)
     assert batcher.run(jobs[0]) == ("alone", 0)
     assert calls == [("alone", 0)]
 
@@ -138,17 +73,17 @@ def test_batcher_lone_job_computes_alone_without_waiting():
 def test_batcher_waits_for_more_rows_then_goes():
     # a leader waits up to wait_ms for rows: a job that comes within it joins
     batcher = Batcher(max_rows=4, wait_ms=1000)
-    jobs, calls = _jobs(batcher, 2)
-    threads, _ = _run_all(batcher, jobs[:1])
-    _wait_queued(batcher, 1)
-    threads += _run_all(batcher, jobs[1:])[0]
+    jobs, calls = jobs_recording(batcher, 2)
+    threads, _ = run_all(batcher, jobs[:1])
+    wait_queued(batcher, 1)
+    threads += run_all(batcher, jobs[1:])[0]
     for t in threads:
         t.join(30)
     assert [c[0] for c in calls] == ["together"]
     # and stops waiting once max_rows rows are there (a 60 s wait would hang)
     batcher = Batcher(max_rows=2, wait_ms=60_000)
-    jobs, calls = _jobs(batcher, 2)
-    threads, _ = _run_all(batcher, jobs)
+    jobs, calls = jobs_recording(batcher, 2)
+    threads, _ = run_all(batcher, jobs)
     for t in threads:
         t.join(30)
     assert not any(t.is_alive() for t in threads)
@@ -157,7 +92,7 @@ def test_batcher_waits_for_more_rows_then_goes():
 
 def test_batcher_failed_merge_answers_each_alone_with_its_own_error():
     batcher = Batcher(max_rows=8, max_running=1)
-    release, holder = _busy(batcher)
+    release, holder = busy(batcher)
 
     def alone(i):
         if i == 1:
@@ -179,7 +114,7 @@ def test_batcher_failed_merge_answers_each_alone_with_its_own_error():
     threads = [threading.Thread(target=go, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
-    _wait_queued(batcher, 3)
+    wait_queued(batcher, 3)
     release.set()
     for t in [holder, *threads]:
         t.join(30)
@@ -226,7 +161,7 @@ def _merged(batcher, calls):
     """Each call's answer, the calls queued together behind a busy batcher
     so that they merge; asserts they merged into one batch."""
     before = batcher.batches
-    release, holder = _busy(batcher)
+    release, holder = busy(batcher)
     results, errors = [None] * len(calls), []
 
     def go(i):
@@ -238,7 +173,7 @@ def _merged(batcher, calls):
     threads = [threading.Thread(target=go, args=(i,)) for i in range(len(calls))]
     for t in threads:
         t.start()
-    _wait_queued(batcher, len(calls))
+    wait_queued(batcher, len(calls))
     release.set()
     for t in [holder, *threads]:
         t.join(60)
@@ -324,14 +259,14 @@ def test_requests_that_cannot_merge_compute_alone(resident, rng):
         lambda: api.apply(api.InputSchema(x=x, layers=layers)),  # its own weights
     ]
     before = api.RUNTIME.batcher.batches
-    release, holder = _busy(api.RUNTIME.batcher)
+    release, holder = busy(api.RUNTIME.batcher)
     threads, results = [], [None] * 3
     for i, call in enumerate(calls):
         threads.append(
             threading.Thread(target=lambda i=i, c=call: results.__setitem__(i, c()))
         )
         threads[-1].start()
-    _wait_queued(api.RUNTIME.batcher, 3)
+    wait_queued(api.RUNTIME.batcher, 3)
     release.set()
     for t in [holder, *threads]:
         t.join(60)
@@ -440,7 +375,7 @@ def test_batcher_wakes_only_the_answered_threads_and_the_next_leader():
     # every waiting thread sleeps on its own job's event: a finished batch
     # sets the events of its jobs and of the next leader, no other
     batcher = Batcher(max_rows=2, max_running=1)
-    jobs, _ = _jobs(batcher, 6)
+    jobs, _ = jobs_recording(batcher, 6)
     sets = []
     for job in jobs:  # count the wake-ups each job's thread gets
         original = job.wake.set
@@ -448,7 +383,7 @@ def test_batcher_wakes_only_the_answered_threads_and_the_next_leader():
             sets.append(job.payload),
             original(),
         )
-    results = _run_queued(batcher, jobs)
+    results = run_queued(batcher, jobs)
     assert sorted(results) == [("together", i) for i in range(6)]
     assert batcher.batches == 3
     # 6 answers and at most one promotion per batch (a notify_all would have
@@ -461,7 +396,7 @@ def test_a_batch_starts_while_the_previous_ones_answers_are_handed_back():
     # threads of that batch go on with their responses: a thread that takes
     # its time after its answer (encoding a response) delays no batch
     batcher = Batcher(max_rows=1, max_running=1)
-    release, holder = _busy(batcher)
+    release, holder = busy(batcher)
     second_started = threading.Event()
     encoding_done = threading.Event()
 
@@ -486,10 +421,10 @@ def test_a_batch_starts_while_the_previous_ones_answers_are_handed_back():
 
     threads = [threading.Thread(target=client_first)]
     threads[0].start()
-    _wait_queued(batcher, 1)
+    wait_queued(batcher, 1)
     threads.append(threading.Thread(target=client_second))
     threads[1].start()
-    _wait_queued(batcher, 2)
+    wait_queued(batcher, 2)
     release.set()
     for t in [holder, *threads]:
         t.join(30)
@@ -513,8 +448,8 @@ def test_metrics_report_rows_per_computed_call():
     from qarray.tesseract._metrics import parse, render
 
     batcher = Batcher(max_rows=3, max_running=1)
-    jobs, _ = _jobs(batcher, 5)
-    _run_queued(batcher, jobs)
+    jobs, _ = jobs_recording(batcher, 5)
+    run_queued(batcher, jobs)
     seen = parse(render(batcher, "available (test)"))
     # the holder alone (1 row), then 3 rows and 2 rows merged
     assert seen["calls"] == 3 and seen["rows_total"] == 6
@@ -537,127 +472,6 @@ def test_served_metrics_count_a_merged_batch(resident, tmp_path, rng):
         after = parse(requests.get(f"{url}/metrics", timeout=30).text)
         assert after["calls"] >= 1 and after["rows_total"] >= 3
         assert requests.post(f"{url}/metrics", timeout=30).status_code == 405
-
-
-def test_a_leader_waits_for_a_request_still_arriving():
-    # a request read by the server but not yet queued (expect): the leader's
-    # batch takes it instead of leaving it for the next (it stops waiting
-    # when the request queues, long before the 30 s)
-    batcher = Batcher(max_rows=8, max_running=1, arriving_wait_s=30)
-    jobs, calls = _jobs(batcher, 2)
-    arrival = batcher.expect()
-    first = threading.Thread(target=batcher.run, args=(jobs[0],))
-    first.start()
-    time.sleep(0.001)  # the leader is waiting for the arrival
-
-    def second():
-        with batcher.arriving(arrival):
-            batcher.run(jobs[1])
-
-    other = threading.Thread(target=second)
-    other.start()
-    for t in (first, other):
-        t.join(30)
-    assert calls == [("together", [0, 1])]
-    assert batcher._arriving == 0
-
-
-def test_an_arrival_that_never_queues_ends_the_wait():
-    batcher = Batcher(max_rows=8, max_running=1, arriving_wait_s=30)
-    arrival = batcher.expect()
-    batcher.settle(arrival)  # refused before its endpoint ran, say
-    batcher.settle(arrival)  # idempotent
-    assert batcher._arriving == 0
-    jobs, _ = _jobs(batcher, 1)
-    start = time.monotonic()
-    assert batcher.run(jobs[0]) == ("alone", 0)
-    assert time.monotonic() - start < 10  # no wait for it: not 30 s
-    # and one whose endpoint fails before any job: the block settles it
-    arrival = batcher.expect()
-    with pytest.raises(ValueError), batcher.arriving(arrival):
-        raise ValueError("a 422 before the batcher")
-    assert batcher._arriving == 0 and not arrival.open
-
-
-def test_a_leader_waits_for_the_clients_the_last_batch_answered():
-    # under load the clients of the batch that just finished send again
-    # while the next batch forms: its leader waits for them (up to
-    # arriving_wait_s for each, long before the 30 s here) instead of
-    # computing the first one's rows, then the others' in a batch of their
-    # own. So with nothing queued when the batch ended: 16 clients all fit
-    # one batch, and come back one after another
-    batcher = Batcher(max_rows=8, max_running=1, arriving_wait_s=30, forming_limit_s=60)
-    jobs, calls = _jobs(batcher, 5)
-    release, holder = _busy(batcher)
-    first, _ = _run_all(batcher, jobs[:2])  # the batch that will finish
-    _wait_queued(batcher, 2)
-    release.set()
-    for t in [holder, *first]:
-        t.join(30)
-    assert calls == [("together", [0, 1])]
-    assert batcher._returning == 2 and not batcher._queue
-    # the first client back (in-process: it counts as one of them) leads and
-    # waits for the other
-    back, _ = _run_all(batcher, [jobs[2]])
-    _wait_forming(batcher)
-    assert batcher._returning == 1 and calls == [("together", [0, 1])]
-    other, _ = _run_all(batcher, [jobs[3]])
-    for t in [*back, *other]:
-        t.join(30)
-    assert calls[-1] == ("together", [2, 3])
-    assert batcher._returning == 2  # and the batch's clients are expected again
-
-
-def test_returning_clients_are_not_waited_for_after_an_idle_spell():
-    # a burst's clients that do not send again: a request after
-    # forming_limit_s does not wait for them (the wait would be 30 s here)
-    batcher = Batcher(
-        max_rows=8, max_running=1, arriving_wait_s=30, forming_limit_s=0.05
-    )
-    jobs, calls = _jobs(batcher, 3)
-    _run_queued(batcher, jobs[:2])
-    assert calls == [("together", [0, 1])] and batcher._returning == 2
-    time.sleep(0.2)
-    start = time.monotonic()
-    assert batcher.run(jobs[2]) == ("alone", 2)
-    assert time.monotonic() - start < 10
-    assert batcher._returning == 1  # its own client, from now on
-
-
-def test_arrivals_extend_a_forming_batch_up_to_the_limit():
-    # each arrival restarts the leader's wait for the next (arriving_wait_s),
-    # so clients coming back one after another all join one batch, even when
-    # that takes longer than one wait; past forming_limit_s it computes what
-    # came
-    batcher = Batcher(
-        max_rows=8, max_running=1, arriving_wait_s=1.0, forming_limit_s=30
-    )
-    jobs, calls = _jobs(batcher, 7)
-    _run_queued(batcher, jobs[:4])
-    assert calls == [("together", [0, 1, 2, 3])]
-    # three of the four come back 0.6 s apart: 1.2 s in all, more than one
-    # wait; the fourth never does
-    threads = []
-    for job in jobs[4:7]:
-        threads += _run_all(batcher, [job])[0]
-        time.sleep(0.6)
-    for t in threads:
-        t.join(30)
-    assert calls[1:] == [("together", [4, 5, 6])]
-
-
-def test_a_lone_client_never_waits_for_itself():
-    # one client: its next request is the one the last batch answered, and
-    # it leads at once (the wait would be 30 s here)
-    batcher = Batcher(max_rows=8, max_running=1, arriving_wait_s=30)
-    jobs, calls = _jobs(batcher, 3)
-    start = time.monotonic()
-    for job in jobs:
-        arrival = batcher.expect()
-        with batcher.arriving(arrival):
-            batcher.run(job)
-    assert calls == [("alone", 0), ("alone", 1), ("alone", 2)]
-    assert time.monotonic() - start < 10
 
 
 def test_rows_the_former_name_of_merged_rows_still_imports_and_warns():
