@@ -1,10 +1,10 @@
 """Dynamic batching (qarray.tesseract._batcher and _row_merging): the
 batcher's scheduling, and concurrent requests on a resident model merged
 into one call, each answer equal to the request's answer alone and to the
-NumPy network.
+NumPy network. How a batch forms: test_batch_forming.py.
 
 Covers: qarray/tesseract/_batcher.py, qarray/tesseract/_row_merging.py,
-qarray/tesseract/_metrics.py (how a batch forms: test_batch_forming.py)"""
+qarray/tesseract/_metrics.py"""
 
 import importlib.util
 import os
