@@ -50,3 +50,14 @@ def test_every_subpackage_is_installed():
         for init in (ROOT / "qarray").rglob("__init__.py")
     }
     assert found == listed, f"pyproject packages {sorted(listed)} vs {sorted(found)}"
+
+
+def test_the_server_parses_http_with_httptools():
+    """httptools is a dependency for speed alone (uvicorn falls back to h11
+    without a word): the protocol qarray-serve runs must be uvicorn's
+    httptools one."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from qarray.tesseract._workarounds import OneWriteHTTPProtocol
+
+    assert issubclass(OneWriteHTTPProtocol, HttpToolsProtocol)

@@ -25,6 +25,35 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+class Wake:
+    """A wake-up for the one thread that waits on it: ``threading.Event``'s
+    ``set``, ``wait`` and ``clear``, on a bare lock held while unset. An
+    Event is a Condition, which makes, queues and notifies a lock for every
+    wait: a part of each answer's hand-back under load. ``set`` and
+    ``clear`` run under the batcher's lock; ``wait`` and ``clear`` on the
+    waiting thread alone."""
+
+    def __init__(self):
+        self._unset = threading.Lock()
+        self._unset.acquire()
+        self._is_set = False
+
+    def set(self) -> None:
+        if not self._is_set:
+            self._is_set = True
+            self._unset.release()
+
+    def wait(self) -> None:
+        """Until ``set`` (at once when it was); it stays set."""
+        self._unset.acquire()
+        self._unset.release()
+
+    def clear(self) -> None:
+        if self._is_set:
+            self._unset.acquire()  # free since set: does not block
+            self._is_set = False
+
+
 @dataclass(eq=False)
 class Job:
     """One request's work: ``alone()`` computes its answer by itself;
@@ -41,7 +70,7 @@ class Job:
     error: BaseException | None = field(default=None, init=False)
     # set (under the batcher's lock) when the job is done or its thread is
     # to lead the next batch: a wake-up for this thread alone
-    wake: threading.Event = field(default_factory=threading.Event, init=False)
+    wake: Wake = field(default_factory=Wake, init=False)
     leads: bool = field(default=False, init=False)
 
 

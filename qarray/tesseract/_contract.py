@@ -43,7 +43,7 @@ class NetworkRequest(BaseModel):
     @classmethod
     def _check_resident_fit(cls, x: tuple[int, ...]) -> None:
         try:
-            cls._check_size(network_shape(x, cls.runtime.resident_shapes))
+            cls._check_size(cls.runtime.resident_network_shape(x))
         except ValueError as error:
             raise ValueError(
                 f"x does not fit the resident model ({cls.runtime.settings.model}): "
@@ -129,6 +129,8 @@ class NetworkRequest(BaseModel):
         ]
 
     def network_shape(self) -> NetworkShape:
+        if self.layers is None and self.lora is None:
+            return self.runtime.resident_network_shape(tuple(self.x.shape))
         adapters = None
         if self.lora is not None:
             adapters = [

@@ -78,6 +78,7 @@ class MergedRows:
         self.fn = fn
         self.row_fields = frozenset(row_fields)
         self.constants = constants
+        self._names: dict[tuple, tuple] = {}  # _leaf_names'
 
     def run(self, job: Job) -> Any:
         return self.batcher.run(job)
@@ -100,13 +101,8 @@ class MergedRows:
         if inputs is None or self.batcher.max_rows == 1:
             return Job(None, 1, alone)
         arrays, static = split_request(inputs)
-        names = [
-            _path_name(p)
-            for p, leaf in jax.tree_util.tree_flatten_with_path(inputs)[0]
-            if is_array(leaf)
-        ]
+        names, row_leaf = self._leaf_names(inputs, static)
         leaves = [np.asarray(a) for a in arrays if a is not None]
-        row_leaf = tuple(name.split(".")[0] in self.row_fields for name in names)
         rows = {a.shape[:1] for a, r in zip(leaves, row_leaf, strict=True) if r}
         where = {name: j for j, name in enumerate(names)}
         if len(rows) != 1 or rows == {()} or not set(paths) <= set(where):
@@ -146,6 +142,23 @@ class MergedRows:
         )
         request = _Request(leaves, tuple(ordered), n)
         return Job(key, n, alone, self._together, payload=request)
+
+    def _leaf_names(self, inputs: dict, static: tuple) -> tuple[tuple, tuple]:
+        """The array leaves' paths (``lora.[0].a``) and whether each is a
+        row field, found once per request structure (``static``): a second
+        walk of every request's tree cost as much as the rest of the job."""
+        found = self._names.get(static)
+        if found is None:
+            names = tuple(
+                _path_name(p)
+                for p, leaf in jax.tree_util.tree_flatten_with_path(inputs)[0]
+                if is_array(leaf)
+            )
+            row_leaf = tuple(n.split(".")[0] in self.row_fields for n in names)
+            if len(self._names) >= _STRUCTURES_KEPT:  # clients choose them
+                self._names.clear()
+            found = self._names[static] = (names, row_leaf)
+        return found
 
     def _together(self, jobs: list[Job]) -> list:
         plan = jobs[0].key[0]
@@ -190,6 +203,10 @@ class MergedRows:
             else:
                 answers.append(jax.tree.map(lambda a, lo=lo, hi=hi: a[lo:hi], out))
         return answers
+
+
+# request structures whose leaf names are kept (``MergedRows._leaf_names``)
+_STRUCTURES_KEPT = 64
 
 
 def _bucket(n: int) -> int:

@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from ..network import LayerShapes, Network, linear_shapes
+from ..network import LayerShapes, Network, NetworkShape, linear_shapes, network_shape
 from ._batcher import Batcher
 from ._cache import ResidualCache
 from ._limits import Limits
@@ -40,6 +40,20 @@ class Runtime:
         read once: the resident model never changes, and reading an equinox
         module's fields costs more than a small request's product."""
         return tuple(linear_shapes(layer) for layer in self.resident.layers)
+
+    def resident_network_shape(self, x: tuple[int, ...]) -> NetworkShape:
+        """``network_shape(x, resident_shapes)``, found once per shape of x
+        (every request on the resident model checks it, twice: a visible
+        part of a one-row apply's Python under load); a ValueError as
+        ``network_shape`` raises it."""
+        return self._resident_network_shapes(x)
+
+    @functools.cached_property
+    def _resident_network_shapes(self) -> Callable[[tuple[int, ...]], NetworkShape]:
+        # bounded: the shapes of x a client sends are its own choice
+        return functools.lru_cache(maxsize=256)(
+            lambda x: network_shape(x, self.resident_shapes)
+        )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Runtime:

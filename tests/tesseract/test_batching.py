@@ -19,7 +19,7 @@ import requests
 
 from qarray.checkpoint import save_model, save_tree
 from qarray.tesseract import ModelTesseract
-from qarray.tesseract._batcher import Job
+from qarray.tesseract._batcher import Job, Wake
 from qarray.tesseract.internal import Batcher
 from support import network as net
 from support.batching import (
@@ -120,6 +120,59 @@ def test_batcher_failed_merge_answers_each_alone_with_its_own_error():
         t.join(30)
     assert errors == {0: 0, 1: "request 1 is bad", 2: 2}
     assert batcher.fallbacks == 1 and batcher.batches == 0
+
+
+def test_wake_wakes_its_waiter_once_set_and_stays_set_until_cleared():
+    wake = Wake()
+    woke = threading.Event()
+    waiter = threading.Thread(target=lambda: (wake.wait(), woke.set()))
+    waiter.start()
+    assert not woke.wait(0.2)  # unset: the waiter sleeps
+    wake.set()
+    wake.set()  # a second set (answered, then chosen to lead) is one wake-up
+    waiter.join(10)
+    assert woke.is_set()
+    wake.wait()  # still set: returns at once
+    wake.clear()
+    wake.clear()
+    again = threading.Thread(target=wake.wait)
+    again.start()
+    again.join(0.2)
+    assert again.is_alive()  # cleared: waits for the next set
+    wake.set()
+    again.join(10)
+    assert not again.is_alive()
+
+
+def test_leaf_names_are_found_once_per_request_structure(monkeypatch):
+    """MergedRows reads which leaves are rows once per request structure
+    (the paths of a request with adapters differ from one without), and
+    keeps a bounded number of structures."""
+    from qarray.tesseract import _row_merging
+
+    walks = []
+    upstream = jax.tree_util.tree_flatten_with_path
+    monkeypatch.setattr(
+        jax.tree_util,
+        "tree_flatten_with_path",
+        lambda tree: (walks.append(1), upstream(tree))[1],
+    )
+    merged = _row_merging.MergedRows(Batcher(max_rows=8), None, ["x"], tuple)
+    x = np.ones((2, 3), np.float32)
+    adapter = {"a": np.ones((1, 3), np.float32), "b": np.ones((4, 1), np.float32)}
+    plain = {"x": x, "lora": None, "flag": False}
+    with_lora = {"x": x, "lora": [adapter, None], "flag": False}
+    for request in (plain, with_lora, plain, with_lora):
+        job = merged.job("apply", request, lambda: None)
+        assert job.rows == 2
+    assert len(walks) == 2
+    plan = job.key[0]
+    assert plan.row_leaf == (False, False, True)  # lora.[0].a, lora.[0].b, x
+    assert len(job.payload.arrays) == 3
+    monkeypatch.setattr(_row_merging, "_STRUCTURES_KEPT", 2)
+    for flag in range(5):  # each a structure of its own (a static leaf)
+        merged.job("apply", {**plain, "flag": flag}, lambda: None)
+        assert len(merged._names) <= 2
 
 
 # --- the resident network: merged requests against alone and NumPy

@@ -171,6 +171,34 @@ def test_resident_arrays_are_int8_and_scales_only(model):
     np.testing.assert_allclose(resident.layers[0].scale, scale, rtol=1.2e-7)
 
 
+def test_resident_network_shape_is_found_once_per_shape_of_x(model, monkeypatch):
+    """Every request on the resident model checks x against it: the shapes
+    are found once per shape of x, equal to network_shape's, and a shape
+    that does not fit is refused every time."""
+    from qarray.network import _shapes
+    from qarray.tesseract import Runtime, Settings, _runtime
+
+    path, _ = model
+    runtime = Runtime.from_settings(Settings.from_env({"QARRAY_MODEL": str(path)}))
+    calls = []
+
+    def counted(x, layers, adapters=None):
+        calls.append(x)
+        return _shapes.network_shape(x, layers, adapters)
+
+    monkeypatch.setattr(_runtime, "network_shape", counted)
+    first = runtime.resident_network_shape((2, 6))
+    assert runtime.resident_network_shape((2, 6)) is first
+    assert first == _shapes.network_shape((2, 6), runtime.resident_shapes)
+    assert first.y == (2, 3)
+    assert runtime.resident_network_shape((4, 1, 6)).y == (4, 1, 3)
+    assert calls == [(2, 6), (4, 1, 6)]
+    for _ in range(2):
+        with pytest.raises(ValueError, match="K = 6"):
+            runtime.resident_network_shape((2, 5))
+    assert calls[2:] == [(2, 5), (2, 5)]
+
+
 # --- the loader's errors name the tensor at fault
 
 
