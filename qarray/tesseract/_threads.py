@@ -5,11 +5,15 @@
 ``IDLE_S`` without work); calls beyond ``size`` wait their turn in order.
 It does what ``anyio.to_thread.run_sync`` with a ``CapacityLimiter`` did for
 ``ComputeRoutes`` with less of Python's machinery a call: one C queue
-(``queue.SimpleQueue``) to the threads and one ``call_soon_threadsafe``
-back, where anyio took a capacity limiter, a ``queue.Queue`` (a Python
-``Condition``) and an event per call. Under load every request makes this
-round trip, on the same cores as its computation (``python -m
-benchmarks.bench_handoff``; docs/performance-notes.md, ninth pass).
+(``queue.SimpleQueue``) to the threads and at most one
+``call_soon_threadsafe`` back, where anyio took a capacity limiter, a
+``queue.Queue`` (a Python ``Condition``) and an event per call. Under load
+every request makes this round trip, on the same cores as its computation
+(``python -m benchmarks.bench_handoff``; docs/performance-notes.md, ninth
+pass). Answers that come while the loop has not yet taken the previous ones
+go with them: one wake-up of the loop for a batch's sixteen answers, not
+sixteen (each a write to its self-pipe and a turn of the loop, between
+threads taking the GIL in turn; tenth pass).
 
 ``fn`` runs in a copy of the caller's ``contextvars`` context, as anyio ran
 it. A caller cancelled while its call runs stops waiting; the thread finishes
@@ -41,6 +45,9 @@ class WorkerThreads:
         self._lock = threading.Lock()
         self._threads = 0  # started and not ended
         self._pending = 0  # calls queued or running
+        # answers not yet handed to their loop, by loop; a loop is in it
+        # while a hand-back of its answers is scheduled
+        self._answers: dict[asyncio.AbstractEventLoop, list] = {}
 
     @property
     def threads(self) -> int:
@@ -80,17 +87,27 @@ class WorkerThreads:
                 result, error = None, raised
             with self._lock:
                 self._pending -= 1
-            try:
-                loop.call_soon_threadsafe(_settle, future, result, error)
-            except RuntimeError:  # the loop closed while it ran: nobody waits
-                pass
-            del loop, future, context, fn, result, error
+                waiting = self._answers.get(loop)
+                if waiting is None:  # no hand-back scheduled: this one's
+                    self._answers[loop] = [(future, result, error)]
+                else:
+                    waiting.append((future, result, error))
+            if waiting is None:
+                try:
+                    loop.call_soon_threadsafe(self._hand_back, loop)
+                except RuntimeError:  # the loop closed while it ran: nobody waits
+                    with self._lock:
+                        self._answers.pop(loop, None)
+            del loop, future, context, fn, result, error, waiting
 
-
-def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if future.cancelled():  # its caller stopped waiting
-        return
-    if error is None:
-        future.set_result(result)
-    else:
-        future.set_exception(error)
+    def _hand_back(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On ``loop``: every answer for it so far to its caller."""
+        with self._lock:
+            answers = self._answers.pop(loop, ())
+        for future, result, error in answers:
+            if future.cancelled():  # its caller stopped waiting
+                continue
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)

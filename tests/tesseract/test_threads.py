@@ -116,3 +116,40 @@ def test_calls_see_the_callers_context():
 def test_a_size_below_one_is_refused():
     with pytest.raises(ValueError, match="size >= 1"):
         WorkerThreads(0)
+
+
+def test_answers_ready_together_reach_the_loop_in_one_wake_up():
+    """Answers that come while the loop has not yet taken the earlier ones
+    are handed back with them: one call_soon_threadsafe (a write to the
+    loop's self-pipe), not one per answer."""
+    workers = WorkerThreads(8)
+    gate, done = threading.Event(), []
+
+    def call(i):
+        gate.wait(30)
+        done.append(i)
+        return i
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        wakes = []
+        upstream = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (wakes.append(a), upstream(*a))[1]
+        tasks = [
+            asyncio.ensure_future(workers.run(lambda i=i: call(i))) for i in range(8)
+        ]
+        await asyncio.sleep(0.1)  # every call on its thread, at the gate
+        gate.set()
+        deadline = time.monotonic() + 30
+        while len(done) < 8:  # the loop held: no answer is taken meanwhile
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.1)  # the last answer queued for the loop
+        answers = await asyncio.gather(*tasks)
+        # one more round: the hand-back above emptied, a new one starts
+        answers.append(await workers.run(lambda: "again"))
+        return answers, len(wakes)
+
+    answers, wakes = asyncio.run(main())
+    assert answers == [*range(8), "again"]
+    assert wakes == 2, wakes
