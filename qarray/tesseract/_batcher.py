@@ -113,7 +113,7 @@ class Batcher:
     long a batch forms at most while they keep coming, and how long after a
     batch its clients count as returning.
 
-    Each waiting thread sleeps on its own job's event: a finished batch wakes
+    Each waiting thread sleeps on its own job's ``Wake``: a finished batch wakes
     the threads of its jobs and, when a compute slot is free, the thread of
     the oldest queued job to lead the next one; nothing wakes every waiter
     (64 clients would make every batch wake 64 threads, each taking the GIL

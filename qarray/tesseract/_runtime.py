@@ -41,16 +41,13 @@ class Runtime:
         module's fields costs more than a small request's product."""
         return tuple(linear_shapes(layer) for layer in self.resident.layers)
 
-    def resident_network_shape(self, x: tuple[int, ...]) -> NetworkShape:
-        """``network_shape(x, resident_shapes)``, found once per shape of x
-        (every request on the resident model checks it, twice: a visible
-        part of a one-row apply's Python under load); a ValueError as
-        ``network_shape`` raises it."""
-        return self._resident_network_shapes(x)
-
     @functools.cached_property
-    def _resident_network_shapes(self) -> Callable[[tuple[int, ...]], NetworkShape]:
-        # bounded: the shapes of x a client sends are its own choice
+    def resident_network_shape(self) -> Callable[[tuple[int, ...]], NetworkShape]:
+        """``resident_network_shape(x)``: ``network_shape(x, resident_shapes)``,
+        found once per shape of x (every request on the resident model checks
+        it, twice: a visible part of a one-row apply's Python under load;
+        bounded, the shapes a client sends being its own choice); a
+        ValueError as ``network_shape`` raises it."""
         return functools.lru_cache(maxsize=256)(
             lambda x: network_shape(x, self.resident_shapes)
         )
