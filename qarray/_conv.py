@@ -35,9 +35,10 @@ from . import _ffi, _kernels, _numerics
 from ._ops import (
     ProductVJP,
     check_activations,
+    check_precision,
     explicit_spec,
     product_rule,
-    require_float32,
+    require_float,
     require_qarray,
     sum_to_type,
     type_str,
@@ -112,8 +113,9 @@ def _dimension_numbers(nsp: int):
 
 
 class ConvQ(ProductVJP, HiPrim):
-    """f32 ``x (B?, C, *spatial)`` convolved with q8 (or q4) ``qw (out, C/groups *
-    prod(kernel_size))`` -> f32 ``(B?, out, *out_spatial)``.
+    """``x (B?, C, *spatial)`` (float32, bfloat16 or float16) convolved with q8
+    (or q4) ``qw (out, C/groups * prod(kernel_size))`` -> ``(B?, out,
+    *out_spatial)`` in x's dtype, computed in float32 at ``precision``.
 
     ``activations="int8"`` quantizes each example of ``x`` (all its channels
     and positions: one scale per example) for an int8 x int8 convolution with
@@ -131,6 +133,7 @@ class ConvQ(ProductVJP, HiPrim):
         feature_group_count=1,
         activations="float32",
         lhs_dilation=None,
+        precision=None,
     ):
         ks = (kernel_size,) if isinstance(kernel_size, int) else tuple(kernel_size)
         if not 1 <= len(ks) <= 3:
@@ -150,7 +153,8 @@ class ConvQ(ProductVJP, HiPrim):
         )
         (groups,) = _positive_ints("feature_group_count", feature_group_count, 1)
         check_activations("conv_q", activations)
-        require_float32("conv_q", "x", x_aval, min_rank=1)
+        precision = check_precision("conv_q", precision)
+        require_float("conv_q", "x", x_aval, min_rank=1)
         require_qarray("conv_q", "qw", qw_aval)
         operands = f"x: {type_str(x_aval)}, qw: {type_str(qw_aval)}"
         if qw_aval.bits == 4 and activations != "float32":
@@ -214,7 +218,7 @@ class ConvQ(ProductVJP, HiPrim):
         self.in_avals = (x_aval, qw_aval)
         self.out_aval = ShapedArray(
             (*x_aval.shape[: len(batch_spec)], out_channels, *out_spatial),
-            FLOAT32,
+            x_aval.dtype,
             sharding=with_spec(sharding, out_spec),
             manual_axis_type=union_mat(x_aval.manual_axis_type, qw_aval.mat),
         )
@@ -226,19 +230,21 @@ class ConvQ(ProductVJP, HiPrim):
             "feature_group_count": groups,
             "lhs_dilation": lhs,
             "activations": activations,
+            "precision": precision,
         }
         super().__init__()
 
     @property
     def _static(self) -> dict:
-        """The convolution's parameters, for calling conv_q again."""
+        """The convolution's parameters, for calling conv_q again (weight-only)."""
         return {k: v for k, v in self.params.items() if k != "activations"}
 
     def _conv(self, x, w, preferred=None, explicit=True):
         """``lax.conv_general_dilated`` with this primitive's parameters on
         ``w (out, C/groups, *kernel_size)``, ``x`` batched or not, summing in
-        ``preferred`` (default: the operands' dtype); ``explicit``: give the
-        output sharding of explicit mode (False inside ``auto_axes``)."""
+        ``preferred`` (default: the operands' dtype) at this primitive's
+        precision; ``explicit``: give the output sharding of explicit mode
+        (False inside ``auto_axes``)."""
         batched = x.ndim == len(self.kernel_size) + 2
         out_sharding = explicit_spec(self.out_aval) if batched and explicit else None
         out = lax.conv_general_dilated(
@@ -250,6 +256,7 @@ class ConvQ(ProductVJP, HiPrim):
             rhs_dilation=self.rhs_dilation,
             dimension_numbers=_dimension_numbers(len(self.kernel_size)),
             feature_group_count=self.feature_group_count,
+            precision=None if preferred == jnp.int32 else self.precision,
             preferred_element_type=preferred,
             out_sharding=out_sharding,
         )
@@ -267,10 +274,13 @@ class ConvQ(ProductVJP, HiPrim):
         return w2d.reshape(self._w_shape)
 
     def expand(self, x, qw):
+        x = x.astype(FLOAT32)
         if self.in_avals[1].bits == 4:  # weight-only: each group times its scale
             w = _numerics.dequantize_groups(qw.qvalue, qw.scale)
-            return self._conv(x, self._dense_w(w))
-        return self.forward(x, qw.qvalue, qw.scale)
+            y = self._conv(x, self._dense_w(w))
+        else:
+            y = self.forward(x, qw.qvalue, qw.scale)
+        return y.astype(self.out_aval.dtype)
 
     def forward(self, x, qvalue, scale, strategy=None):
         """The convolution of ``x`` with the parts of ``qw``, in the
@@ -338,10 +348,14 @@ class ConvQ(ProductVJP, HiPrim):
     # first term is the weight-only conv_q whatever the activations
     def jvp(self, primals, tangents):
         (x, qw), (tx, tw) = primals, tangents
+        dtype = self.out_aval.dtype
         return self(x, qw), product_rule(
             self.out_aval,
             (tx, lambda t: conv_q(t, qw, **self._static)),
-            (tw, lambda t: self._conv(x, self._dense_w(t))),
+            (
+                tw,
+                lambda t: self._conv(x.astype(FLOAT32), self._dense_w(t)).astype(dtype),
+            ),
         )
 
     lin, linearized = linearize_from_jvp
@@ -356,13 +370,15 @@ class ConvQ(ProductVJP, HiPrim):
             sharding=x_aval.sharding,
             manual_axis_type=x_aval.manual_axis_type,
         )
-        (ct_x,) = jax.linear_transpose(lambda t: self._conv(t, w), like)(g)
-        return sum_to_type(ct_x, x_aval)
+        conv = lambda t: self._conv(t, w)  # noqa: E731
+        (ct_x,) = jax.linear_transpose(conv, like)(g.astype(FLOAT32))
+        return sum_to_type(ct_x.astype(x_aval.dtype), x_aval)
 
     def _ct_w(self, x, g):
         """``g`` pulled back to the weights, laid out (and typed) like qw."""
         w_aval = self.in_avals[1].to_tangent_aval()
         like = jax.ShapeDtypeStruct(self._w_shape, FLOAT32)
+        x, g = x.astype(FLOAT32), g.astype(FLOAT32)
 
         def pull(x, g, explicit=True):
             conv = lambda w: self._conv(x, w, explicit=explicit)  # noqa: E731
@@ -427,9 +443,11 @@ def conv_q(
     feature_group_count: int = 1,
     activations: str = "float32",
     lhs_dilation: int | Sequence[int] | None = None,
+    precision=None,
 ):
-    """A convolution of f32 ``x`` with quantized weights: ``(C, *spatial)`` or
-    ``(B, C, *spatial)`` -> ``(out, *out_spatial)`` or ``(B, out, ...)``.
+    """A convolution of ``x`` (float32, bfloat16 or float16) with quantized
+    weights: ``(C, *spatial)`` or ``(B, C, *spatial)`` -> ``(out,
+    *out_spatial)`` or ``(B, out, ...)``, in x's dtype.
 
     ``qw = quantize(w.reshape(out, -1))`` for weights ``w (out, C / groups,
     *kernel_size)`` (PyTorch's and ``eqx.nn.Conv``'s layout), one scale per
@@ -442,7 +460,9 @@ def conv_q(
     example of ``x`` with one scale for an int8 x int8 convolution.
     ``lhs_dilation`` spreads x's positions ``l`` apart (zeros between) before
     padding: a transposed convolution's stride (``qarray.nn.ConvTranspose``).
-    Derivatives are those of the dense convolution (straight-through).
+    ``precision``: as ``linear_q``'s (JAX's meaning; the sums are float32).
+    Derivatives are those of the dense convolution (straight-through): x's
+    cotangent in x's dtype.
     """
     return ConvQ(
         jax.typeof(x),
@@ -454,4 +474,5 @@ def conv_q(
         feature_group_count,
         activations,
         lhs_dilation,
+        precision,
     )(x, qw)

@@ -180,18 +180,22 @@ def choose_strategy(
     return "int8_dot" if activations == "int8" else "split_int8"
 
 
-def matmul(x, qvalue, scale, activations="float32", strategy=None):
+def matmul(
+    x, qvalue, scale, activations="float32", strategy=None, *, precision=None
+):
     """x f32[..., k] @ (qvalue int8[k, n] * scale f32[k]) -> f32[..., n].
 
-    ``activations="int8"`` quantizes ``x * scale`` per row first. ``strategy``
-    forces a formulation (tests, benchmarks); by default ``choose_strategy``
-    picks one per backend at lowering time.
+    ``activations="int8"`` quantizes ``x * scale`` per row first.
+    ``precision``: the float dots' (``lax.dot_general``'s), for the
+    formulations that run one (``dequantize``; the others are float32-exact).
+    ``strategy`` forces a formulation (tests, benchmarks); by default
+    ``choose_strategy`` picks one per backend at lowering time.
     """
     lead, k = x.shape[:-1], x.shape[-1]
     n = qvalue.shape[1]
     m = math.prod(lead)
     if _explicitly_sharded(x) or _explicitly_sharded(qvalue):
-        return _sharded(x * scale, qvalue, activations, w_axis=0)
+        return _sharded(x * scale, qvalue, activations, 0, precision)
     x2 = x.reshape(m, k)
 
     def run(strategy):
@@ -200,25 +204,27 @@ def matmul(x, qvalue, scale, activations="float32", strategy=None):
         v = x2 * scale  # per-row weight scales fold into x
         if activations == "int8":
             return _int8_activations(*quantize_rows(v), qvalue, strategy)
-        return _weight_only(v, qvalue, strategy)
+        return _weight_only(v, qvalue, strategy, precision=precision)
 
     y = _by_platform(run, (m, k, n, activations), strategy, layout="kn")
     return y.reshape(*lead, n)
 
 
-def linear(x, qvalue, scale, activations="float32", strategy=None):
+def linear(
+    x, qvalue, scale, activations="float32", strategy=None, *, precision=None
+):
     """x f32[..., k] @ (qvalue int8[n, k] * scale f32[n, None])^T -> f32[..., n].
 
     The per-output-channel scales factor out: ``(x @ qvalue^T) * scale``.
     ``activations="int8"`` quantizes ``x`` per row first (``sx``):
-    ``int32(xq @ qvalue^T) * sx[:, None] * scale``. ``strategy`` forces a
-    formulation; by default ``choose_strategy`` picks one per backend.
+    ``int32(xq @ qvalue^T) * sx[:, None] * scale``. ``precision`` and
+    ``strategy`` as ``matmul``'s.
     """
     lead, k = x.shape[:-1], x.shape[-1]
     n = qvalue.shape[0]
     m = math.prod(lead)
     if _explicitly_sharded(x) or _explicitly_sharded(qvalue):
-        return _sharded(x, qvalue, activations, w_axis=1) * scale
+        return _sharded(x, qvalue, activations, 1, precision) * scale
     x2 = x.reshape(m, k)  # nothing folds in: the scales multiply the output
 
     def run(strategy):
@@ -228,7 +234,7 @@ def linear(x, qvalue, scale, activations="float32", strategy=None):
             xq, xs = quantize_rows(x2)
             y = _int8_activations(xq, xs, qvalue, strategy, dims=_LAST_BY_LAST)
         else:
-            y = _weight_only(x2, qvalue, strategy, dims=_LAST_BY_LAST)
+            y = _weight_only(x2, qvalue, strategy, _LAST_BY_LAST, precision)
         return y * scale
 
     y = _by_platform(run, (m, k, n, activations), strategy, layout="nk")
@@ -243,7 +249,9 @@ def linear(x, qvalue, scale, activations="float32", strategy=None):
 INT4_KERNEL_MAX_ROWS = {"float32": 256, "int8": 4096}
 
 
-def linear_int4(x, packed, scale, activations="float32", strategy=None):
+def linear_int4(
+    x, packed, scale, activations="float32", strategy=None, *, precision=None
+):
     """x f32[..., k] @ W^T with int4 weights W[n, k] (packed uint8[n, k / 2],
     one scale per group along k: f32[n, k / G]) -> f32[..., n].
 
@@ -261,7 +269,8 @@ def linear_int4(x, packed, scale, activations="float32", strategy=None):
             xq, xs = quantize_rows(x)
             x = xq.astype(jnp.float32) * xs[..., None]
         dims = (((x.ndim - 1,), (1,)), ((), ()))
-        return lax.dot_general(x, dequantize_groups(packed, scale), dims)
+        w = dequantize_groups(packed, scale)
+        return lax.dot_general(x, w, dims, precision=precision)
     x2 = x.reshape(m, k)
 
     def run(strategy):
@@ -273,7 +282,7 @@ def linear_int4(x, packed, scale, activations="float32", strategy=None):
                 xq, xs = quantize_rows(x2)
                 v = xq.astype(jnp.float32) * xs[:, None]
             w = dequantize_groups(packed, scale)
-            return lax.dot_general(v, w, _LAST_BY_LAST)
+            return lax.dot_general(v, w, _LAST_BY_LAST, precision=precision)
         raise ValueError(f"unknown int4 strategy {strategy!r}")
 
     if strategy is None:
@@ -310,7 +319,7 @@ def _explicitly_sharded(a) -> bool:
     return any(p is not None for p in jax.typeof(a).sharding.spec)
 
 
-def _sharded(v, qvalue, activations, w_axis):
+def _sharded(v, qvalue, activations, w_axis, precision=None):
     """The plain formulations, rank kept, contracting v's last axis with
     qvalue's ``w_axis``: explicit sharding propagates through them as the
     typing rule declared (rows like x's, the other axis like qvalue's), where
@@ -320,17 +329,19 @@ def _sharded(v, qvalue, activations, w_axis):
         xq, xscale = quantize_rows(v)
         acc = lax.dot_general(xq, qvalue, dims, preferred_element_type=jnp.int32)
         return acc.astype(jnp.float32) * xscale[..., None]
-    return lax.dot_general(v, qvalue.astype(jnp.float32), dims)
+    w = qvalue.astype(jnp.float32)
+    return lax.dot_general(v, w, dims, precision=precision)
 
 
-def _weight_only(v, qvalue, strategy, dims=_ROWS_BY_COLS):
+def _weight_only(v, qvalue, strategy, dims=_ROWS_BY_COLS, precision=None):
     """v f32[m, k] contracted with the int8 payload (layout given by ``dims``)."""
     if strategy == "chunked":
         return _chunked(v, qvalue) if dims == _ROWS_BY_COLS else _chunked_nk(v, qvalue)
     if strategy == "split_int8":
         return _split_product(v, qvalue, dims, levels=SPLIT_LEVELS)
     if strategy == "dequantize":
-        return lax.dot_general(v, qvalue.astype(jnp.float32), dims)
+        w = qvalue.astype(jnp.float32)
+        return lax.dot_general(v, w, dims, precision=precision)
     raise ValueError(f"unknown weight-only strategy {strategy!r}")
 
 

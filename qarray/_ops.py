@@ -60,15 +60,44 @@ def type_str(aval) -> str:
     return repr(aval)
 
 
-def require_float32(name: str, what: str, aval, min_rank: int) -> None:
-    if not isinstance(aval, ShapedArray) or aval.dtype != FLOAT32:
+# what activations (and the arrays quantize takes) may be: the products
+# compute in float32 (scales stay float32) and answer in x's dtype
+FLOAT_DTYPES = tuple(jnp.dtype(d) for d in ("float32", "bfloat16", "float16"))
+
+
+def require_float(name: str, what: str, aval, min_rank: int) -> None:
+    """A TypeError unless ``aval`` is a float32, bfloat16 or float16 array of
+    rank >= ``min_rank`` (float64 too is refused: the scales are float32)."""
+    if not isinstance(aval, ShapedArray) or aval.dtype not in FLOAT_DTYPES:
         raise TypeError(
-            f"{name} requires {what} to be a float32 array, got {type_str(aval)}."
+            f"{name} requires {what} to be a float32, bfloat16 or float16 array, "
+            f"got {type_str(aval)}."
         )
     if aval.ndim < min_rank:
         raise TypeError(
             f"{name} requires {what} of rank >= {min_rank}, got {type_str(aval)}."
         )
+
+
+def check_precision(name: str, precision):
+    """``precision`` as JAX's dots take it (``jnp.dot``'s meaning): None (the
+    ``jax.default_matmul_precision`` in effect), a ``jax.lax.Precision`` or
+    its name ("default", "high", "highest"), or a pair of those (x's, the
+    weights'); a ValueError naming ``name`` otherwise. Hashable: a
+    primitive's static parameter."""
+    if precision is None or isinstance(precision, lax.Precision):
+        return precision
+    if isinstance(precision, str):
+        try:
+            return lax.Precision(precision)
+        except ValueError:
+            pass
+    elif isinstance(precision, tuple | list) and len(precision) == 2:
+        return tuple(check_precision(name, p) for p in precision)
+    raise ValueError(
+        f"{name} requires precision None, 'default', 'high', 'highest', a "
+        f"jax.lax.Precision or a pair of them, got {precision!r}."
+    )
 
 
 def require_qarray(name: str, what: str, aval) -> None:
@@ -159,21 +188,28 @@ def product_rule(out_aval, *terms):
     return sum(parts[1:], parts[0])
 
 
-def contract_leading(a, b, target_aval):
+def contract_leading(a, b, target_aval, precision=None):
     """a[..., k] . b[..., n] over all leading axes -> [k, n] (an outer product
-    for vectors), typed and placed like ``target_aval``."""
+    for vectors), typed (float32, whatever the operands' dtype) and placed
+    like ``target_aval``."""
     lead = tuple(range(a.ndim - 1))
     out = lax.dot_general(
-        a, b, ((lead, lead), ((), ())), out_sharding=explicit_spec(target_aval)
+        a.astype(FLOAT32),
+        b.astype(FLOAT32),
+        ((lead, lead), ((), ())),
+        precision=precision,
+        out_sharding=explicit_spec(target_aval),
     )
     return sum_to_type(out, target_aval)
 
 
 def same_tangent(tangent, out_aval):
-    """A straight-through tangent, re-typed as ``out_aval``'s tangent."""
+    """A straight-through tangent, re-typed as ``out_aval``'s tangent (a
+    bfloat16 array's tangent becomes a QArray's float32 one)."""
+    tangent_aval = out_aval.to_tangent_aval()
     if isinstance(tangent, Zero):
-        return Zero(out_aval.to_tangent_aval())
-    return tangent
+        return Zero(tangent_aval)
+    return tangent.astype(tangent_aval.dtype)
 
 
 def batch_at_front(x, d, size):

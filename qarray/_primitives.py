@@ -31,10 +31,11 @@ from ._ops import (
     batch_at_front,
     check_activations,
     check_bits,
+    check_precision,
     contract_leading,
     explicit_spec,
     product_rule,
-    require_float32,
+    require_float,
     require_qarray,
     same_tangent,
     sum_to_type,
@@ -55,11 +56,13 @@ from ._qarray import (
 
 class Quantize(HiPrim):
     """f32[..., n] -> q8[..., n]: symmetric per-row absmax int8 quantization;
-    with ``bits=4``, -> q4[..., n]: int4 per group of ``group_size``, packed."""
+    with ``bits=4``, -> q4[..., n]: int4 per group of ``group_size``, packed.
+    bfloat16 and float16 ``x`` quantize as their float32 values (the scales
+    are float32); their cotangent comes back in their dtype."""
 
     def __init__(self, x_aval, bits=8, group_size=None):
         group_size = check_bits("quantize", bits, group_size)
-        require_float32("quantize", "x", x_aval, min_rank=1)
+        require_float("quantize", "x", x_aval, min_rank=1)
         if bits == 4:
             n = x_aval.shape[-1]
             if n % group_size:
@@ -78,6 +81,7 @@ class Quantize(HiPrim):
         super().__init__()
 
     def expand(self, x):
+        x = x.astype(FLOAT32)
         if self.bits == 4:
             return QArray(*_numerics.quantize_groups(x, self.group_size))
         return QArray(*_kernels.quantize(x))
@@ -93,7 +97,7 @@ class Quantize(HiPrim):
         return self(x), None
 
     def vjp_bwd_retval(self, _res, g):
-        return (instantiate_zeros(g),)
+        return (instantiate_zeros(g).astype(self.in_avals[0].dtype),)
 
     def batch(self, axis_data, args, dims):
         (x,), (d,) = args, dims
@@ -141,14 +145,16 @@ class Dequantize(HiPrim):
 
 
 class _QProduct(ProductVJP, HiPrim):
-    """What matmul_q and linear_q share: f32 ``x[..., k]`` contracted with a
-    2-d QArray ``qw`` over x's last axis and qw's axis ``w_axis``; qw's other
-    axis gives the output's last.
+    """What matmul_q and linear_q share: ``x[..., k]`` (float32, bfloat16 or
+    float16) contracted with a 2-d QArray ``qw`` over x's last axis and qw's
+    axis ``w_axis``; qw's other axis gives the output's last, in x's dtype.
 
-    ``activations="float32"`` (weight-only) keeps ``x`` at float32 precision;
+    ``activations="float32"`` (weight-only) keeps ``x`` as it is (computing in
+    float32 at ``precision``: JAX's meaning, see ``linear_q``);
     ``activations="int8"`` quantizes it per row for an int8 x int8 product.
     Either way the derivatives are those of the dense product with
-    ``W = dequantize(qw)`` (straight-through), in float32.
+    ``W = dequantize(qw)`` (straight-through): x's cotangent in x's dtype,
+    qw's in float32.
 
     The two products are each other's transposes: the cotangent of ``x`` is
     ``g`` contracted with qw's other axis, which is the other primitive's
@@ -161,10 +167,11 @@ class _QProduct(ProductVJP, HiPrim):
     w_out: str  # what qw's other (output) axis is called in errors
     operands_fmt: str  # how errors print the operands
 
-    def __init__(self, x_aval, qw_aval, activations="float32"):
+    def __init__(self, x_aval, qw_aval, activations="float32", precision=None):
         name = self.op_name
         check_activations(name, activations)
-        require_float32(name, "x", x_aval, min_rank=1)
+        precision = check_precision(name, precision)
+        require_float(name, "x", x_aval, min_rank=1)
         require_qarray(name, "qw", qw_aval)
         operands = self.operands_fmt.format(x=type_str(x_aval), qw=type_str(qw_aval))
         if qw_aval.bits == 4:
@@ -206,17 +213,17 @@ class _QProduct(ProductVJP, HiPrim):
         self.in_avals = (x_aval, qw_aval)
         self.out_aval = ShapedArray(
             (*x_aval.shape[:-1], qw_aval.shape[1 - self.w_axis]),
-            FLOAT32,
+            x_aval.dtype,
             sharding=with_spec(sharding, out_spec),
             manual_axis_type=union_mat(x_aval.manual_axis_type, qw_aval.mat),
         )
-        self.params = {"activations": activations}
+        self.params = {"activations": activations, "precision": precision}
         super().__init__()
 
-    @classmethod
-    def apply(cls, x, qw, activations="float32"):
-        """The product of ``x`` and ``qw`` with this primitive."""
-        return cls(jax.typeof(x), jax.typeof(qw), activations)(x, qw)
+    def apply(self, x, qw, activations="float32"):
+        """The product of ``x`` and ``qw`` with this primitive, at its precision."""
+        cls = type(self)
+        return cls(jax.typeof(x), jax.typeof(qw), activations, self.precision)(x, qw)
 
     def transposed(self, g, qw):
         """``g`` contracted with qw's output axis (the other primitive)."""
@@ -233,8 +240,12 @@ class _QProduct(ProductVJP, HiPrim):
             (
                 tw,
                 lambda t: lax.dot_general(
-                    x, t, dims, out_sharding=explicit_spec(self.out_aval)
-                ),
+                    x.astype(FLOAT32),
+                    t,
+                    dims,
+                    precision=self.precision,
+                    out_sharding=explicit_spec(self.out_aval),
+                ).astype(self.out_aval.dtype),
             ),
         )
 
@@ -244,33 +255,28 @@ class _QProduct(ProductVJP, HiPrim):
         """x^T g over all leading axes, laid out like qw (cotangents live where
         primals live)."""
         pair = (x, g) if self.w_axis == 0 else (g, x)
-        return contract_leading(*pair, self.in_avals[1].to_tangent_aval())
+        w_aval = self.in_avals[1].to_tangent_aval()
+        return contract_leading(*pair, w_aval, self.precision)
 
     def _ct_x(self, g, qw):
         """``g`` contracted with qw's output axis, typed like ``x``."""
         x_aval, qw_aval = self.in_avals
         unsharded = explicit_spec(x_aval) is None and explicit_spec(qw_aval) is None
         if qw_aval.bits == 4 and unsharded:  # no int4 matmul_q: blocks of rows
-            ct_x = _int4_rows_product(g, qw)
-        elif qw_aval.bits == 4:
-            ct_x = lax.dot_general(
-                g,
-                dequantize(qw),
-                (((g.ndim - 1,), (1 - self.w_axis,)), ((), ())),
-                out_sharding=explicit_spec(x_aval),
-            )
+            ct_x = _int4_rows_product(g, qw, self.precision)
         elif unsharded:
             ct_x = self.transposed(g, qw)  # runs on the int8 payload
         else:
             # explicit sharding: the contraction (qw's output axis) may be
             # sharded, and the cotangent lands where x lives
             ct_x = lax.dot_general(
-                g,
+                g.astype(FLOAT32),
                 dequantize(qw),
                 (((g.ndim - 1,), (1 - self.w_axis,)), ((), ())),
+                precision=self.precision,
                 out_sharding=explicit_spec(x_aval),
             )
-        return sum_to_type(ct_x, x_aval)
+        return sum_to_type(ct_x.astype(x_aval.dtype), x_aval)
 
     # linear in x: what jax.linear_transpose (and reverse mode over a
     # linearized jvp, whose tangent products are these) needs
@@ -318,11 +324,15 @@ class MatmulQ(_QProduct):
     op_name, w_axis, w_out, operands_fmt = "matmul_q", 0, "columns", "{x} @ {qw}"
 
     def expand(self, x, qw):
-        return _kernels.matmul(x, qw.qvalue, qw.scale, self.activations)
+        x = x.astype(FLOAT32)
+        y = _kernels.matmul(
+            x, qw.qvalue, qw.scale, self.activations, precision=self.precision
+        )
+        return y.astype(self.out_aval.dtype)
 
     def transposed(self, g, qw):
         # g[..., n] . W[k, n] over n: linear_q's product with qw read as (out, in)
-        return linear_q(g, qw)
+        return linear_q(g, qw, precision=self.precision)
 
 
 class LinearQ(_QProduct):
@@ -336,13 +346,14 @@ class LinearQ(_QProduct):
     op_name, w_axis, w_out, operands_fmt = "linear_q", 1, "rows", "{x} @ {qw}^T"
 
     def expand(self, x, qw):
-        if self.in_avals[1].bits == 4:
-            return _kernels.linear_int4(x, qw.qvalue, qw.scale, self.activations)
-        return _kernels.linear(x, qw.qvalue, qw.scale, self.activations)
+        product = _kernels.linear_int4 if self.in_avals[1].bits == 4 else _kernels.linear
+        x = x.astype(FLOAT32)
+        y = product(x, qw.qvalue, qw.scale, self.activations, precision=self.precision)
+        return y.astype(self.out_aval.dtype)
 
     def transposed(self, g, qw):
         # g[..., n] . W[n, k] over n: matmul_q's product with qw read as (in, out)
-        return matmul_q(g, qw)
+        return matmul_q(g, qw, precision=self.precision)
 
 
 class Pack(HiPrim):
@@ -481,14 +492,15 @@ def quantize(x, bits=8, group_size=None):
 _INT4_BLOCK_BYTES = 1 << 20
 
 
-def _int4_rows_product(g, qw):
+def _int4_rows_product(g, qw, precision=None):
     """``g[..., n] . W[n, k]`` over n for int4 ``qw (N, K)``, a block of rows
-    dequantized at a time (whole for a small layer)."""
+    dequantized at a time (whole for a small layer), in float32."""
     ty = jax.typeof(qw)
     n, k = ty.shape
     rows = max(1, _INT4_BLOCK_BYTES // (4 * k))
+    g = g.astype(FLOAT32)
     if rows >= n:
-        return g @ dequantize(qw)
+        return jnp.matmul(g, dequantize(qw), precision=precision)
     qvalue, scale = unpack(qw)
     flat = g.reshape(-1, n)
 
@@ -499,7 +511,8 @@ def _int4_rows_product(g, qw):
             4,
             ty.group_size,
         )
-        return lax.dynamic_slice_in_dim(flat, start, size, 1) @ dequantize(part)
+        rows_of_g = lax.dynamic_slice_in_dim(flat, start, size, 1)
+        return jnp.matmul(rows_of_g, dequantize(part), precision=precision)
 
     def step(total, i):
         return total + block(i * rows, rows), None
@@ -538,23 +551,34 @@ def unpack(q):
     return Unpack(jax.typeof(q))(q)
 
 
-def matmul_q(x, qw, activations="float32"):
-    """f32[..., k] @ q8[k, n] -> f32[..., n]; ``x`` may be a vector.
+def matmul_q(x, qw, activations="float32", *, precision=None):
+    """x[..., k] @ q8[k, n] -> [..., n] in x's dtype (float32, bfloat16 or
+    float16); ``x`` may be a vector.
 
     ``activations``: ``"float32"`` (weight-only, default) or ``"int8"`` (``x``
-    is quantized per row too, for an int8 x int8 product). Derivatives are
-    those of ``x @ dequantize(qw)`` in both cases.
+    is quantized per row too, for an int8 x int8 product). ``precision``: as
+    ``jnp.dot``'s (see ``linear_q``). Derivatives are those of
+    ``x @ dequantize(qw)`` in both cases.
     """
-    return MatmulQ(jax.typeof(x), jax.typeof(qw), activations)(x, qw)
+    return MatmulQ(jax.typeof(x), jax.typeof(qw), activations, precision)(x, qw)
 
 
-def linear_q(x, qw, activations="float32"):
-    """f32[..., k] with q8[n, k] -> f32[..., n]: ``x @ dequantize(qw).T``.
+def linear_q(x, qw, activations="float32", *, precision=None):
+    """x[..., k] with q8[n, k] -> [..., n]: ``x @ dequantize(qw).T``, in x's
+    dtype (float32, bfloat16 or float16; the scales stay float32).
 
     torch's ``F.linear`` layout: ``qw`` stores weights ``(out, in)``, e.g. a
     PyTorch ``nn.Linear.weight``, one scale per output channel. ``x`` may be a
     vector. ``activations``: ``"float32"`` (weight-only, default) or ``"int8"``
     (``x`` quantized per row too, for an int8 x int8 product). Derivatives are
-    those of ``x @ dequantize(qw).T`` in both cases.
+    those of ``x @ dequantize(qw).T`` in both cases; x's cotangent comes back
+    in x's dtype.
+
+    ``precision`` means what it means to ``jnp.dot``: ``None`` (the
+    ``jax.default_matmul_precision`` in effect), ``"default"``, ``"high"``,
+    ``"highest"`` or a ``jax.lax.Precision`` (or a pair). The products sum in
+    float32; on CPU they are float32-exact whatever is asked, on a TPU the
+    default is one bfloat16 pass over x (``"highest"``: float32 throughout).
+    int8 activations are integer products: exact at any precision.
     """
-    return LinearQ(jax.typeof(x), jax.typeof(qw), activations)(x, qw)
+    return LinearQ(jax.typeof(x), jax.typeof(qw), activations, precision)(x, qw)

@@ -362,7 +362,7 @@ def test_operand_errors_name_the_shapes(rng, x_shape, qw_shape, kernel, conv, ma
 
 def test_operand_type_errors(rng):
     qw = qa.quantize(jnp.ones((4, 27), jnp.float32))
-    with pytest.raises(TypeError, match="x to be a float32 array"):
+    with pytest.raises(TypeError, match="x to be a float32, bfloat16 or float16 array"):
         qa.conv_q(jnp.zeros((3, 8, 8), jnp.int32), qw, (3, 3))
     with pytest.raises(TypeError, match="qw to be a QArray"):
         qa.conv_q(jnp.zeros((3, 8, 8)), jnp.ones((4, 27)), (3, 3))

@@ -200,12 +200,7 @@ ERRORS = [
     (
         lambda: qa.quantize(jnp.ones((2, 3), jnp.int32)),
         TypeError,
-        "quantize requires x to be a float32 array, got i32[2,3].",
-    ),
-    (
-        lambda: qa.quantize(jnp.ones((2, 3), jnp.bfloat16)),
-        TypeError,
-        "quantize requires x to be a float32 array, got bf16[2,3].",
+        "quantize requires x to be a float32, bfloat16 or float16 array, got i32[2,3].",
     ),
     (
         lambda: qa.quantize(jnp.float32(1.0)),
@@ -230,7 +225,7 @@ ERRORS = [
     (
         lambda: qa.matmul_q(jnp.ones((2, 3), jnp.int8), qa.quantize(jnp.ones((3, 5)))),
         TypeError,
-        "matmul_q requires x to be a float32 array, got i8[2,3].",
+        "matmul_q requires x to be a float32, bfloat16 or float16 array, got i8[2,3].",
     ),
     (
         lambda: qa.matmul_q(jnp.ones((2, 3)), qa.quantize(jnp.ones((2, 3, 5)))),
@@ -259,11 +254,15 @@ ERRORS = [
         "linear_q requires qw to be a QArray (q8 or q4), got f32[5,3].",
     ),
     (
-        lambda: qa.linear_q(
-            jnp.ones((2, 3), jnp.bfloat16), qa.quantize(jnp.ones((5, 3)))
-        ),
+        lambda: qa.linear_q(jnp.ones((2, 3), jnp.int32), qa.quantize(jnp.ones((5, 3)))),
         TypeError,
-        "linear_q requires x to be a float32 array, got bf16[2,3].",
+        "linear_q requires x to be a float32, bfloat16 or float16 array, got i32[2,3].",
+    ),
+    (
+        lambda: qa.linear_q(jnp.ones((2, 3)), qa.quantize(jnp.ones((5, 3))), "int8", precision="fast"),
+        ValueError,
+        "linear_q requires precision None, 'default', 'high', 'highest', a "
+        "jax.lax.Precision or a pair of them, got 'fast'.",
     ),
     (
         lambda: qa.linear_q(jnp.float32(1.0), qa.quantize(jnp.ones((5, 3)))),
