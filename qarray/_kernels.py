@@ -180,9 +180,7 @@ def choose_strategy(
     return "int8_dot" if activations == "int8" else "split_int8"
 
 
-def matmul(
-    x, qvalue, scale, activations="float32", strategy=None, *, precision=None
-):
+def matmul(x, qvalue, scale, activations="float32", strategy=None, *, precision=None):
     """x f32[..., k] @ (qvalue int8[k, n] * scale f32[k]) -> f32[..., n].
 
     ``activations="int8"`` quantizes ``x * scale`` per row first.
@@ -210,9 +208,7 @@ def matmul(
     return y.reshape(*lead, n)
 
 
-def linear(
-    x, qvalue, scale, activations="float32", strategy=None, *, precision=None
-):
+def linear(x, qvalue, scale, activations="float32", strategy=None, *, precision=None):
     """x f32[..., k] @ (qvalue int8[n, k] * scale f32[n, None])^T -> f32[..., n].
 
     The per-output-channel scales factor out: ``(x @ qvalue^T) * scale``.

@@ -346,7 +346,9 @@ class LinearQ(_QProduct):
     op_name, w_axis, w_out, operands_fmt = "linear_q", 1, "rows", "{x} @ {qw}^T"
 
     def expand(self, x, qw):
-        product = _kernels.linear_int4 if self.in_avals[1].bits == 4 else _kernels.linear
+        product = (
+            _kernels.linear_int4 if self.in_avals[1].bits == 4 else _kernels.linear
+        )
         x = x.astype(FLOAT32)
         y = product(x, qw.qvalue, qw.scale, self.activations, precision=self.precision)
         return y.astype(self.out_aval.dtype)

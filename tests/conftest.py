@@ -1,11 +1,21 @@
-"""Test set-up shared by every test: 8 CPU devices, strict numerics."""
+"""Test set-up shared by every test: 8 CPU devices, strict numerics.
+
+``QARRAY_TEST_PLATFORM=tpu`` (or ``gpu``; ``make test-accelerator``) runs the
+tests on that device instead, in one process (one program at a time holds a
+TPU): the devices there are (sharding tests build their meshes from them),
+and the tests marked ``cpu_only`` (qarray's C++ kernels, the formulations
+only the CPU picks) skipped with their reason.
+"""
 
 import os
 import tempfile
 
-# QARRAY_TEST_PLATFORM=gpu (make gpu-check): the library's tests on the GPU,
-# one device; otherwise 8 CPU devices
+PLATFORMS = ("cpu", "gpu", "tpu")
 PLATFORM = os.environ.get("QARRAY_TEST_PLATFORM", "cpu")
+if PLATFORM not in PLATFORMS:
+    raise SystemExit(
+        f"QARRAY_TEST_PLATFORM must be one of {PLATFORMS}, got {PLATFORM!r}"
+    )
 if PLATFORM == "cpu":
     # must precede the first jax import: the sharding tests need an 8-device mesh
     os.environ["XLA_FLAGS"] = (
@@ -38,8 +48,11 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 if PLATFORM != "cpu":
-    # the references are NumPy float32/float64: a GPU's default float32 dot
-    # (TF32, a 10-bit mantissa) misses the tests' tolerances by design
+    # the suite's references are NumPy float32 / float64 and its tolerances
+    # float32's: it asks for float32 products (what CPU gives at any
+    # precision). An accelerator's default is one bf16 pass (TPU) or TF32
+    # (GPU); the tests of that default ask for it by name
+    # (tests/qarray/test_dtypes.py)
     jax.config.update("jax_default_matmul_precision", "highest")
 
 # tests/image builds on a Docker engine and an image: `make test-image` runs it
@@ -53,9 +66,7 @@ def mesh():
     devices), or of the devices there are (one TPU chip), current for the
     test: the typing rules act alike on any size."""
     size = min(4, len(jax.devices()))
-    mesh = jax.make_mesh(
-        (size,), ("i",), axis_types=(jax.sharding.AxisType.Explicit,)
-    )
+    mesh = jax.make_mesh((size,), ("i",), axis_types=(jax.sharding.AxisType.Explicit,))
     with jax.set_mesh(mesh):
         yield mesh
 
@@ -69,3 +80,19 @@ def rng():
 def pytest_configure(config):
     if PLATFORM == "cpu":
         assert len(jax.devices()) == 8, "tests/conftest.py must run before jax starts"
+    elif jax.default_backend() != PLATFORM:
+        raise pytest.UsageError(
+            f"QARRAY_TEST_PLATFORM={PLATFORM}, but JAX runs on "
+            f"{jax.default_backend()} here ({jax.devices()})"
+        )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Off CPU, the tests marked ``cpu_only(reason)`` are skipped, saying why."""
+    if PLATFORM == "cpu":
+        return
+    for item in items:
+        marker = item.get_closest_marker("cpu_only")
+        if marker is not None:
+            why = marker.args[0] if marker.args else "CPU-only machinery"
+            item.add_marker(pytest.mark.skip(reason=f"CPU only: {why}"))

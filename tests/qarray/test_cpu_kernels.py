@@ -26,6 +26,8 @@ from qarray._conv import ConvQ
 from support import reference as ref
 from support.cpu_kernels import best_isa, cpu_flags, needs_kernels
 
+pytestmark = pytest.mark.cpu_only("qarray's C++ kernels and QARRAY_CPU_ISA")
+
 RTOL = ATOL = 2e-4
 
 

@@ -259,7 +259,9 @@ ERRORS = [
         "linear_q requires x to be a float32, bfloat16 or float16 array, got i32[2,3].",
     ),
     (
-        lambda: qa.linear_q(jnp.ones((2, 3)), qa.quantize(jnp.ones((5, 3))), "int8", precision="fast"),
+        lambda: qa.linear_q(
+            jnp.ones((2, 3)), qa.quantize(jnp.ones((5, 3))), "int8", precision="fast"
+        ),
         ValueError,
         "linear_q requires precision None, 'default', 'high', 'highest', a "
         "jax.lax.Precision or a pair of them, got 'fast'.",

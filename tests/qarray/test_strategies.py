@@ -17,6 +17,19 @@ from support.cpu_kernels import needs_kernels
 pytestmark = pytest.mark.formulations
 
 
+# the formulations only the CPU picks (choose_strategy): elsewhere each
+# product runs "dequantize" or "int8_dot"
+CPU_STRATEGIES = ("kernel", "chunked", "split_int8")
+
+
+def strategies(names):
+    """``names`` as parameters, the CPU's own marked cpu_only."""
+    cpu_only = pytest.mark.cpu_only("a formulation only the CPU picks")
+    return [
+        pytest.param(s, marks=cpu_only) if s in CPU_STRATEGIES else s for s in names
+    ]
+
+
 def needs(strategy):
     """The kernel strategy must run wherever the CPU has tiles for it
     (test_cpu_kernels.needs_kernels says when it cannot)."""
@@ -70,7 +83,7 @@ def rel_err(got, want):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("strategy", _kernels.WEIGHT_ONLY_STRATEGIES)
+@pytest.mark.parametrize("strategy", strategies(_kernels.WEIGHT_ONLY_STRATEGIES))
 def test_weight_only_strategies(rng, shape, strategy):
     needs(strategy)
     x, qvalue, scale = data(rng, *shape)
@@ -82,7 +95,7 @@ def test_weight_only_strategies(rng, shape, strategy):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("strategy", _kernels.INT8_STRATEGIES)
+@pytest.mark.parametrize("strategy", strategies(_kernels.INT8_STRATEGIES))
 def test_int8_activation_strategies(rng, shape, strategy):
     needs(strategy)
     x, qvalue, scale = data(rng, *shape)
@@ -96,7 +109,9 @@ def test_leading_axes_and_vectors(rng):
     x = rng.standard_normal((2, 3, 64)).astype(np.float32)
     _, qvalue, scale = data(rng, 1, 64, 16)
     for strategy in _kernels.WEIGHT_ONLY_STRATEGIES:
-        if strategy == "kernel" and not _ffi.available():
+        if (strategy == "kernel" and not _ffi.available()) or (
+            strategy in CPU_STRATEGIES and jax.default_backend() != "cpu"
+        ):
             continue
         got = _kernels.matmul(jnp.asarray(x), qvalue, scale, "float32", strategy)
         assert rel_err(got, ref.matmul_q(x, qvalue, scale)) <= TOLERANCE[strategy]
@@ -206,6 +221,7 @@ def test_the_kn_gemm_takes_small_and_large_weights():
         assert got == "kernel"
 
 
+@pytest.mark.cpu_only("the strategy the CPU chooses")
 @pytest.mark.parametrize(
     ("m", "activations"),
     [(1, "float32"), (8, "float32"), (256, "float32"), (1, "int8"), (8, "int8")],
@@ -235,7 +251,7 @@ def linear_data(rng, m, k, n):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("strategy", _kernels.WEIGHT_ONLY_STRATEGIES)
+@pytest.mark.parametrize("strategy", strategies(_kernels.WEIGHT_ONLY_STRATEGIES))
 def test_linear_weight_only_strategies(rng, shape, strategy):
     needs(strategy)
     x, qvalue, scale = linear_data(rng, *shape)
@@ -247,7 +263,7 @@ def test_linear_weight_only_strategies(rng, shape, strategy):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("strategy", _kernels.INT8_STRATEGIES)
+@pytest.mark.parametrize("strategy", strategies(_kernels.INT8_STRATEGIES))
 def test_linear_int8_activation_strategies(rng, shape, strategy):
     needs(strategy)
     x, qvalue, scale = linear_data(rng, *shape)
@@ -262,7 +278,9 @@ def test_linear_leading_axes_and_vectors(rng):
     x = rng.standard_normal((2, 3, 64)).astype(np.float32)
     _, qvalue, scale = linear_data(rng, 1, 64, 16)
     for strategy in _kernels.WEIGHT_ONLY_STRATEGIES:
-        if strategy == "kernel" and not _ffi.available():
+        if (strategy == "kernel" and not _ffi.available()) or (
+            strategy in CPU_STRATEGIES and jax.default_backend() != "cpu"
+        ):
             continue
         got = _kernels.linear(jnp.asarray(x), qvalue, scale, "float32", strategy)
         assert rel_err(got, ref.linear_q(x, qvalue, scale)) <= TOLERANCE[strategy]
@@ -270,6 +288,7 @@ def test_linear_leading_axes_and_vectors(rng):
         assert got.shape == (16,)
 
 
+@pytest.mark.cpu_only("the strategy the CPU chooses")
 @pytest.mark.parametrize(
     ("m", "activations"),
     [(1, "float32"), (8, "float32"), (256, "float32"), (1, "int8"), (8, "int8")],
