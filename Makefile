@@ -9,7 +9,7 @@ HOST ?= 127.0.0.1
 SCRATCH ?= $(or $(TMPDIR),/tmp)/qarray-serve
 
 .PHONY: test-kernels test-kernels-arm test-kernels-avx512-emulated test-kernels-amx-emulated
-.PHONY: setup test test-fast image test-image lint serve bench bench-peers soak test-compat clean docs browser gpu-check
+.PHONY: setup test test-fast test-accelerator image test-image lint serve bench bench-peers soak test-compat clean docs browser gpu-check
 
 setup: $(STAMP)
 
@@ -62,6 +62,13 @@ FAST_TESTS := tests/qarray/test_numerics.py tests/tesseract/test_settings.py \
 	tests/tesseract/test_batching.py tests/test_boundaries.py
 test-fast: setup
 	$(PY) -m pytest -q -x $(FAST_TESTS)
+
+# the accelerator suite (tests/qarray, the JAX recipes, the in-process
+# Tesseract tests) on this machine's TPU (ACCELERATOR=gpu: its GPU), one
+# process; needs a jax that sees the device in $(PY) (docs/accelerators.md)
+ACCELERATOR ?= tpu
+test-accelerator:
+	scripts/test_accelerator.sh $(PY) $(ACCELERATOR)
 
 # headless Chromium for the /docs page test (installed when root on Debian)
 browser:
