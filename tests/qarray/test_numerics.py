@@ -63,7 +63,7 @@ def test_round_half_to_even_and_clip():
 
 def test_all_zero_rows_give_zero_and_no_nan():
     x = np.zeros((3, 4), np.float32)
-    x[1] = [1.0, -2.0, 0.0, 4.0]
+    x[1] = [1.0, -2.5, 0.0, 4.0]
     q = jax.jit(qa.quantize)(jnp.asarray(x))
     np.testing.assert_array_equal(np.asarray(q.qvalue)[[0, 2]], 0)
     np.testing.assert_array_equal(np.asarray(q.scale)[[0, 2]], 0.0)
@@ -71,6 +71,26 @@ def test_all_zero_rows_give_zero_and_no_nan():
     assert np.isfinite(back).all()
     np.testing.assert_array_equal(back[[0, 2]], 0.0)
     np.testing.assert_allclose(back[1], ref.roundtrip(x)[1])
+
+
+def test_ties_round_half_to_even():
+    """x / scale landing on a half level rounds to the even level: -2 /
+    (4 / 127) is -63.5 in float32, so -64. A TPU divides within an ulp, not
+    correctly rounded, so there a tie may take its other neighbour (one
+    level, and only at a tie); every other entry is exact everywhere."""
+    x = np.array([[1.0, -2.0, 0.0, 4.0], [0.5, 1.5, -2.5, 127.0]], np.float32)
+    want, want_scale = ref.quantize(x)
+    q = jax.jit(qa.quantize)(jnp.asarray(x))
+    got = np.asarray(q.qvalue).astype(int)
+    np.testing.assert_array_equal(np.asarray(q.scale), want_scale)
+    quotient = x / want_scale[:, None]
+    ties = np.abs(quotient - np.trunc(quotient)) == 0.5
+    assert ties.any() and want[0, 1] == -64
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_array_equal(got[~ties], want[~ties])
+        assert (np.abs(got - want)[ties] <= 1).all()
 
 
 def test_qvalues_stay_in_symmetric_range(rng):
