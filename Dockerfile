@@ -7,8 +7,12 @@
 # Build arguments:
 #   BASE_IMAGE  any Debian-like image with Python >= 3.12, venv and `useradd`
 #               (default: the slim Python 3.12 image from Docker Hub)
-#   JAX         "cuda13" (default: jax's CUDA 13 wheels) or "cpu" (CPU-only jax:
-#               a smaller image, what `make test-image` builds)
+#   JAX         "cuda13" (default: jax's CUDA 13 wheels), "tpu" (jax[tpu]: the
+#               pinned jax with the libtpu wheel its extra pins; run it on a
+#               Cloud TPU VM with --privileged --net=host, docs/tpu-image.md)
+#               or "cpu" (CPU-only jax: a smaller image, what `make test-image`
+#               builds). Every variant serves on the CPU where its accelerator
+#               is absent.
 # The install runs scripts/install.sh, the script `make setup` runs, on the same
 # pinned tesseract_requirements.txt, in a build stage that also compiles
 # qarray's CPU kernels (g++ from the base image's apt); the image itself has no
@@ -31,10 +35,16 @@ WORKDIR /opt/qarray
 # (its code, pyproject.toml, the README) rebuilds only the layer below
 COPY tesseract_requirements.txt ./
 COPY scripts/install.sh scripts/build_kernels.sh scripts/
+# JAX=tpu swaps the pinned jax's extra for [tpu] in the build stage's copy of
+# the requirements (the same version; its extra pins libtpu); the runtime
+# install below reads the same copy
 RUN case "$JAX" in \
         cuda13) jax_option= ;; \
+        tpu) jax_option= \
+            && sed -i 's/^jax\[[a-z0-9,_-]*\]==/jax[tpu]==/' tesseract_requirements.txt \
+            && grep -q '^jax\[tpu\]==' tesseract_requirements.txt ;; \
         cpu) jax_option=--cpu ;; \
-        *) echo "build argument JAX must be cuda13 or cpu, got '$JAX'" >&2; exit 2 ;; \
+        *) echo "build argument JAX must be cuda13, tpu or cpu, got '$JAX'" >&2; exit 2 ;; \
     esac \
     && python -m venv /opt/venv \
     && scripts/install.sh /opt/venv/bin/python requirements $jax_option

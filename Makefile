@@ -9,7 +9,7 @@ HOST ?= 127.0.0.1
 SCRATCH ?= $(or $(TMPDIR),/tmp)/qarray-serve
 
 .PHONY: test-kernels test-kernels-arm test-kernels-avx512-emulated test-kernels-amx-emulated
-.PHONY: setup test test-fast test-accelerator image test-image lint serve bench bench-peers soak test-compat clean docs browser gpu-check
+.PHONY: setup test test-fast test-accelerator image test-image image-tpu test-image-tpu lint serve bench bench-peers soak test-compat clean docs browser gpu-check
 
 setup: $(STAMP)
 
@@ -101,6 +101,18 @@ test-image: setup image
 		QARRAY_TEST_OPERATOR_IMAGE=$(OPERATOR_IMAGE) \
 		$(if $(BASE_IMAGE),BASE_IMAGE=$(BASE_IMAGE)) \
 		$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests/image
+
+# the image's TPU variant (JAX=tpu: jax[tpu] with the libtpu its extra pins),
+# built and served here on the CPU (JAX falls back to it without a chip):
+# health, apply against NumPy, a bad request, the installed runtime. Not part
+# of test-image (the libtpu wheel is large). Running it on a Cloud TPU VM:
+# docs/tpu-image.md
+IMAGE_TPU ?= qarray:tpu-test
+image-tpu:
+	docker build --network host --build-arg JAX=tpu \
+		$(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t $(IMAGE_TPU) .
+test-image-tpu: setup image-tpu
+	QARRAY_TEST_TPU_IMAGE=$(IMAGE_TPU) $(PY) -m pytest tests/image/test_tpu_image.py
 
 lint: setup
 	$(PY) -m ruff check .

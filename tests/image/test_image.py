@@ -21,6 +21,15 @@ from tesseract_core import Tesseract
 from qarray.checkpoint import save_model
 from support import network as net
 from support.server import ROOT, b64, decode, encode, free_port
+from tests.image.checks import (
+    ATOL,
+    RTOL,
+    check_apply_and_vjp,
+    check_bad_input_is_a_small_4xx,
+    check_hostile_binref_refused,
+    post,
+    request_inputs,
+)
 from tests.image.docker import (
     docker,
     final_instruction,
@@ -32,80 +41,6 @@ from tests.image.docker import (
 IMAGE = os.environ["QARRAY_TEST_IMAGE"]
 BASE_IMAGE = os.environ.get("BASE_IMAGE", "local/debian-python:trixie")
 TESSERACT = Path(sys.executable).with_name("tesseract")
-RTOL = ATOL = 2e-4
-TIMEOUT = 120
-
-# a file inside the container that the stock runtime would happily read as a
-# float32 array if a client named it in a binref
-SECRET = "/tmp/secret.bin"
-SECRET_VALUE = 4321.5
-
-
-def request_inputs(rng):
-    """A 2-layer request (both layouts, a nonlinearity) and its NumPy reference:
-    y and the VJP for x."""
-    inputs = {
-        "x": net.normal(rng, (3, 4)),
-        "layers": [
-            net.make_layer(rng, 4, 5, "kn", "w", True, "relu"),
-            net.make_layer(rng, 5, 2, "nk", "w_q", True, "none"),
-        ],
-    }
-    y = net.forward(inputs)
-    g = net.normal(rng, y.shape)
-    return inputs, y, g, net.vjp(inputs, g)["x"]
-
-
-def post(url, endpoint, payload):
-    return requests.post(f"{url}/{endpoint}", json=payload, timeout=TIMEOUT)
-
-
-def hostile_binref_request(rng):
-    inputs, *_ = request_inputs(rng)
-    payload = encode(inputs)
-    payload["x"] = {
-        "object_type": "array",
-        "shape": [1, 4],
-        "dtype": "float32",
-        "data": {"buffer": f"{SECRET}:0", "encoding": "binref"},
-    }
-    return {"inputs": payload}
-
-
-def check_hostile_binref_refused(url, container, rng):
-    """A binref naming an absolute path is refused by the guard, unread."""
-    docker(
-        "exec",
-        container,
-        "python",
-        "-c",
-        f"import numpy as n; n.full(4, {SECRET_VALUE}, n.float32).tofile('{SECRET}')",
-    )
-    response = post(url, "apply", hostile_binref_request(rng))
-    assert response.status_code == 422, response.text[:2000]
-    assert "must be a relative path inside the input folder" in response.text
-    assert str(SECRET_VALUE) not in response.text
-    assert requests.get(f"{url}/health", timeout=10).status_code == 200
-
-
-def check_apply_and_vjp(url, rng):
-    inputs, y, g, gx = request_inputs(rng)
-    response = post(url, "apply", {"inputs": encode(inputs)})
-    assert response.status_code == 200, response.text[:2000]
-    out = decode(response.json())
-    np.testing.assert_allclose(out["y"], y, rtol=RTOL, atol=ATOL)
-    response = post(
-        url,
-        "vector_jacobian_product",
-        {
-            "inputs": encode(inputs),
-            "vjp_inputs": ["x"],
-            "vjp_outputs": ["y"],
-            "cotangent_vector": {"y": b64(g)},
-        },
-    )
-    assert response.status_code == 200, response.text[:2000]
-    np.testing.assert_allclose(decode(response.json())["x"], gx, rtol=RTOL, atol=ATOL)
 
 
 @pytest.fixture(scope="module")
@@ -161,13 +96,7 @@ def test_image_runs_the_cpu_kernels_without_a_compiler(served):
 
 def test_bad_input_is_a_4xx_naming_the_field(served, rng):
     url, _ = served
-    inputs, *_ = request_inputs(rng)
-    payload = encode(inputs)
-    payload["layers"][1]["bias"] = b64(np.zeros(7, np.float32))
-    response = post(url, "apply", {"inputs": payload})
-    assert 400 <= response.status_code < 500, response.text[:2000]
-    assert "layers.[1].bias" in response.text and "(7,)" in response.text
-    assert requests.get(f"{url}/health", timeout=10).status_code == 200
+    check_bad_input_is_a_small_4xx(url, rng)
 
 
 def test_container_stops_cleanly():
