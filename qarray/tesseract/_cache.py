@@ -4,8 +4,9 @@ A training step through a Tesseract is an apply then a vector_jacobian_product
 on the same inputs. ``ResidualCache.apply`` runs the forward pass and its
 pullback in one compiled call (``jax.vjp`` inside ``jit``: the pullback is a
 pytree of residuals) and keeps it in an LRU under a key of the request's host
-arrays; ``ResidualCache.vjp`` runs the kept pullback for the requested paths
-only. On a miss the caller recomputes (tesseract-core's ``jax_vjp``).
+arrays and the device the call ran on; ``ResidualCache.vjp`` runs the kept
+pullback for the requested paths only. On a miss the caller recomputes
+(tesseract-core's ``jax_vjp``). ``hits`` and ``misses`` count the lookups.
 
 Why not tesseract-core's own cache (``jax_apply``): it stores an eager
 ``jax.vjp`` (Python dispatch on every call) under a key that fingerprints the
@@ -163,9 +164,28 @@ def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
     return np.array_equal(raw(a), raw(b))
 
 
+def default_device() -> jax.Device:
+    """The device JAX places a compiled call of host arrays on: the
+    ``jax.default_device`` in force (a device, or a platform's first),
+    else ``jax.devices()[0]`` (a TPU chip where there is one)."""
+    device = jax.config.jax_default_device
+    if device is None or isinstance(device, str):
+        return jax.devices(device)[0]
+    return device
+
+
 class _HostKey:
-    """An LRU key naming one request's arrays (host copies, as decoded) and
-    the static rest of the request.
+    """An LRU key naming one request's arrays (host copies, as decoded), the
+    static rest of the request, and the device the call is placed on
+    (``default_device``).
+
+    The device: a kept pullback's residuals stay on the device that computed
+    them, uncommitted, so a VJP placed on another (a ``jax.default_device``
+    block, a host with a CPU beside its accelerator) would copy every
+    residual over to run there. Such a VJP misses instead and computes where
+    it is placed. (A resident model on a mesh is committed to it and
+    computes there whatever the default; its key names the default device
+    alike.)
 
     Hashes a strided sample of every array (4096 elements each: a cheap hash), and
     compares the whole arrays, bitwise (-0.0 != 0.0), only when the hashes
@@ -176,7 +196,9 @@ class _HostKey:
 
     def __init__(self, fn: Callable, arrays: list, static: tuple):
         self.arrays = tuple(np.asarray(a) for a in arrays if a is not None)
-        self.meta = (fn, static, tuple((a.dtype.str, a.shape) for a in self.arrays))
+        self.device = default_device()
+        shapes = tuple((a.dtype.str, a.shape) for a in self.arrays)
+        self.meta = (fn, static, shapes, self.device)
         samples = []
         for a in self.arrays:
             flat = a.reshape(-1)
@@ -224,6 +246,9 @@ class ResidualCache:
         self.size = size
         self.min_flops = min_flops
         self.min_intensity = min_intensity
+        # VJP lookups that found a kept pullback / did not (``pullback``)
+        self.hits = 0
+        self.misses = 0
         self._entries: OrderedDict = OrderedDict()
         self._lock = threading.Lock()  # endpoints run on several threads
         self._keep: dict = {}  # residuals to keep, per request signature
@@ -327,13 +352,13 @@ class ResidualCache:
         half, which the endpoints run in the batcher's turn: the lookup
         needs none); None if none was kept."""
         self._applies_without_vjp = 0  # VJPs follow applies: store again
-        if not self._entries:
-            return None
-        key = _HostKey(fn, *split_request(inputs))
+        key = _HostKey(fn, *split_request(inputs)) if self._entries else None
         with self._lock:
-            entry = self._take(key)
-        if entry is None:
-            return None
+            entry = None if key is None else self._take(key)
+            if entry is None:
+                self.misses += 1
+                return None
+            self.hits += 1
         paths = tuple(sorted(paths))
         return lambda cotangents: _run_pullback(
             entry.kept,

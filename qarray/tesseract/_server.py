@@ -1,9 +1,14 @@
 """The server: tesseract-core's app for a qarray Tesseract, behind the guard.
 
     qarray-serve serve --host 0.0.0.0 --port 8000 [--num-workers N]
+    qarray-serve serve --uds /tmp/qarray.sock [--num-workers N]
 
 takes the arguments ``tesseract-runtime serve`` takes (``tesseract serve`` runs
-images that way; the other commands are ``qarray.tesseract._cli``'s.
+images that way; the other commands are ``qarray.tesseract._cli``'s), and
+``--uds PATH``, which ``tesseract-runtime serve`` does not: uvicorn's, the
+server bound to a Unix domain socket at PATH instead of a TCP port (hosts
+that refuse TCP sockets, such as the TPU hosts we borrow; a proxy on the
+same host).
 
 The served API docs (``/docs``, ReDoc) load their script from an installed
 package (``fastapi-offline``) instead of a CDN, so they render on machines
@@ -152,13 +157,19 @@ def create_app():
 
 
 def serve(argv: list[str]) -> int | None:
-    """``qarray-serve serve [--host H] [--port P] [--num-workers N]``."""
+    """``qarray-serve serve [--host H] [--port P | --uds PATH] [--num-workers N]``."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="qarray-serve serve")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--num-workers", type=int, default=1)
+    parser.add_argument(
+        "--uds",
+        default=None,
+        metavar="PATH",
+        help="bind a Unix domain socket at PATH instead of --host / --port",
+    )
     # Tesseract.from_source (through shared_memory_tesseract) hands the server
     # the read end of a pipe its client holds: EOF there means the client is
     # gone, and the server stops rather than outlive it
@@ -183,6 +194,7 @@ def serve(argv: list[str]) -> int | None:
         factory=True,
         host=args.host,
         port=args.port,
+        uds=args.uds,
         timeout_keep_alive=KEEP_ALIVE_S,
         http=OneWriteHTTPProtocol,
     )
@@ -198,4 +210,6 @@ def _supervise(args) -> None:
     os.environ[_WORKER_SLOTS] = f"{slots}:{args.num_workers}"
     shared = make_shared_folder()
     os.environ[SHARED_WEIGHTS_ENV] = str(shared)
-    supervise(args.host, args.port, args.num_workers, (Path(slots), shared))
+    supervise(
+        args.host, args.port, args.num_workers, (Path(slots), shared), uds=args.uds
+    )

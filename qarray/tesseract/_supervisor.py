@@ -67,10 +67,17 @@ def _default_signals_in_child() -> None:
                       else signal.SIG_DFL)  # fmt: skip
 
 
-def supervise(host: str, port: int, workers: int, folders: tuple[Path, ...]) -> None:
-    """uvicorn's multi-worker supervisor over ``APP``, its workers forked
-    from this process after ``preload`` (module doc); removes ``folders``
-    (the workers' slots, the shared weights': a segment is memory while it
+def supervise(
+    host: str,
+    port: int,
+    workers: int,
+    folders: tuple[Path, ...],
+    uds: str | None = None,
+) -> None:
+    """uvicorn's multi-worker supervisor over ``APP`` (on the Unix socket
+    ``uds`` where given, else ``host:port``), its workers forked from this
+    process after ``preload`` (module doc); removes ``folders`` (the
+    workers' slots, the shared weights': a segment is memory while it
     exists) when it ends."""
     from ._workarounds import (
         OneWriteHTTPProtocol,
@@ -90,6 +97,7 @@ def supervise(host: str, port: int, workers: int, folders: tuple[Path, ...]) -> 
             factory=True,
             host=host,
             port=port,
+            uds=uds,
             workers=workers,
             timeout_keep_alive=KEEP_ALIVE_S,
             http=OneWriteHTTPProtocol,

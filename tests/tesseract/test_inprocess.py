@@ -215,6 +215,10 @@ def api_module(monkeypatch):
     import tesseract_api
 
     monkeypatch.setattr(tesseract_api.RUNTIME.cache, "min_intensity", 0)
+    # storing on, as a client's first step finds it: the module may be the
+    # ``tess`` fixture's, whose earlier applies with no VJP (inference
+    # traffic, test_apply's) turned it off until a VJP request
+    monkeypatch.setattr(tesseract_api.RUNTIME.cache, "_applies_without_vjp", 0)
     assert sys.modules["tesseract_api"] is tesseract_api
     return tesseract_api
 
