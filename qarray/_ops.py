@@ -93,7 +93,8 @@ def check_precision(name: str, precision):
         except ValueError:
             pass
     elif isinstance(precision, tuple | list) and len(precision) == 2:
-        return tuple(check_precision(name, p) for p in precision)
+        if not any(isinstance(p, tuple | list) for p in precision):
+            return tuple(check_precision(name, p) for p in precision)
     raise ValueError(
         f"{name} requires precision None, 'default', 'high', 'highest', a "
         f"jax.lax.Precision or a pair of them, got {precision!r}."

@@ -58,33 +58,67 @@ import qarray.nn as qnn  # noqa: E402
 from qarray.checkpoint import load_tree, save_tree  # noqa: E402
 
 
+def as_dtype(model, dtype):
+    """``model`` with every float array in ``dtype`` (a float model, or a
+    trainable quantized one: a stored layer's scales stay float32)."""
+    return jax.tree.map(
+        lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, model
+    )
+
+
 def train(
-    log_k, u, steps: int, seed: int = 0, batch: int = 16, model_class=Surrogate, lr=2e-3
-):
-    """``model_class(key, u_scale=...)`` (the surrogate) trained in float32,
-    Adam with cosine decay from ``lr`` on the relative MSE."""
+    log_k, u, steps: int, seed: int = 0, batch: int = 16, model_class=Surrogate,
+    lr=2e-3, *, dtype="float32", param_dtype=None, qat: bool = False,
+    on_step=None,
+):  # fmt: skip
+    """``model_class(key, u_scale=...)`` (the surrogate) trained with Adam,
+    cosine decay from ``lr``, on the relative MSE. ``dtype``: the
+    computation's (activations, and the parameters as the forward pass sees
+    them; the loss in float32); ``param_dtype``: the parameters' as trained
+    and returned (default ``dtype``; "float32" with a bfloat16 ``dtype``:
+    mixed precision, float32 master weights). ``qat``: quantization-aware
+    (``qnn.quantize(trainable=True)``: int8 weights, quantized on every
+    call). ``on_step(i, loss)`` after every step (default: the loss printed
+    ten times)."""
+    param_dtype = dtype if param_dtype is None else param_dtype
     scale = float(np.sqrt((u**2).mean()))
     model = model_class(jax.random.key(seed), u_scale=scale)
+    model = qnn.quantize(model, trainable=True) if qat else model
+    model = as_dtype(model, param_dtype)
     optimizer = optax.adam(optax.cosine_decay_schedule(lr, steps, alpha=0.02))
     state = optimizer.init(eqx.filter(model, eqx.is_array))
 
     @eqx.filter_jit
     def step(model, state, x, y):
         def loss(m):
-            pred = jax.vmap(m)(x[:, None])[:, 0]
-            return jnp.mean((pred - y) ** 2) / scale**2
+            pred = jax.vmap(as_dtype(m, dtype))(x[:, None].astype(dtype))[:, 0]
+            return jnp.mean((pred.astype(jnp.float32) - y) ** 2) / scale**2
 
         value, grads = eqx.filter_value_and_grad(loss)(model)
         updates, state = optimizer.update(grads, state)
-        return eqx.apply_updates(model, updates), state, value
+        # in the parameters' dtype: equinox adds float32 updates as they come
+        return as_dtype(eqx.apply_updates(model, updates), param_dtype), state, value
 
     rng = np.random.default_rng(seed)
     for i in range(steps):
         pick = rng.integers(0, len(log_k), batch)
         model, state, value = step(model, state, log_k[pick], u[pick])
-        if i % max(1, steps // 10) == 0:
+        if on_step is not None:
+            on_step(i, value)
+        elif i % max(1, steps // 10) == 0:
             print(f"  step {i:5d}  loss {float(value):.3e}", flush=True)
     return model
+
+
+def add_dtype_flag(parser) -> None:
+    """``--dtype``: the training's (the trained model is then served as
+    float32 and int8, the Tesseract's contract)."""
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="parameters and activations while training (the loss float32)",
+    )
 
 
 def nbytes(model) -> int:
@@ -189,6 +223,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=None, help="training steps")
     parser.add_argument("--inverse-steps", type=int, default=None)
     parser.add_argument("--out", type=Path, default=Path("cnn_surrogate_results"))
+    add_dtype_flag(parser)
     args = parser.parse_args(argv)
     steps = args.steps or (60 if args.quick else 3000)
     inverse_steps = args.inverse_steps or (15 if args.quick else 300)
@@ -206,7 +241,7 @@ def main(argv=None) -> dict:
         seconds = time.perf_counter() - t0
         print(f"data: {train_count} + {test_count} solves in {seconds:.1f} s")
         t0 = time.perf_counter()
-        model = train(train_k, train_u, steps)
+        model = as_dtype(train(train_k, train_u, steps, dtype=args.dtype), "float32")
         print(f"training: {steps} steps in {time.perf_counter() - t0:.1f} s")
         model_file = args.save or args.out / "surrogate.safetensors"
         save_tree(model_file, model)

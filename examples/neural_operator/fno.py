@@ -61,7 +61,8 @@ class FNO(eqx.Module):
 
     def __call__(self, log_k, *, key=None):
         grid = log_k.shape[-1]
-        h = self.lift(jnp.concatenate([log_k, coordinates(grid)]))
+        # the coordinates in the field's dtype: a bfloat16 model stays bfloat16
+        h = self.lift(jnp.concatenate([log_k, coordinates(grid).astype(log_k.dtype)]))
         h = jnp.pad(h, ((0, 0), (0, PAD), (0, PAD)))
         for i, (spectral, pointwise) in enumerate(
             zip(self.spectral, self.pointwise, strict=True)

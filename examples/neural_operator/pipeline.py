@@ -93,6 +93,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=None, help="training steps")
     parser.add_argument("--inverse-steps", type=int, default=None)
     parser.add_argument("--out", type=Path, default=Path("neural_operator_results"))
+    cnn.add_dtype_flag(parser)
     args = parser.parse_args(argv)
     steps = args.steps or (60 if args.quick else 3000)
     inverse_steps = args.inverse_steps or (15 if args.quick else 300)
@@ -110,7 +111,10 @@ def main(argv=None) -> dict:
         seconds = time.perf_counter() - t0
         print(f"data: {train_count} + {test_count} solves in {seconds:.1f} s")
         t0 = time.perf_counter()
-        model = cnn.train(train_k, train_u, steps, model_class=FNO, lr=3e-3)
+        model = cnn.train(
+            train_k, train_u, steps, model_class=FNO, lr=3e-3, dtype=args.dtype
+        )
+        model = cnn.as_dtype(model, "float32")
         print(f"training: {steps} steps in {time.perf_counter() - t0:.1f} s")
         model_file = args.save or args.out / "fno.safetensors"
         save_tree(model_file, model)

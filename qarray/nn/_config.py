@@ -8,6 +8,7 @@ from typing import ClassVar
 
 from .._ops import ACTIVATION_PRECISIONS, PRECISIONS, check_group_size
 from ._calibrate import METHODS
+from ._weights import MatmulPrecision, checked_matmul_precision
 
 STATIC_MODES = (False, True, "tensor", "channel")
 CLIPS = ("mse", "absmax")
@@ -29,6 +30,17 @@ class QuantConfig:
     calibration data); ``clip``: how a static range is chosen, "mse" (the
     clipping range with the least squared quantization error on the data)
     or "absmax" (the data's absolute maximum).
+
+    ``matmul_precision``: the ``precision`` every quantized layer passes to
+    its products (``linear_q``, ``matmul_q``, ``conv_q``; a
+    ``SpectralConv``'s mixing, a LoRA adapter's), with JAX's meaning (as
+    ``jnp.dot``'s): None, "default", "high", "highest", a
+    ``jax.lax.Precision`` or a pair of them (x's, the weights'); kept as
+    given (a list as a tuple), a ValueError naming the field otherwise. The
+    default, None, is ``jax.default_matmul_precision``: on CPU the products
+    are float32-exact whatever is asked; on a TPU the default is one
+    bfloat16 pass over the activations, "highest" float32 throughout. It
+    is not the weights' bits: that is ``precision``.
     """
 
     precision: str = "int8"
@@ -38,6 +50,7 @@ class QuantConfig:
     smoothquant: float | None = None
     static: bool | str = False
     clip: str = "mse"
+    matmul_precision: MatmulPrecision = None
 
     # each field's choices, for command lines and schemas
     precisions: ClassVar[tuple[str, ...]] = PRECISIONS
@@ -49,6 +62,12 @@ class QuantConfig:
         _one_of("activations", self.activations, ACTIVATION_PRECISIONS)
         _one_of("method", self.method, METHODS)
         _one_of("clip", self.clip, CLIPS)
+        # frozen: the checked value is set past the dataclass's guard
+        object.__setattr__(
+            self,
+            "matmul_precision",
+            checked_matmul_precision("QuantConfig", self.matmul_precision),
+        )
         if self.static not in STATIC_MODES or not isinstance(self.static, bool | str):
             raise ValueError(
                 f"QuantConfig: static must be one of {STATIC_MODES}, got "

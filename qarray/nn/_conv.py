@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .._conv import conv_q
+from .._ops import FLOAT_DTYPES
 from ._inputs import InputScales, check_input_scales
 from ._linear import (
     _dtype_str,
@@ -19,7 +19,11 @@ from ._linear import (
     checked_group_size,
     stored_width,
 )
-from ._weights import QuantizedWeights
+from ._weights import (
+    MatmulPrecision,
+    QuantizedWeights,
+    checked_matmul_precision,
+)
 
 
 class Conv(QuantizedWeights, InputScales, eqx.Module):
@@ -32,8 +36,11 @@ class Conv(QuantizedWeights, InputScales, eqx.Module):
     QArray ``quantize(w.reshape(out, -1))``, one scale per output channel
     (``conv_q``). As ``Linear``: stored (``qvalue (out, C / groups *
     prod(kernel_size))`` int8 and ``scale (out,)``) for serving, or trainable
-    (``weight`` float32, quantized on every call, straight-through gradient).
-    ``bias``: ``(out,)``.
+    (``weight`` float32, bfloat16 or float16, quantized on every call,
+    straight-through gradient in its dtype). ``bias``: ``(out,)``. ``x``
+    float32, bfloat16 or float16, the output in x's dtype (the bias added
+    in it) and ``matmul_precision`` the convolution's ``precision``, as
+    ``Linear``'s.
 
     ``precision="int4"`` (weight-only): each row of ``w.reshape(out, -1)`` in
     groups of ``group_size`` (which must divide ``C / groups *
@@ -59,6 +66,7 @@ class Conv(QuantizedWeights, InputScales, eqx.Module):
     precision: str = eqx.field(static=True)
     group_size: int | None = eqx.field(static=True)  # int4 only
     stored_error: float | None = eqx.field(static=True)
+    matmul_precision: MatmulPrecision = eqx.field(static=True)
 
     def __init__(
         self,
@@ -78,6 +86,7 @@ class Conv(QuantizedWeights, InputScales, eqx.Module):
         group_size: int | None = None,
         channel_scale=None,
         activation_scale=None,
+        matmul_precision=None,
     ):
         check_modes(
             "Conv", activations, weight, qvalue, scale, "qvalue, scale and kernel_size"
@@ -106,7 +115,7 @@ class Conv(QuantizedWeights, InputScales, eqx.Module):
                     f"input channels for kernel_size {kernel_size}."
                 )
         else:
-            _require("weight", weight, np.float32, 3, "Conv")
+            _require("weight", weight, FLOAT_DTYPES, 3, "Conv")
             if not 3 <= weight.ndim <= 5:
                 raise TypeError(
                     "Conv requires weight (out, C / groups, *kernel_size) with 1 "
@@ -147,7 +156,7 @@ class Conv(QuantizedWeights, InputScales, eqx.Module):
         )
         self.precision, self.group_size = precision, group_size
         if bias is not None:
-            _require("bias", bias, np.float32, 1, "Conv")
+            _require("bias", bias, FLOAT_DTYPES, 1, "Conv")
             if tuple(bias.shape) != (self.out_channels,):
                 raise TypeError(
                     f"Conv requires bias of shape ({self.out_channels},), got "
@@ -162,6 +171,9 @@ class Conv(QuantizedWeights, InputScales, eqx.Module):
             activations,
         )
         self.channel_scale, self.activation_scale = channel_scale, activation_scale
+        self.matmul_precision = checked_matmul_precision(
+            type(self).__name__, matmul_precision
+        )
 
     @property
     def _input_channels(self) -> int:
@@ -176,10 +188,10 @@ class Conv(QuantizedWeights, InputScales, eqx.Module):
         trainable: bool = False,
         **conv,
     ) -> Conv:
-        """A layer from float32 weights ``(out, C / groups, *kernel_size)``,
+        """A layer from float weights ``(out, C / groups, *kernel_size)``,
         kept float and quantized every call (``trainable=True``) or stored
         quantized (the default); ``conv``: stride, padding, dilation, groups,
-        activations, precision, group_size."""
+        activations, precision, group_size, matmul_precision."""
         bias = None if bias is None else jnp.asarray(bias).reshape(-1)
         layer = cls(jnp.asarray(weight), bias, **conv)
         return layer if trainable else layer.frozen()
@@ -193,6 +205,7 @@ class Conv(QuantizedWeights, InputScales, eqx.Module):
         activations="float32",
         precision="int8",
         group_size=None,
+        matmul_precision=None,
     ):
         """The quantized counterpart of an ``eqx.nn.Conv`` (zero padding;
         ``ConvTranspose``: of an ``eqx.nn.ConvTranspose``)."""
@@ -212,6 +225,7 @@ class Conv(QuantizedWeights, InputScales, eqx.Module):
             activations=activations,
             precision=precision,
             group_size=group_size,
+            matmul_precision=matmul_precision,
             **cls._eqx_extras(conv),
         )
 
@@ -250,7 +264,9 @@ class Conv(QuantizedWeights, InputScales, eqx.Module):
         y = conv_q(x, qw, self.kernel_size, **parameters)
         if self.bias is None:
             return y
-        return y + self.bias.reshape(-1, *(1,) * len(self.kernel_size))
+        # the bias in x's dtype: the output's (class doc)
+        bias = self.bias.astype(y.dtype)
+        return y + bias.reshape(-1, *(1,) * len(self.kernel_size))
 
     def _conv_parameters(self) -> dict:
         """``conv_q``'s keyword arguments for this layer."""
@@ -260,6 +276,7 @@ class Conv(QuantizedWeights, InputScales, eqx.Module):
             "rhs_dilation": self.dilation,
             "feature_group_count": self.groups,
             "activations": self.activations,
+            "precision": self.matmul_precision,
         }
 
 
@@ -345,4 +362,5 @@ class ConvTranspose(Conv):
             "rhs_dilation": self.dilation,
             "feature_group_count": self.groups,
             "activations": self.activations,
+            "precision": self.matmul_precision,
         }

@@ -5,11 +5,12 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._ops import PRECISION_BITS
 from .._primitives import dequantize, pack, quantize
 from ._linear import check_modes, checked_group_size, checked_parts
-from ._weights import QuantizedWeights
+from ._weights import MatmulPrecision, QuantizedWeights, checked_matmul_precision
 
 
 class Embedding(QuantizedWeights, eqx.Module):
@@ -22,8 +23,15 @@ class Embedding(QuantizedWeights, eqx.Module):
     int4 packed with one scale per group of ``group_size`` entries. Stored
     (``qvalue``, ``scale``): the lookup reads the row's integers and scales,
     and the gradient with respect to the scales is exact; trainable
-    (``weight`` float32): the looked-up row is quantized on every call, with a
-    straight-through gradient. ``precision="float32"`` keeps the table as it is.
+    (``weight`` float32, bfloat16 or float16): the looked-up row is quantized
+    on every call, with a straight-through gradient in the table's dtype.
+    ``precision="float32"`` keeps the table as it is.
+
+    Lookups answer in the float table's dtype: the trainable table's own, a
+    stored one's ``dtype`` (recorded when it was quantized: a bfloat16
+    model's embeddings stay bfloat16). ``matmul_precision`` is the
+    precision of a ``qnn.lora`` adapter's product on this table (a lookup
+    has none of its own); ``QuantConfig`` gives it to every layer.
     """
 
     weight: jax.Array | None
@@ -32,6 +40,8 @@ class Embedding(QuantizedWeights, eqx.Module):
     precision: str = eqx.field(static=True)
     group_size: int | None = eqx.field(static=True)
     stored_error: float | None = eqx.field(static=True)
+    dtype: str = eqx.field(static=True)  # the lookups' (a dtype's name)
+    matmul_precision: MatmulPrecision = eqx.field(static=True)
 
     def __init__(
         self,
@@ -42,13 +52,21 @@ class Embedding(QuantizedWeights, eqx.Module):
         precision: str = "int8",
         group_size: int | None = None,
         stored_error: float | None = None,
+        dtype=None,
+        matmul_precision=None,
     ):
+        """``dtype``: a stored table's lookups' (default float32); a float
+        ``weight`` gives its own (``dtype`` is then not used)."""
         group_size = checked_group_size("Embedding", precision, group_size, "float32")
         check_modes("Embedding", "float32", weight, qvalue, scale, "qvalue and scale")
         checked_parts("Embedding", weight, qvalue, scale, precision, group_size)
         self.weight, self.qvalue, self.scale = weight, qvalue, scale
         self.precision, self.group_size = precision, group_size
         self.stored_error = stored_error
+        if weight is not None:
+            dtype = weight.dtype
+        self.dtype = np.dtype(np.float32 if dtype is None else dtype).name
+        self.matmul_precision = checked_matmul_precision("Embedding", matmul_precision)
 
     @classmethod
     def from_eqx(
@@ -58,12 +76,16 @@ class Embedding(QuantizedWeights, eqx.Module):
         trainable: bool = False,
         precision: str = "int8",
         group_size: int | None = None,
+        matmul_precision=None,
     ) -> Embedding:
         """The quantized counterpart of an ``eqx.nn.Embedding``: its table kept
         float and quantized row by row on every call (``trainable=True``) or
         quantized now and stored."""
         table = cls(
-            jnp.asarray(layer.weight), precision=precision, group_size=group_size
+            jnp.asarray(layer.weight),
+            precision=precision,
+            group_size=group_size,
+            matmul_precision=matmul_precision,
         )
         return table if trainable else table.frozen()
 
@@ -81,8 +103,8 @@ class Embedding(QuantizedWeights, eqx.Module):
         if self.precision == "float32":
             return jnp.asarray(self.weight)[x]
         if self.trainable:  # straight-through: the identity for cotangents
-            return dequantize(self._quantized(jnp.asarray(self.weight)[x][None]))[0]
+            row = jnp.asarray(self.weight)[x]
+            return dequantize(self._quantized(row[None]))[0].astype(row.dtype)
         qvalue, scale = jnp.asarray(self.qvalue)[x], jnp.asarray(self.scale)[x]
-        return dequantize(pack(qvalue[None], scale[None], self._bits, self.group_size))[
-            0
-        ]
+        qw = pack(qvalue[None], scale[None], self._bits, self.group_size)
+        return dequantize(qw)[0].astype(self.dtype)

@@ -60,17 +60,19 @@ class InputScales:
         on the static int8 grid, the activations the product then takes:
         "float32" once ``x`` is on the grid, as the weight-only product of
         the rounded input is the int8 x int8 product's value, to float32
-        rounding)."""
+        rounding). ``x`` keeps its dtype (the float32 scales would promote a
+        bfloat16 one): the layer answers in it."""
         x = jnp.asarray(x)
+        dtype = x.dtype
         if self.channel_scale is not None:
             shape = [1] * x.ndim
             shape[channel_axis] = -1
             scale = lax.stop_gradient(jnp.asarray(self.channel_scale))
-            x = x / scale.reshape(shape)
+            x = (x / scale.reshape(shape)).astype(dtype)
         if self.activation_scale is None:
             return x, self.activations
         scale = lax.stop_gradient(jnp.asarray(self.activation_scale))
-        return static_int8(x, scale), "float32"
+        return static_int8(x, scale).astype(dtype), "float32"
 
     def with_input_scales(self, channel_scale=None, activation_scale=None):
         """This layer with a per-input-channel ``channel_scale`` (the

@@ -92,10 +92,12 @@ def fits_int4(layer, group_size: int | None = None) -> bool:
 
 
 def quantized(layer, precision: str, group_size: int | None = None, *,
-              trainable: bool = False, activations: str = "float32"):  # fmt: skip
+              trainable: bool = False, activations: str = "float32",
+              matmul_precision=None):  # fmt: skip
     """A float ``layer`` stored at ``precision`` ("float32": as it is): int4
-    where it packs (``fits_int4``), else int8. A convolution with a non-zero
-    padding mode, or a Linear with a "scalar" side, stays float."""
+    where it packs (``fits_int4``), else int8, its products at
+    ``matmul_precision``. A convolution with a non-zero padding mode, or a
+    Linear with a "scalar" side, stays float."""
     if precision == "float32":
         return layer
     if precision == "int4" and not fits_int4(layer, group_size):
@@ -103,11 +105,15 @@ def quantized(layer, precision: str, group_size: int | None = None, *,
     group = (DEFAULT_GROUP_SIZE if group_size is None else group_size) * (
         precision == "int4"
     ) or None
-    options = {"precision": precision, "group_size": group}
+    options = {
+        "precision": precision,
+        "group_size": group,
+        "matmul_precision": matmul_precision,
+    }
     if isinstance(layer, Linear):
         return dataclasses.replace(layer, **options)
     if isinstance(layer, SpectralConv):
-        return layer.as_precision(precision, trainable=trainable, group_size=group)
+        return layer.as_precision(trainable=trainable, **options)
     if isinstance(layer, eqx.nn.Embedding):
         return Embedding.from_eqx(layer, trainable=trainable, **options)
     if isinstance(layer, CELLS):

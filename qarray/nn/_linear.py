@@ -12,6 +12,7 @@ import numpy as np
 
 from .._ops import (
     DEFAULT_GROUP_SIZE,
+    FLOAT_DTYPES,
     LAYOUTS,
     PRECISIONS,
     check_activations,
@@ -19,7 +20,11 @@ from .._ops import (
 )
 from .._primitives import linear_q, matmul_q
 from ._inputs import InputScales, check_input_scales
-from ._weights import QuantizedWeights
+from ._weights import (
+    MatmulPrecision,
+    QuantizedWeights,
+    checked_matmul_precision,
+)
 
 
 def _dtype_str(a) -> str:
@@ -27,11 +32,15 @@ def _dtype_str(a) -> str:
 
 
 def _require(name: str, a, dtype, min_rank: int, owner: str = "Linear") -> None:
-    if not hasattr(a, "dtype") or np.dtype(a.dtype) != dtype:
+    """A TypeError unless ``a`` is an array of ``dtype`` (or one of a tuple
+    of dtypes) and rank >= ``min_rank``."""
+    names = [np.dtype(d).name for d in (dtype if isinstance(dtype, tuple) else [dtype])]
+    if not hasattr(a, "dtype") or np.dtype(a.dtype).name not in names:
         got = _dtype_str(a) if hasattr(a, "dtype") else type(a).__name__
-        raise TypeError(
-            f"{owner} requires {name} to be a {np.dtype(dtype).name} array, got {got}."
+        want = (
+            names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
         )
+        raise TypeError(f"{owner} requires {name} to be a {want} array, got {got}.")
     if a.ndim < min_rank:
         raise TypeError(
             f"{owner} requires {name} of rank >= {min_rank}, got {_dtype_str(a)}."
@@ -90,7 +99,7 @@ def checked_parts(
             )
         stored_width(owner, qvalue, scale, precision, group_size)
         return
-    _require("weight", weight, np.float32, 2, owner)
+    _require("weight", weight, FLOAT_DTYPES, 2, owner)
     if precision == "int4" and weight.shape[-1] % group_size:
         raise TypeError(
             f"{owner} (int4) requires K = {weight.shape[-1]} (weight "
@@ -133,9 +142,18 @@ class Linear(QuantizedWeights, InputScales, eqx.Module):
 
     - stored (``qvalue`` int8 and ``scale`` float32 given): serving; the
       int8 payload is what the product reads;
-    - trainable (``weight`` float32 given): quantization-aware training; the
-      weights are quantized on every call and their gradient is the dense
-      product's (straight-through).
+    - trainable (``weight`` float32, bfloat16 or float16 given):
+      quantization-aware training; the weights are quantized (from their own
+      values, scales float32) on every call and their gradient is the dense
+      product's (straight-through), in the weights' dtype.
+
+    ``x`` is float32, bfloat16 or float16 and the output is in x's dtype:
+    the product runs in float32 (``linear_q``) and is rounded once to x's
+    dtype, and the bias (of any of those dtypes: a bfloat16 model's stays
+    bfloat16) is added in x's dtype, so a bfloat16 ``x`` with a float32 bias
+    answers bfloat16 rather than promoting to float32. ``matmul_precision``
+    is the products' ``precision`` (``QuantConfig.matmul_precision``: JAX's
+    meaning; None, the default, is ``jax.default_matmul_precision``).
 
     ``activations="int8"`` quantizes ``x`` per row too (an int8 x int8
     product); ``"float32"`` (default) keeps it. Gradients with respect to
@@ -176,6 +194,7 @@ class Linear(QuantizedWeights, InputScales, eqx.Module):
     # the relative error of the float32 weights a stored layer was quantized
     # from (None: given as parts, not known)
     stored_error: float | None = eqx.field(static=True)
+    matmul_precision: MatmulPrecision = eqx.field(static=True)
 
     def __init__(
         self,
@@ -191,6 +210,7 @@ class Linear(QuantizedWeights, InputScales, eqx.Module):
         group_size: int | None = None,
         channel_scale=None,
         activation_scale=None,
+        matmul_precision=None,
     ):
         if layout not in LAYOUTS:
             raise ValueError(f"Linear requires layout in {LAYOUTS}, got {layout!r}.")
@@ -212,7 +232,7 @@ class Linear(QuantizedWeights, InputScales, eqx.Module):
             stored_error,
         )
         if bias is not None:
-            _require("bias", bias, np.float32, 1)
+            _require("bias", bias, FLOAT_DTYPES, 1)
             if bias.shape[-1] != self.out_features:
                 raise TypeError(
                     f"Linear requires bias of shape (..., {self.out_features}) for "
@@ -224,6 +244,7 @@ class Linear(QuantizedWeights, InputScales, eqx.Module):
             "Linear", channel_scale, activation_scale, self.in_features, activations
         )
         self.channel_scale, self.activation_scale = channel_scale, activation_scale
+        self.matmul_precision = checked_matmul_precision("Linear", matmul_precision)
 
     @property
     def _input_channels(self) -> int:
@@ -240,11 +261,12 @@ class Linear(QuantizedWeights, InputScales, eqx.Module):
         activations: str = "float32",
         precision: str = "int8",
         group_size: int | None = None,
+        matmul_precision=None,
     ) -> Linear:
-        """A layer from float32 weights (``(N, K)`` for "nk", ``(K, N)`` for
-        "kn"): kept float and quantized on every call (``trainable=True``), or
-        quantized now and stored (the default; int8, or int4 packed, or as
-        given for ``precision="float32"``)."""
+        """A layer from float weights (``(N, K)`` for "nk", ``(K, N)`` for
+        "kn"; float32, bfloat16 or float16): kept float and quantized on every
+        call (``trainable=True``), or quantized now and stored (the default;
+        int8, or int4 packed, or as given for ``precision="float32"``)."""
         layer = cls(
             jnp.asarray(weight),
             None if bias is None else jnp.asarray(bias),
@@ -252,6 +274,7 @@ class Linear(QuantizedWeights, InputScales, eqx.Module):
             activations=activations,
             precision=precision,
             group_size=group_size,
+            matmul_precision=matmul_precision,
         )
         return layer if trainable else layer.frozen()
 
@@ -297,15 +320,17 @@ class Linear(QuantizedWeights, InputScales, eqx.Module):
         (``self.quantized()``, when the caller already holds it; unused for a
         float32 layer)."""
         x, activations = self._prepared(x, -1)
+        precision = self.matmul_precision
         if self.precision == "float32":  # as given: exact gradients
             w = jnp.asarray(self.weight)
             w = w if self.layout == "kn" else jnp.swapaxes(w, -1, -2)
-            y = x @ w
-            return y if self.bias is None else y + self.bias
-        qw = self.quantized() if qw is None else qw
-        product = matmul_q if self.layout == "kn" else linear_q
-        y = product(x, qw, activations)
-        return y if self.bias is None else y + self.bias
+            y = jnp.matmul(x, w, precision=precision).astype(x.dtype)
+        else:
+            qw = self.quantized() if qw is None else qw
+            product = matmul_q if self.layout == "kn" else linear_q
+            y = product(x, qw, activations, precision=precision)
+        # the bias in x's dtype: the output's (class doc)
+        return y if self.bias is None else y + self.bias.astype(y.dtype)
 
     def placed(self, put: Callable, model: str) -> Linear:
         """This layer with ``put(array, spec)`` applied to each array: its

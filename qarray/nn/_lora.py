@@ -78,16 +78,26 @@ class Adapter(eqx.Module):
     def rank(self) -> int:
         return self.a.shape[-2]
 
-    def __call__(self, x):
-        return (self.alpha / self.rank) * ((x @ jnp.swapaxes(self.a, -1, -2)) @
-                                           jnp.swapaxes(self.b, -1, -2))  # fmt: skip
+    def __call__(self, x, precision=None):
+        """In the promoted dtype of ``x``, ``a`` and ``b``, the products at
+        ``precision`` (JAX's meaning)."""
+        low = jnp.matmul(x, jnp.swapaxes(self.a, -1, -2), precision=precision)
+        up = jnp.matmul(low, jnp.swapaxes(self.b, -1, -2), precision=precision)
+        return (self.alpha / self.rank) * up
 
 
 class LoRA(eqx.Module):
     """A frozen quantized layer (``base``: a stored ``qarray.nn.Linear``,
     ``Conv``, ``ConvTranspose``, ``Embedding`` or ``SpectralConv``) and its
     trainable low-rank adapter ``a``, ``b`` (module doc); called as the base
-    is (``lora @ x`` too, as a recurrent cell applies its matrices)."""
+    is (``lora @ x`` too, as a recurrent cell applies its matrices).
+
+    It answers in the base's output dtype (x's; an embedding's table's):
+    the adapter's term is computed in the promoted dtype of x and the
+    adapter (float32 adapters on a bfloat16 model: float32), added to the
+    base's output and rounded once; its products run at the base's
+    ``matmul_precision``. ``a`` and ``b`` get their gradients in their own
+    dtype."""
 
     base: Any
     a: jax.Array
@@ -109,32 +119,42 @@ class LoRA(eqx.Module):
         del key
         frozen = self._frozen()
         if isinstance(frozen, SpectralConv):  # one FFT pair for base and adapter
-            weight = frozen.spectral_weight()
-            letters = "xyz"[: len(frozen.modes)]
+            base = frozen.mixing()
 
             def mix(kept):
-                base = jnp.einsum(
-                    f"...i{letters},io{letters}->...o{letters}", kept, weight
-                )
-                return base + self.scaling * self._spectral_update(kept)
+                return base(kept) + self.scaling * self._spectral_update(kept)
 
             return frozen.through_modes(x, mix)
-        return frozen(x) + self.scaling * self.update(x)
+        y = frozen(x)
+        return (y + self.scaling * self.update(x)).astype(y.dtype)
 
     def __matmul__(self, x):
         """``(W + (alpha / rank) b a) @ x`` for ``x (K,)`` or ``(K, B)``: a
         ``Linear`` inside an ``eqx.nn.GRUCell`` / ``LSTMCell``."""
         x = jnp.asarray(x)
-        return self._frozen() @ x + self.scaling * (self.b @ (self.a @ x))
+        y = self._frozen() @ x
+        low = jnp.matmul(self.a, x, precision=self._precision)
+        update = jnp.matmul(self.b, low, precision=self._precision)
+        return (y + self.scaling * update).astype(y.dtype)
+
+    @property
+    def _precision(self):
+        return self.base.matmul_precision
 
     def _spectral_update(self, kept):
         """The adapter on a ``SpectralConv``'s kept modes ``(..., C, *modes)``
         (complex): ``sum_r b[o, r] sum_i a[r, i, m] kept[i, m]``."""
-        a = lax.complex(self.a[..., 0], self.a[..., 1])  # (rank, C, *modes)
-        b = lax.complex(self.b[..., 0], self.b[..., 1])  # (N, rank)
+        a, b = _complex(self.a), _complex(self.b)  # (rank, C, *modes), (N, rank)
         letters = "xyz"[: a.ndim - 2]
-        low = jnp.einsum(f"...i{letters},ri{letters}->...r{letters}", kept, a)
-        return jnp.einsum(f"or,...r{letters}->...o{letters}", b, low)
+        low = jnp.einsum(
+            f"...i{letters},ri{letters}->...r{letters}",
+            kept,
+            a,
+            precision=self._precision,
+        )
+        return jnp.einsum(
+            f"or,...r{letters}->...o{letters}", b, low, precision=self._precision
+        )
 
     def update(self, x):
         """The adapter's term before its ``alpha / rank`` (module doc): ``(x
@@ -143,11 +163,12 @@ class LoRA(eqx.Module):
         an embedding's ``b a[:, x]``; a spectral convolution's: its kept
         modes through ``a`` then ``b``, back to space."""
         x = jnp.asarray(x)
-        base = self.base
+        base, precision = self.base, self._precision
         if isinstance(base, Linear):
-            return Adapter(self.a, self.b, float(self.rank))(x)
+            return Adapter(self.a, self.b, float(self.rank))(x, precision)
         if isinstance(base, Embedding):
-            return jnp.einsum("nr,r...->...n", self.b, jnp.take(self.a, x, axis=1))
+            rows = jnp.take(self.a, x, axis=1)
+            return jnp.einsum("nr,r...->...n", self.b, rows, precision=precision)
         if isinstance(base, SpectralConv):
             return base.through_modes(x, self._spectral_update)
         nsp = len(base.kernel_size)
@@ -155,17 +176,27 @@ class LoRA(eqx.Module):
         numbers = ("NC" + space, "OI" + space, "NC" + space)
         batched = x.ndim == nsp + 2
         params = base._conv_parameters()
+        # lax's convolution takes one dtype: x's and a's promoted
+        dtype = jnp.result_type(x, self.a)
         low = lax.conv_general_dilated(
-            x if batched else x[None],
-            self.a,
+            (x if batched else x[None]).astype(dtype),
+            self.a.astype(dtype),
             params["window_strides"],
             params["padding"],
             lhs_dilation=params.get("lhs_dilation"),
             rhs_dilation=params["rhs_dilation"],
             dimension_numbers=numbers,
+            precision=precision,
         )
-        out = jnp.einsum("nr,br...->bn...", self.b, low)
+        out = jnp.einsum("nr,br...->bn...", self.b, low, precision=precision)
         return out if batched else out[0]
+
+
+def _complex(parts):
+    """Real and imaginary parts on a trailing axis of 2 -> complex64 (a
+    bfloat16 adapter's widened: there is no bfloat16 complex)."""
+    parts = parts.astype(jnp.float32)
+    return lax.complex(parts[..., 0], parts[..., 1])
 
 
 def _shapes(layer, rank: int) -> tuple[tuple, tuple]:
@@ -247,12 +278,22 @@ def with_adapters(model, adapters, *, alpha: float, where=None):
     return jax.tree.map(wrap, model, is_leaf=_adaptable)
 
 
-def lora(model, rank: int, *, alpha: float | None = None, where=None, key):
+def lora(
+    model,
+    rank: int,
+    *,
+    alpha: float | None = None,
+    where=None,
+    key,
+    dtype=jnp.float32,
+):
     """``model`` with every stored quantized layer (``Linear``, a recurrent
     cell's matrices, ``Conv``, ``ConvTranspose``, ``Embedding``,
     ``SpectralConv``) that ``where(layer)`` accepts wrapped in a ``LoRA`` of
     ``rank`` (``alpha`` defaults to ``rank``: a scale of 1); ``a`` uniform
-    in ``+-1 / sqrt(fan_in)`` (``_bound``), ``b`` zero."""
+    in ``+-1 / sqrt(fan_in)`` (``_bound``), ``b`` zero, both of ``dtype``
+    (float32 by default, whatever the model's: the adapters are what
+    trains; ``jnp.bfloat16`` for bfloat16 adapters)."""
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"lora requires a positive int rank, got {rank!r}.")
     adapters = []
@@ -262,8 +303,8 @@ def lora(model, rank: int, *, alpha: float | None = None, where=None, key):
         sub = jax.random.fold_in(key, i)
         adapters.append(
             (
-                jax.random.uniform(sub, a, minval=-bound, maxval=bound),
-                jnp.zeros(b, jnp.float32),
+                jax.random.uniform(sub, a, dtype, minval=-bound, maxval=bound),
+                jnp.zeros(b, dtype),
             )
         )
     alpha = float(rank if alpha is None else alpha)
@@ -292,8 +333,7 @@ def delta(node: LoRA):
     layout: ``(N, K)``, ``(N, C, *kernel)``, an embedding's table ``(V,
     dim)``, a spectral convolution's complex ``(C, N, *modes)``."""
     if isinstance(node.base, SpectralConv):
-        a = lax.complex(node.a[..., 0], node.a[..., 1])
-        b = lax.complex(node.b[..., 0], node.b[..., 1])
+        a, b = _complex(node.a), _complex(node.b)
         return node.scaling * jnp.einsum("or,ri...->io...", b, a)
     product = node.scaling * jnp.einsum("nr,r...->n...", node.b, node.a)
     return product.T if isinstance(node.base, Embedding) else product
@@ -301,9 +341,10 @@ def delta(node: LoRA):
 
 def merge(model):
     """``model`` with every ``LoRA`` folded into its base: a trainable
-    (float32 weights, quantized every call) layer of the base's kind and
-    precision, ``W + (alpha / rank) b a`` (``delta``); ``qnn.freeze``
-    stores it quantized again. Eager."""
+    (float32 weights, quantized every call; an embedding's table in its
+    lookups' dtype) layer of the base's kind, precision and
+    ``matmul_precision``, ``W + (alpha / rank) b a`` (``delta``);
+    ``qnn.freeze`` stores it quantized again. Eager."""
 
     def fold(node: LoRA):
         base = node.base
@@ -315,10 +356,13 @@ def merge(model):
                 base, weight=parts, qvalue=None, scale=None, stored_error=None
             )
         w = dequantize(base.quantized())
+        common = {
+            "precision": base.precision,
+            "group_size": base.group_size,
+            "matmul_precision": base.matmul_precision,
+        }
         if isinstance(base, Embedding):
-            return Embedding(
-                w + change, precision=base.precision, group_size=base.group_size
-            )
+            return Embedding((w + change).astype(base.dtype), **common)
         if isinstance(base, Linear):
             dense = w + change.reshape(w.shape) if base.layout == "nk" else w + change.T
             return Linear(
@@ -326,8 +370,7 @@ def merge(model):
                 base.bias,
                 layout=base.layout,
                 activations=base.activations,
-                precision=base.precision,
-                group_size=base.group_size,
+                **common,
             )
         shape = (base.out_channels, base.in_channels, *base.kernel_size)
         extra = (
@@ -343,8 +386,7 @@ def merge(model):
             dilation=base.dilation,
             groups=base.groups,
             activations=base.activations,
-            precision=base.precision,
-            group_size=base.group_size,
+            **common,
             **extra,
         )
 

@@ -43,17 +43,17 @@ def quantize(
     one scale per output channel), ``qarray.nn.Conv``,
     ``qarray.nn.ConvTranspose`` or ``qarray.nn.Embedding`` (one scale per row
     of the table); every other node (normalisation, convolutions with
-    non-zero padding modes, ...) is kept as it is, float32. Embeddings take
+    non-zero padding modes, ...) is kept as it is. Embeddings take
     ``precision`` and ``trainable``; their lookups have no activations to
     quantize. ``eqx.nn.GRUCell`` and ``eqx.nn.LSTMCell`` keep their class,
     their input and hidden matrices replaced by bias-free quantized layers
-    (the cells' biases stay float32). A float32 ``qarray.nn.SpectralConv``
+    (the cells' biases stay as they are). A float ``qarray.nn.SpectralConv``
     stores its complex weights quantized (rows of ``2 * in`` real and
     imaginary parts per output channel and mode; int4 where ``group_size``
     divides ``2 * in``, else int8).
 
     ``trainable=False``: weights quantized now and stored int8 (serving);
-    ``True``: kept float32 and quantized on every call with a straight-through
+    ``True``: kept float and quantized on every call with a straight-through
     gradient (quantization-aware training; ``freeze`` exports it).
     ``activations``: "float32" (weight-only) or "int8" (each quantized layer's
     input quantized per row too). ``precision``: "int8" (default), "int4"
@@ -62,7 +62,15 @@ def quantize(
     width, ``in_features`` or ``C / groups * prod(kernel_size)``, the group
     size does not divide is quantized int8; weight-only, or W4A8 for Linear
     layers with ``activations="int8"``: int4 convolutions are weight-only) or
-    "float32" (nothing replaced).
+    "float32" (nothing replaced). ``matmul_precision``: every quantized
+    layer's products' ``precision`` (JAX's meaning; ``QuantConfig``).
+
+    A bfloat16 (or float16) model (``eqx.nn.Linear(..., dtype=jnp.bfloat16)``,
+    or a float32 one cast leaf by leaf) quantizes from its own weights'
+    values (scales float32); its biases, a cell's biases and a trainable
+    layer's weights keep the model's dtype, each layer answers in its
+    input's dtype and an embedding in its table's: the model runs in
+    bfloat16 end to end, with int8 weights.
 
     ``where`` sees the model's own layer objects, so keeping the first and last
     layers float is ``where=lambda l: l not in (mlp.layers[0], mlp.layers[-1])``
@@ -108,7 +116,12 @@ def quantize(
         if not quantizable(layer):  # a SpectralConv or cell quantized already
             return layer
         return quantized(
-            layer, precision, group_size, trainable=trainable, activations=activations
+            layer,
+            precision,
+            group_size,
+            trainable=trainable,
+            activations=activations,
+            matmul_precision=config.matmul_precision,
         )
 
     if calibration is not None:

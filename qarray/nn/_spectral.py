@@ -12,10 +12,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._ops import DEFAULT_GROUP_SIZE, PRECISION_BITS, PRECISIONS, check_group_size
+from .._ops import (
+    DEFAULT_GROUP_SIZE,
+    FLOAT_DTYPES,
+    PRECISION_BITS,
+    PRECISIONS,
+    check_group_size,
+)
 from .._primitives import dequantize
 from ._linear import stored_width
-from ._weights import QuantizedWeights
+from ._weights import (
+    MatmulPrecision,
+    QuantizedWeights,
+    checked_matmul_precision,
+)
 
 
 def kept_frequencies(n: int, m: int, last: bool) -> np.ndarray:
@@ -36,12 +46,13 @@ class SpectralConv(QuantizedWeights, eqx.Module):
     zero, an inverse rFFT back to the input's spatial shape. No bias (an FNO
     block adds a pointwise 1 x 1 ``Conv``); no key used at call time.
 
-    ``SpectralConv(in, out, modes, key=k)`` is float32 and trainable: its
-    ``weight`` float32 ``(in, out, *modes, 2)`` holds the real and imaginary
-    parts (real leaves: optimisers step them as they do any other, where a
-    complex leaf's JAX gradient is the conjugate of the descent direction;
-    and safetensors stores them), FNO's initialisation, uniform in
-    [0, 1 / (in * out)) for both parts. ``qnn.quantize`` stores it quantized: the
+    ``SpectralConv(in, out, modes, key=k)`` is float and trainable: its
+    ``weight`` float32 (or ``dtype``) ``(in, out, *modes, 2)`` holds the
+    real and imaginary parts (real leaves: optimisers step them as they do
+    any other, where a complex leaf's JAX gradient is the conjugate of the
+    descent direction; and safetensors stores them), FNO's initialisation,
+    uniform in [0, 1 / (in * out)) for both parts. ``qnn.quantize`` stores
+    it quantized: the
     weights as rows, one per output channel and mode (``out * prod(modes)``
     rows of the ``2 * in`` real and imaginary parts of that mode's input
     weights, interleaved), int8 with a scale per row, or int4 packed with a
@@ -53,9 +64,16 @@ class SpectralConv(QuantizedWeights, eqx.Module):
     Gradients with respect to ``x`` are exact for the layer as stored;
     with respect to trainable weights, straight-through; with respect to
     stored scales, exact.
+
+    ``x`` float32, bfloat16 or float16, the output in x's dtype: the FFTs
+    and the mixing run in float32 (complex64; XLA has no bfloat16 FFT), the
+    result rounded once. The weights may be bfloat16 or float16 too
+    (``dtype=`` at initialisation, or a cast model); their gradients come in
+    their dtype. ``matmul_precision``: the mixing's ``precision`` (JAX's
+    meaning, as ``Linear``'s).
     """
 
-    weight: jax.Array | None  # float32 (in, out, *modes, 2): real, imaginary
+    weight: jax.Array | None  # float (in, out, *modes, 2): real, imaginary
     qvalue: jax.Array | None  # int8 (rows, 2 in); int4: uint8 (rows, in)
     scale: jax.Array | None  # (rows,); int4: (rows, 2 in / group_size)
     in_channels: int = eqx.field(static=True)
@@ -64,6 +82,7 @@ class SpectralConv(QuantizedWeights, eqx.Module):
     precision: str = eqx.field(static=True)
     group_size: int | None = eqx.field(static=True)
     stored_error: float | None = eqx.field(static=True)
+    matmul_precision: MatmulPrecision = eqx.field(static=True)
 
     def __init__(
         self,
@@ -78,7 +97,11 @@ class SpectralConv(QuantizedWeights, eqx.Module):
         precision: str = "float32",
         group_size: int | None = None,
         stored_error: float | None = None,
+        matmul_precision=None,
+        dtype=None,
     ):
+        """``dtype``: the initialised weights' (default float32), as
+        equinox's layers take it."""
         modes = (modes,) if isinstance(modes, int) else tuple(int(m) for m in modes)
         if not 1 <= len(modes) <= 3 or min(modes) < 1:
             raise ValueError(
@@ -111,6 +134,9 @@ class SpectralConv(QuantizedWeights, eqx.Module):
             group_size,
             stored_error,
         )
+        self.matmul_precision = checked_matmul_precision(
+            "SpectralConv", matmul_precision
+        )
         if qvalue is not None or scale is not None:
             if weight is not None or precision == "float32":
                 raise TypeError(
@@ -132,13 +158,14 @@ class SpectralConv(QuantizedWeights, eqx.Module):
                 raise TypeError("SpectralConv needs a key to initialise its weights.")
             shape = (self.in_channels, self.out_channels, *modes, 2)
             bound = 1.0 / (self.in_channels * self.out_channels)
-            weight = jax.random.uniform(key, shape, maxval=bound)
+            dtype = jnp.float32 if dtype is None else dtype
+            weight = jax.random.uniform(key, shape, dtype, maxval=bound)
         want = (self.in_channels, self.out_channels, *modes, 2)
         dtype = getattr(weight, "dtype", None)
-        if tuple(getattr(weight, "shape", ())) != want or dtype != jnp.float32:
+        if tuple(getattr(weight, "shape", ())) != want or dtype not in FLOAT_DTYPES:
             raise TypeError(
-                f"SpectralConv requires weight float32 (in, out, *modes, 2) = {want} "
-                f"(real and imaginary parts), got {dtype}"
+                f"SpectralConv requires weight float32, bfloat16 or float16 (in, "
+                f"out, *modes, 2) = {want} (real and imaginary parts), got {dtype}"
                 f"{tuple(getattr(weight, 'shape', ()))}."
             )
         self.weight, self.qvalue, self.scale = weight, None, None
@@ -161,7 +188,8 @@ class SpectralConv(QuantizedWeights, eqx.Module):
         (dequantized for a quantized layer: straight-through when
         trainable)."""
         if self.precision == "float32":
-            parts = jnp.asarray(self.weight)
+            # complex64: a bfloat16 or float16 layer's parts are widened
+            parts = jnp.asarray(self.weight).astype(jnp.float32)
         else:
             parts = self._parts(dequantize(self.quantized()))
         return jax.lax.complex(parts[..., 0], parts[..., 1])
@@ -169,13 +197,19 @@ class SpectralConv(QuantizedWeights, eqx.Module):
     def __call__(self, x, *, key=None):
         """``x (..., in_channels, *spatial)``; ``key`` is accepted and unused."""
         del key
+        return self.through_modes(x, self.mixing())
+
+    def mixing(self):
+        """The layer's mixing of the kept modes, complex ``(...,
+        in_channels, *modes) -> (..., out_channels, *modes)``, for
+        ``through_modes`` (its weights computed once, here)."""
         weight = self.spectral_weight()
         letters = "xyz"[: len(self.modes)]
-        return self.through_modes(
-            x,
-            lambda kept: jnp.einsum(
-                f"...i{letters},io{letters}->...o{letters}", kept, weight
-            ),
+        return lambda kept: jnp.einsum(
+            f"...i{letters},io{letters}->...o{letters}",
+            kept,
+            weight,
+            precision=self.matmul_precision,
         )
 
     def through_modes(self, x, mix):
@@ -200,7 +234,9 @@ class SpectralConv(QuantizedWeights, eqx.Module):
                 f"spatial shape {spatial} (at most {limits})."
             )
         axes = tuple(range(x.ndim - nsp, x.ndim))
-        spectrum = jnp.fft.rfftn(x, axes=axes)
+        # at least float32: XLA's FFTs are float32 / float64 (no bfloat16)
+        wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        spectrum = jnp.fft.rfftn(wide, axes=axes)
         index = [
             kept_frequencies(n, m, i == nsp - 1)
             for i, (n, m) in enumerate(zip(spatial, self.modes, strict=True))
@@ -211,10 +247,16 @@ class SpectralConv(QuantizedWeights, eqx.Module):
         out = out.at[(..., slice(None), *grid)].set(mixed)
         return jnp.fft.irfftn(out, s=spatial, axes=axes).astype(x.dtype)
 
-    def as_precision(self, precision: str, *, trainable: bool, group_size=None):
-        """This float32 layer at ``precision``: quantized every call
-        (``trainable``) or stored now."""
+    def as_precision(
+        self, precision: str, *, trainable: bool, group_size=None, matmul_precision=None
+    ):
+        """This float layer at ``precision``: quantized every call
+        (``trainable``) or stored now, its mixing at ``matmul_precision``."""
         layer = dataclasses.replace(
-            self, precision=precision, group_size=group_size, stored_error=None
+            self,
+            precision=precision,
+            group_size=group_size,
+            stored_error=None,
+            matmul_precision=matmul_precision,
         )
         return layer if trainable else layer.frozen()

@@ -11,8 +11,20 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._numerics import relative_error
-from .._ops import PRECISION_BITS
+from .._ops import PRECISION_BITS, check_precision
 from .._primitives import dequantize, pack, quantize, unpack
+
+# a product's precision, as jnp.dot takes it (``check_precision``)
+MatmulPrecision = str | lax.Precision | tuple | None
+
+
+def checked_matmul_precision(owner: str, value):
+    """A layer's (or ``QuantConfig``'s) ``matmul_precision`` once the
+    primitives' rule (``check_precision``: JAX's meaning, as ``jnp.dot``'s
+    ``precision``) accepts it, as given: a list becomes a tuple, as the
+    value is a static field (hashed) and part of a frozen config."""
+    check_precision(f"{owner}: matmul_precision", value)
+    return tuple(value) if isinstance(value, list) else value
 
 
 def quantization_error(w, qw):

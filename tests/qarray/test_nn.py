@@ -126,7 +126,11 @@ def test_linear_under_vmap_and_grad_of_vmap(rng):
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        ({"weight": np.ones((2, 3))}, TypeError, "weight to be a float32 array"),
+        (
+            {"weight": np.ones((2, 3))},
+            TypeError,
+            "weight to be a float32, bfloat16 or float16 array, got float64",
+        ),
         ({"weight": np.ones(3, np.float32)}, TypeError, "weight of rank >= 2"),
         (
             {"qvalue": np.ones((2, 3), np.int8), "scale": np.ones(3, np.float32)},

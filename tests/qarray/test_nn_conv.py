@@ -174,7 +174,11 @@ def test_conv1d_and_conv3d_with_int8_activations(rng, dims):
         ({}, TypeError, "either weight"),
         ({"weight": np.zeros((2, 3), np.float32)}, TypeError, "rank >= 3"),
         ({"weight": np.zeros((2,) * 6, np.float32)}, TypeError, "1 to 3 spatial"),
-        ({"weight": np.zeros((2, 3, 3), np.int8)}, TypeError, "float32 array"),
+        (
+            {"weight": np.zeros((2, 3, 3), np.int8)},
+            TypeError,
+            "float32, bfloat16 or float16 array",
+        ),
         (
             {"qvalue": np.zeros((2, 9), np.int8), "scale": np.zeros(2, np.float32)},
             TypeError,

@@ -274,29 +274,41 @@ def test_conv_transpose_errors():
         qnn.ConvTranspose(jnp.ones((2, 2, 3)), padding=3)
 
 
+PROJECTIONS = ("query_proj", "key_proj", "value_proj", "output_proj")
+
+
+def numpy_attention(mha, x):
+    """Self-attention of ``x (length, size)`` in float64 by an
+    ``eqx.nn.MultiheadAttention`` (no biases) with its four projections'
+    weights quantized and dequantized."""
+    x = np.asarray(x, np.float64)
+    length, size = x.shape
+    heads = mha.num_heads
+    w = {
+        p: ref.roundtrip(np.asarray(getattr(mha, p).weight)).astype(np.float64)
+        for p in PROJECTIONS
+    }
+
+    def split(a):  # (length, size) -> (heads, length, size / heads)
+        return a.reshape(length, heads, -1).transpose(1, 0, 2)
+
+    q, k, v = (split(x @ w[p].T) for p in PROJECTIONS[:3])
+    logits = q @ k.transpose(0, 2, 1) / np.sqrt(size // heads)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    attended = (weights @ v).transpose(1, 0, 2).reshape(length, size)
+    return attended @ w["output_proj"].T
+
+
 def test_multihead_attention_through_its_quantized_projections(rng):
     """eqx.nn.MultiheadAttention quantizes through its four Linear
     projections: attention in NumPy on the dequantized weights."""
     heads, size, length = 2, 16, 5
     mha = eqx.nn.MultiheadAttention(heads, size, key=jax.random.key(3))
     quantized = qnn.quantize(mha)
-    projections = ("query_proj", "key_proj", "value_proj", "output_proj")
-    assert all(isinstance(getattr(quantized, p), qnn.Linear) for p in projections)
+    assert all(isinstance(getattr(quantized, p), qnn.Linear) for p in PROJECTIONS)
     x = rng.standard_normal((length, size)).astype(np.float64)
-    w = {
-        p: ref.roundtrip(np.asarray(getattr(mha, p).weight)).astype(np.float64)
-        for p in projections
-    }
-
-    def split(a):  # (length, size) -> (heads, length, size / heads)
-        return a.reshape(length, heads, -1).transpose(1, 0, 2)
-
-    q, k, v = (split(x @ w[p].T) for p in projections[:3])
-    logits = q @ k.transpose(0, 2, 1) / np.sqrt(size // heads)
-    weights = np.exp(logits - logits.max(-1, keepdims=True))
-    weights /= weights.sum(-1, keepdims=True)
-    attended = (weights @ v).transpose(1, 0, 2).reshape(length, size)
-    want = attended @ w["output_proj"].T
+    want = numpy_attention(mha, x)
     xs = jnp.asarray(x, jnp.float32)
     got = eqx.filter_jit(lambda m, x: m(x, x, x))(quantized, xs)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

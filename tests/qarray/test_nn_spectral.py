@@ -128,7 +128,7 @@ def test_errors_name_the_shapes():
         layer(jnp.ones((2, 4, 8)))
     with pytest.raises(ValueError, match="group_size"):
         qnn.SpectralConv(3, 2, 2, key=jax.random.key(0), precision="int4", group_size=4)
-    with pytest.raises(TypeError, match=r"weight float32 \(in, out, \*modes, 2\)"):
+    with pytest.raises(TypeError, match=r"float16 \(in, out, \*modes, 2\)"):
         qnn.SpectralConv(2, 3, 2, weight=jnp.ones((2, 3, 2)))
 
 
