@@ -103,8 +103,12 @@ def run(width=64, layers=3, rows=8, rtol=1e-2, timeout=300.0) -> dict:
     from qarray.checkpoint import save_model
 
     rng = np.random.default_rng(0)
+    # a smooth activation: at an accelerator's default precision (one bf16
+    # pass) a relu unit near zero can flip against the float64 reference and
+    # move x's cotangent by far more than the products' error (seen on a TPU:
+    # 10% through three relu layers, the apply within 0.2%)
     model = [
-        net.make_layer(rng, width, width, "nk", "w", True, "relu")
+        net.make_layer(rng, width, width, "nk", "w", True, "tanh")
         for _ in range(layers)
     ]
     model[-1]["activation"] = "none"
