@@ -121,6 +121,19 @@ class OfflineDocs:
         return await self.app(scope, receive, send)
 
 
+def start_backend() -> None:
+    """Start JAX's backend now: a platform that cannot start (``JAX_PLATFORMS
+    =tpu`` on a machine without a chip) stops the server at start-up, saying
+    why, instead of answering /health and then a 500 to every computation
+    (JAX starts its backend at the first one)."""
+    import jax
+
+    try:
+        jax.devices()
+    except RuntimeError as failed:
+        raise SystemExit(f"qarray-serve: JAX cannot start its backend: {failed}")
+
+
 def create_app():
     """tesseract-core's app for TESSERACT_API_PATH, behind the guard, with
     the API module's settings (``RUNTIME.settings`` when it defines one)."""
@@ -131,6 +144,7 @@ def create_app():
 
     claim_cores()  # before the API module starts JAX
     api = get_tesseract_api()
+    start_backend()
     app = create_rest_api(api)
     runtime = getattr(api, "RUNTIME", None)
     settings = runtime.settings if runtime is not None else Settings.from_env()

@@ -190,3 +190,27 @@ def test_a_started_worker_keeps_its_startup_objects_from_the_collector(tmp_path)
     ).stdout.split()
     frozen, tracked = int(out[-2]), int(out[-1])
     assert frozen > 50_000 and tracked < frozen / 100, (frozen, tracked)
+
+
+def test_a_platform_that_cannot_start_stops_the_server_at_start_up(tmp_path):
+    """JAX starts its backend at the first computation: without start_backend
+    a server told JAX_PLATFORMS=tpu on a machine without a chip answered
+    /health and then a 500 to every apply. It now stops at start-up."""
+    code = "from qarray.tesseract._server import create_app; create_app()"
+    env = {
+        **os.environ,
+        "TESSERACT_API_PATH": str(Path(__file__).parents[2] / "tesseract_api.py"),
+        "TESSERACT_OUTPUT_PATH": str(tmp_path),
+        "JAX_PLATFORMS": "tpu",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode != 0
+    assert "qarray-serve: JAX cannot start its backend" in out.stderr, out.stderr[
+        -2000:
+    ]
