@@ -131,7 +131,9 @@ def start_backend() -> None:
     try:
         jax.devices()
     except RuntimeError as failed:
-        raise SystemExit(f"qarray-serve: JAX cannot start its backend: {failed}")
+        raise SystemExit(
+            f"qarray-serve: JAX cannot start its backend: {failed}"
+        ) from None
 
 
 def create_app():

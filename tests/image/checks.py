@@ -96,3 +96,10 @@ def check_bad_input_is_a_small_4xx(url, rng):
     assert "layers.[1].bias" in response.text and "(7,)" in response.text
     assert len(response.content) < 4000, len(response.content)  # nothing echoed
     assert requests.get(f"{url}/health", timeout=10).status_code == 200
+
+
+def check_health(url) -> None:
+    """/health answers 200 with the runtime's own body."""
+    response = requests.get(f"{url}/health", timeout=10)
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok"}

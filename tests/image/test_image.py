@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import requests
 from tesseract_core import Tesseract
 
 from qarray.checkpoint import save_model
@@ -26,6 +25,7 @@ from tests.image.checks import (
     RTOL,
     check_apply_and_vjp,
     check_bad_input_is_a_small_4xx,
+    check_health,
     check_hostile_binref_refused,
     post,
     request_inputs,
@@ -51,9 +51,7 @@ def served():
 
 def test_health(served):
     url, _ = served
-    response = requests.get(f"{url}/health", timeout=10)
-    assert response.status_code == 200
-    assert response.json() == {"status": "ok"}
+    check_health(url)
 
 
 def test_apply_and_vjp_base64_match_numpy(served, rng):

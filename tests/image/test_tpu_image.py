@@ -13,13 +13,13 @@ import os
 import re
 
 import pytest
-import requests
 from packaging.requirements import Requirement
 
 from support.server import ROOT
 from tests.image.checks import (
     check_apply_and_vjp,
     check_bad_input_is_a_small_4xx,
+    check_health,
     check_hostile_binref_refused,
 )
 from tests.image.docker import docker, running
@@ -63,9 +63,7 @@ def served():
 
 def test_health(served):
     url, _ = served
-    response = requests.get(f"{url}/health", timeout=10)
-    assert response.status_code == 200
-    assert response.json() == {"status": "ok"}
+    check_health(url)
 
 
 def test_apply_and_vjp_match_numpy_on_the_cpu(served, rng):

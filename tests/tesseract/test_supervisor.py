@@ -174,20 +174,9 @@ def test_a_started_worker_keeps_its_startup_objects_from_the_collector(tmp_path)
         "before = gc.get_freeze_count(); create_app(); "
         "print(gc.get_freeze_count() - before, len(gc.get_objects()))"
     )
-    env = {
-        **os.environ,
-        "TESSERACT_API_PATH": str(Path(__file__).parents[2] / "tesseract_api.py"),
-        "TESSERACT_OUTPUT_PATH": str(tmp_path),
-        "JAX_PLATFORMS": "cpu",
-    }
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout.split()
+    started = start_app(tmp_path, code, "cpu")
+    assert started.returncode == 0, started.stderr[-2000:]
+    out = started.stdout.split()
     frozen, tracked = int(out[-2]), int(out[-1])
     assert frozen > 50_000 and tracked < frozen / 100, (frozen, tracked)
 
@@ -197,20 +186,26 @@ def test_a_platform_that_cannot_start_stops_the_server_at_start_up(tmp_path):
     a server told JAX_PLATFORMS=tpu on a machine without a chip answered
     /health and then a 500 to every apply. It now stops at start-up."""
     code = "from qarray.tesseract._server import create_app; create_app()"
+    out = start_app(tmp_path, code, "tpu")
+    assert out.returncode != 0
+    assert "qarray-serve: JAX cannot start its backend" in out.stderr, out.stderr[
+        -2000:
+    ]
+
+
+def start_app(tmp_path, code: str, platforms: str) -> subprocess.CompletedProcess:
+    """``code`` (which calls create_app) in a fresh Python serving this
+    checkout's tesseract_api.py with ``JAX_PLATFORMS=platforms``."""
     env = {
         **os.environ,
         "TESSERACT_API_PATH": str(Path(__file__).parents[2] / "tesseract_api.py"),
         "TESSERACT_OUTPUT_PATH": str(tmp_path),
-        "JAX_PLATFORMS": "tpu",
+        "JAX_PLATFORMS": platforms,
     }
-    out = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", code],
         env=env,
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert out.returncode != 0
-    assert "qarray-serve: JAX cannot start its backend" in out.stderr, out.stderr[
-        -2000:
-    ]
