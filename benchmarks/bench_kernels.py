@@ -119,6 +119,8 @@ def rows_for(layout, shape, reps, cold, strategies=False):
         variants += [("int8", st) for st in _kernels.INT8_STRATEGIES]
         if not _ffi.available():
             variants = [v for v in variants if v[1] != "kernel"]
+        # the TPU's Pallas kernel runs only interpreted on a CPU
+        variants = [v for v in variants if v[1] != "pallas"]
     for activations, strategy in variants:
         fns[(activations, strategy)] = lambda a=activations, st=strategy: ours(
             x, *next_q(), a, st

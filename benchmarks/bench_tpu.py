@@ -20,6 +20,8 @@ Rows, for x (m, K) and weights W (N, K):
 - ``linear_q``, ``linear_q_w8a8``, ``linear_q_int4``: qarray's products on
   float32 x (weight-only, int8 activations, int4 G=128 weight-only) at the
   default precision;
+- ``pallas_int8``: qarray's Pallas kernel for int8 weights (``qarray/_tpu``),
+  forced (no strategy chooses it until these rows say where it wins);
 - ``vjp_x``: the VJP's product for x (``y_bar @ W``, qarray's ``matmul_q`` on
   the same int8 weights).
 
@@ -41,6 +43,7 @@ import numpy as np
 from jax import lax
 
 import qarray as qa
+from qarray import _kernels
 
 ROWS = (1, 8, 64, 512, 4096)
 GROUP = 128
@@ -94,6 +97,12 @@ def products(k: int, n: int) -> dict[str, tuple[str, Callable]]:
         "linear_q_int4": (
             "float32",
             lambda x, w: qa.linear_q(x, qa.pack(*w["q4"], 4, group)),
+        ),
+        # qarray's Pallas kernel (qarray/_tpu), forced: the weights streamed
+        # in blocks, x in one bf16 part (the default precision)
+        "pallas_int8": (
+            "float32",
+            lambda x, w: _kernels.linear(x, *w["q8"], "float32", "pallas"),
         ),
         # the VJP's product for x: y_bar (m, N) @ W (N, K), on (N, K) weights
         # read as matmul_q's (k, n) = (N, K); with K == N the loop keeps shape

@@ -85,7 +85,7 @@ _ROWS_BY_COLS = (((1,), (0,)), ((), ()))
 # lhs[m, k] . rhs[n, k]: contract both operands' last axes (linear_q)
 _LAST_BY_LAST = (((1,), (1,)), ((), ()))
 
-WEIGHT_ONLY_STRATEGIES = ("kernel", "chunked", "split_int8", "dequantize")
+WEIGHT_ONLY_STRATEGIES = ("kernel", "chunked", "split_int8", "dequantize", "pallas")
 INT8_STRATEGIES = ("kernel", "chunked", "int8_dot")
 
 # rows of int8 weights converted to f32 at a time by the chunked formulation
@@ -338,6 +338,20 @@ def _weight_only(v, qvalue, strategy, dims=_ROWS_BY_COLS, precision=None):
     if strategy == "dequantize":
         w = qvalue.astype(jnp.float32)
         return lax.dot_general(v, w, dims, precision=precision)
+    if strategy == "pallas":  # forced only: chosen nowhere until measured
+        # imported here: Pallas adds a fifth to `import qarray`'s time
+        from . import _tpu
+
+        platform = jax.default_backend()
+        ones = jnp.ones(qvalue.shape[0 if dims == _LAST_BY_LAST else 1], jnp.float32)
+        return _tpu.weight_only_product(
+            v,
+            qvalue,
+            ones,
+            nk=dims == _LAST_BY_LAST,
+            parts=_tpu.parts_for(precision, platform),
+            interpret=platform != "tpu",
+        )
     raise ValueError(f"unknown weight-only strategy {strategy!r}")
 
 

@@ -23,7 +23,7 @@ PACKAGES = ("checkpoint", "network", "nn", "tesseract")
 # only (a package counts as one layer: qarray.nn and everything under it)
 LAYERS = (
     ("qarray._numerics", "qarray._qarray", "qarray._thresholds"),
-    ("qarray._ops", "qarray._ffi"),
+    ("qarray._ops", "qarray._ffi", "qarray._tpu"),
     ("qarray._kernels",),
     ("qarray._primitives", "qarray._conv", "qarray._jit", "qarray._rank1",
      "qarray._tuple", "qarray.doc_types"),
