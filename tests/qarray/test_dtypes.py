@@ -53,16 +53,16 @@ def as_dtype(rng, shape, dtype):
 
 def tie_slack(x, qvalue, scale):
     """W8A8 ``x (..., k)`` with weights ``qvalue (n, k) * scale``: what the
-    entries of x that quantize to a tie (x / sx exactly half a level) may
-    add where the division is not correctly rounded (an accelerator's: the
-    tie takes its other neighbour, as near to x): one level of x each,
-    ``sx * |w[n, k]|`` summed over them; zero on CPU."""
-    if jax.default_backend() == "cpu":
-        return 0.0
+    entries of x at a tie (x / sx half a level, to within two ulps) may add
+    where XLA's division quantizes x (a TPU's, or XLA:CPU's vectorised one
+    under QARRAY_KERNELS=xla: within an ulp, not correctly rounded, so such
+    an entry may take its other neighbour, as near to x: -63.499996 came out
+    -64): one level of x each, ``sx * |w[n, k]|`` summed over them."""
     x = np.asarray(x, np.float32)
     sx = ref.quantize(x)[1][..., None]
     quotient = x / np.where(sx > 0, sx, 1)
-    ties = np.abs(quotient - np.trunc(quotient)) == 0.5
+    half = np.abs(np.abs(quotient - np.trunc(quotient)) - 0.5)
+    ties = half <= 2 * np.spacing(np.abs(quotient))
     w = np.abs(ref.dequantize(qvalue, scale)).astype(np.float64)
     return (ties * sx) @ w.T
 
