@@ -211,21 +211,25 @@ def test_vmap_of_grad(rng):
         np.testing.assert_allclose(gw, want_gw.reshape(w.shape), rtol=RTOL, atol=ATOL)
 
 
+def scanned_conv_loss(x, ws):
+    """sum(h**2) after three same-shape tanh conv layers, the stacked
+    weights ``ws (3, out, C * 9)`` quantized as one QArray and scanned."""
+    qws = jax.vmap(qa.quantize, out_axes=qa.QArraySpec())(ws)
+
+    def layer(h, q):
+        return jnp.tanh(qa.conv_q(h, q, (3, 3), padding="SAME")), None
+
+    h, _ = jax.lax.scan(layer, x, qws, length=3)
+    return jnp.sum(h**2)
+
+
 @pytest.mark.parametrize("jit", [False, True])
 def test_grad_through_scan_over_stacked_conv_layers(rng, jit):
     """Three same-shape conv layers as one stacked QArray, scanned."""
     ws = normal(rng, (3, 4, 4 * 9)) * 0.3
     x = normal(rng, (2, 4, 6, 6))
     geometry = ((1, 1), ((1, 1),) * 2, (1, 1), 1)
-
-    def loss(x, ws):
-        qws = jax.vmap(qa.quantize, out_axes=qa.QArraySpec())(ws)
-
-        def layer(h, q):
-            return jnp.tanh(qa.conv_q(h, q, (3, 3), padding="SAME")), None
-
-        h, _ = jax.lax.scan(layer, x, qws, length=3)
-        return jnp.sum(h**2)
+    loss = scanned_conv_loss
 
     fn = jax.grad(loss, (0, 1))
     gx, gws = (jax.jit(fn) if jit else fn)(x, ws)
@@ -243,6 +247,18 @@ def test_grad_through_scan_over_stacked_conv_layers(rng, jit):
         want_gws.insert(0, gw.reshape(4, -1))
     np.testing.assert_allclose(gx, g, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(gws, np.stack(want_gws), rtol=RTOL, atol=ATOL)
+
+
+def test_the_default_precision_in_force_reaches_a_scanned_conv_q():
+    """The jax.default_matmul_precision in force reaches the convolutions of
+    a scanned conv_q's forward and backward (a body hijax lowers apart)."""
+    x, ws = jnp.ones((2, 4, 6, 6)), jnp.ones((3, 4, 36))
+    with jax.default_matmul_precision("highest"):
+        hlo = jax.jit(jax.grad(scanned_conv_loss, (0, 1))).lower(x, ws).as_text()
+    convolutions = [line for line in hlo.splitlines() if "convolution" in line]
+    assert len(convolutions) == 3
+    for line in convolutions:
+        assert "precision HIGHEST" in line, line
 
 
 def test_linear_transpose_of_the_linearized_conv(rng):

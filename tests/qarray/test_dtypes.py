@@ -220,29 +220,6 @@ def test_gradients_agree_with_the_dense_product_at_the_precision_asked(rng, prec
     assert rel_err(gw, g.T @ x.astype(np.float64)) <= bound
 
 
-def test_the_default_precision_in_force_reaches_a_scanned_product():
-    """The jax.default_matmul_precision in force reaches the convolutions of
-    a scanned conv_q's forward and backward (a body hijax lowers apart)."""
-    ws = jnp.ones((3, 4, 36))
-    x = jnp.ones((2, 4, 6, 6))
-
-    def loss(x, ws):
-        qws = jax.vmap(qa.quantize, out_axes=qa.QArraySpec())(ws)
-
-        def layer(h, q):
-            return jnp.tanh(qa.conv_q(h, q, (3, 3), padding="SAME")), None
-
-        h, _ = jax.lax.scan(layer, x, qws, length=3)
-        return jnp.sum(h**2)
-
-    with jax.default_matmul_precision("highest"):
-        hlo = jax.jit(jax.grad(loss, (0, 1))).lower(x, ws).as_text()
-    convolutions = [line for line in hlo.splitlines() if "convolution" in line]
-    assert len(convolutions) == 3
-    for line in convolutions:
-        assert "precision HIGHEST" in line, line
-
-
 def test_precision_is_a_static_parameter_in_the_jaxpr(rng):
     qw = qa.quantize(jnp.ones((4, 8)))
     jaxpr = jax.make_jaxpr(lambda x: qa.linear_q(x, qw, precision="highest"))(
