@@ -23,7 +23,7 @@ import numpy as np
 import qarray as qa
 from benchmarks._timing import interleaved
 from benchmarks.bench_kernels import copies_beyond_cache, isa_of, rotating
-from qarray import _kernels
+from qarray import _ffi
 
 SHAPES = [
     (1, 4096, 4096),
@@ -82,9 +82,10 @@ def speed_rows(shape, reps, cold, activations="float32"):
         "unit": "x faster",
         "ms": 1e3 * times["q4"],
         "baseline_ms": 1e3 * times["f32"],
-        # linear_q's default: the kernel where it runs, up to INT4_KERNEL_MAX_ROWS
+        # linear_q's default: the kernel where it runs, up to the rule's
+        # int4_kernel_max_rows
         "isa": isa_of(
-            "kernel" if m <= _kernels.INT4_KERNEL_MAX_ROWS[activations] else "xla"
+            "kernel" if m <= _ffi.rule().int4_kernel_max_rows[activations] else "xla"
         ),
     }
 

@@ -12,7 +12,7 @@ its own copies). Hot: the same weights every call. Ours is the primitive under
 the Tesseract run); the baseline is the faster float32 spelling for the layout
 (``x @ w`` for (K, N); for (N, K) the faster of ``x @ w.T`` and
 ``(w @ x.T).T``). ``--strategies`` adds a row per formulation (the kernel and
-the XLA ones), which is what ``_kernels.choose_strategy`` is set from. Every
+the XLA ones), which is what ``_formulations.choose_strategy`` is set from. Every
 row names the instruction set its product ran on (``isa``: avx512, avx2,
 i8mm, dotprod for the kernel, ``xla`` for XLA's formulations).
 
@@ -34,7 +34,7 @@ import numpy as np
 import qarray as qa
 from benchmarks._timing import interleaved
 from benchmarks.peer_shapes import last_level_cache_bytes
-from qarray import _ffi, _kernels, _numerics
+from qarray import _ffi, _formulations, _numerics
 from qarray._conv import ConvQ
 
 SHAPES = [
@@ -80,7 +80,7 @@ def _product(layout):
 def _strategy_call(op, x, q, s, activations, strategy):
     if strategy is None:
         return op(x, qa.pack(q, s), activations)
-    fn = _kernels.matmul if op is qa.matmul_q else _kernels.linear
+    fn = _formulations.matmul if op is qa.matmul_q else _formulations.linear
     return fn(x, q, s, activations, strategy)
 
 
@@ -115,8 +115,8 @@ def rows_for(layout, shape, reps, cold, strategies=False):
     fns = {name: (lambda f=f: f(x, next_w())) for name, f in spellings.items()}
     variants = [(a, None) for a in ("float32", "int8")]
     if strategies:
-        variants += [("float32", st) for st in _kernels.WEIGHT_ONLY_STRATEGIES]
-        variants += [("int8", st) for st in _kernels.INT8_STRATEGIES]
+        variants += [("float32", st) for st in _formulations.WEIGHT_ONLY_STRATEGIES]
+        variants += [("int8", st) for st in _formulations.INT8_STRATEGIES]
         if not _ffi.available():
             variants = [v for v in variants if v[1] != "kernel"]
         # the TPU's Pallas kernel runs only interpreted on a CPU
@@ -130,7 +130,7 @@ def rows_for(layout, shape, reps, cold, strategies=False):
     best = min(spellings, key=lambda name: times[name])
     rows = []
     for activations, strategy in variants:
-        chosen = strategy or _kernels.choose_strategy(
+        chosen = strategy or _formulations.choose_strategy(
             m, k, n, activations, "cpu", layout
         )
         target = None
@@ -242,8 +242,10 @@ def isa_product_row(layout, shape, activations, reps):
     q, s = jax.block_until_ready(qa.unpack(qa.quantize(w)))
     next_q = _cold(lambda: (q + 0, s + 0), q.nbytes)
     next_w = _cold(lambda: w + 0, w.nbytes)
-    fn = _kernels.matmul if layout == "kn" else _kernels.linear
-    xla = _kernels.choose_strategy(m, k, n, activations, "cpu", layout, kernels=False)
+    fn = _formulations.matmul if layout == "kn" else _formulations.linear
+    xla = _formulations.choose_strategy(
+        m, k, n, activations, "cpu", layout, kernels=False
+    )
     if layout == "kn":
         f32 = jax.jit(lambda x, w: x @ w)
     else:  # the faster spelling at one row (x @ w.T copies w transposed)
@@ -273,7 +275,7 @@ def isa_int4_row(activations, reps, shape=(1, 4096, 4096), group=128):
     next_w = _cold(lambda: w + 0, w.nbytes)
     f32 = jax.jit(lambda x, w: (w @ x.T).T)
     ours = jax.jit(
-        lambda x, p, s, st: _kernels.linear_int4(x, p, s, activations, st),
+        lambda x, p, s, st: _formulations.linear_int4(x, p, s, activations, st),
         static_argnums=3,
     )
     times = interleaved(

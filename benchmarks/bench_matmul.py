@@ -6,7 +6,7 @@ import numpy as np
 
 import qarray as qa
 from benchmarks._timing import interleaved
-from qarray import _kernels
+from qarray import _formulations
 
 MATMUL_SHAPES = [
     (1, 4096, 4096),
@@ -63,7 +63,7 @@ def matmul_rows(reps):
         for activations in ("float32", "int8"):
             target = TARGETS.get((activations, (m, k, n)), FLOOR)
             label = "weight-only" if activations == "float32" else "int8 activations"
-            strategy = _kernels.choose_strategy(m, k, n, activations, "cpu", "kn")
+            strategy = _formulations.choose_strategy(m, k, n, activations, "cpu", "kn")
             rows.append(
                 {
                     "row": f"{label} matmul_q ({strategy})",
@@ -119,7 +119,7 @@ def linear_rows(reps):
         )
         for activations in ("float32", "int8"):
             label = "weight-only" if activations == "float32" else "int8 activations"
-            strategy = _kernels.choose_strategy(m, k, n, activations, "cpu", "nk")
+            strategy = _formulations.choose_strategy(m, k, n, activations, "cpu", "nk")
             rows.append(
                 {
                     "row": f"{label} linear_q ({strategy})",
@@ -278,7 +278,9 @@ def error_rows(k=4096, n=4096, rows=512):
                     worst, where = err, m
             label = "weight-only" if activations == "float32" else "int8 activations"
             layout = "kn" if name == "matmul_q" else "nk"
-            strategy = _kernels.choose_strategy(where, k, n, activations, "cpu", layout)
+            strategy = _formulations.choose_strategy(
+                where, k, n, activations, "cpu", layout
+            )
             out.append(
                 {
                     "row": f"relative error, {name}, {label}, Gaussian, K = {k}",

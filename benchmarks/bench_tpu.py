@@ -43,7 +43,7 @@ import numpy as np
 from jax import lax
 
 import qarray as qa
-from qarray import _kernels
+from qarray import _formulations
 
 ROWS = (1, 8, 64, 512, 4096)
 GROUP = 128
@@ -102,7 +102,7 @@ def products(k: int, n: int) -> dict[str, tuple[str, Callable]]:
         # in blocks, x in one bf16 part (the default precision)
         "pallas_int8": (
             "float32",
-            lambda x, w: _kernels.linear(x, *w["q8"], "float32", "pallas"),
+            lambda x, w: _formulations.linear(x, *w["q8"], "float32", "pallas"),
         ),
         # the VJP's product for x: y_bar (m, N) @ W (N, K), on (N, K) weights
         # read as matmul_q's (k, n) = (N, K); with K == N the loop keeps shape

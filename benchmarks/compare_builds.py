@@ -55,7 +55,7 @@ def _cases():
     import numpy as np
 
     import qarray as qa
-    from qarray import _kernels
+    from qarray import _formulations
     from qarray._conv import ConvQ
 
     rng = np.random.default_rng(0)
@@ -66,7 +66,7 @@ def _cases():
     def product(layout, shape, act):
         m, k, n = shape
         q, s = qa.unpack(qa.quantize(normal(*((k, n) if layout == "kn" else (n, k)))))
-        fn = _kernels.matmul if layout == "kn" else _kernels.linear
+        fn = _formulations.matmul if layout == "kn" else _formulations.linear
         f = jax.jit(lambda x, q, s: fn(x, q, s, act, "kernel"))
         x = normal(m, k)
         return lambda: f(x, q, s)
@@ -74,7 +74,7 @@ def _cases():
     def int4(shape, act):
         m, k, n = shape
         p, s = qa.unpack(qa.quantize(normal(n, k), bits=4, group_size=128))
-        f = jax.jit(lambda x, p, s: _kernels.linear_int4(x, p, s, act, "kernel"))
+        f = jax.jit(lambda x, p, s: _formulations.linear_int4(x, p, s, act, "kernel"))
         x = normal(m, k)
         return lambda: f(x, p, s)
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 import qarray as qa
 from benchmarks.peer_shapes import SHAPES, flush_buffer, inputs
-from qarray import _ffi, _kernels
+from qarray import _ffi, _formulations
 
 HERE = Path(__file__).resolve().parent
 OURS = {"weight-only": "float32", "W8A8": "int8"}
@@ -66,7 +66,7 @@ def ours_rows(reps: int) -> list[dict]:
             rows.append(
                 {
                     "ours": label,
-                    "strategy": _kernels.choose_strategy(
+                    "strategy": _formulations.choose_strategy(
                         m, k, n, activations, "cpu", "nk"
                     ),
                     "shape": [m, k, n],

@@ -1,4 +1,5 @@
-"""Where the kernels' GEMM overtakes their dot tiles (``KERNEL_GEMM_ROWS``),
+"""Where the kernels' GEMM overtakes their dot tiles (a rule's ``gemm_rows``,
+``qarray/_rules.py``),
 row count by row count, with the weights cold or hot.
 
     .venv/bin/python -m benchmarks.gemm_crossover [--activations float32|int8]
@@ -8,9 +9,10 @@ Times ``linear_q``'s kernel (layout nk) on x f32[m, size] against ``copies``
 int8 weights (size, size) taken in turn: 16 copies of 4096 x 4096 (256 MiB)
 stream from memory as a many-layer model's do, one copy stays in cache. Each
 row count runs with the GEMM forced (``gemm_rows`` 1) and with the dot tiles
-forced (``gemm_rows`` past any row count), alternating for ``--rounds``; a
-side's figure is its best round's median. Weight-only rows are
-``SPLIT_LEVELS`` int8 rows each, which is what the threshold counts.
+forced (``gemm_rows`` past any row count), each through
+``_rules.overriding``, alternating for ``--rounds``; a side's figure is its
+best round's median. Weight-only rows are ``split_levels`` int8 rows each,
+which is what the threshold counts.
 docs/kernels.md keeps the figures; not a `make bench` suite (a threshold
 is decided once per CPU family, not tracked run to run).
 """
@@ -45,7 +47,7 @@ def crossover(activations: str, size: int, copies: int, rows, rounds=2, reps=40)
     import jax.numpy as jnp
 
     import qarray as qa
-    from qarray import _ffi, _kernels
+    from qarray import _ffi, _formulations, _rules
 
     if not _ffi.available():
         raise SystemExit(f"qarray's CPU kernels do not run here: {_ffi.status()}")
@@ -54,30 +56,27 @@ def crossover(activations: str, size: int, copies: int, rows, rounds=2, reps=40)
         qa.unpack(qa.quantize(jnp.asarray(rng.standard_normal((size, size)))))
         for _ in range(copies)
     ]
-    chosen = _ffi.KERNEL_GEMM_ROWS
     results = []
-    try:
-        for m in rows:
-            x = jnp.asarray(rng.standard_normal((m, size)), jnp.float32)
-            calls = [(x, q, s) for q, s in weights]
-            best = dict.fromkeys(FORCED, float("inf"))
-            for _ in range(rounds):
-                for side, gemm_rows in FORCED.items():
-                    # read when the call is traced: a fresh jit per side
-                    _ffi.KERNEL_GEMM_ROWS = {"other": gemm_rows}
+    for m in rows:
+        x = jnp.asarray(rng.standard_normal((m, size)), jnp.float32)
+        calls = [(x, q, s) for q, s in weights]
+        best = dict.fromkeys(FORCED, float("inf"))
+        for _ in range(rounds):
+            for side, gemm_rows in FORCED.items():
+                # read when the call is traced: a fresh jit per side
+                with _rules.overriding(gemm_rows=gemm_rows):
                     fn = jax.jit(
-                        lambda x, q, s: _kernels.linear(x, q, s, activations, "kernel")
+                        lambda x, q, s: _formulations.linear(
+                            x, q, s, activations, "kernel"
+                        )
                     )
                     best[side] = min(best[side], _median_ms(fn, calls, reps))
-            results.append((m, best["gemm"], best["tiles"]))
-    finally:
-        _ffi.KERNEL_GEMM_ROWS = chosen
+        results.append((m, best["gemm"], best["tiles"]))
     return results
 
 
 def main() -> None:
     from qarray import _ffi
-    from qarray._thresholds import SPLIT_LEVELS
 
     parser = argparse.ArgumentParser(prog="benchmarks.gemm_crossover")
     parser.add_argument("--activations", choices=("float32", "int8"), default="int8")
@@ -87,17 +86,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
-    parts = SPLIT_LEVELS if args.activations == "float32" else 1
+    rule = _ffi.rule()
+    parts = rule.int8_rows(1, args.activations)
     print(
         f"{_ffi.status()}; {args.activations}, ({args.size}, {args.size}) x "
-        f"{args.copies}; KERNEL_GEMM_ROWS {_ffi.gemm_rows()} int8 rows"
+        f"{args.copies}; rule {rule.name!r}: gemm_rows {rule.gemm_rows} int8 rows"
     )
     print("| rows of x (int8 rows) | GEMM ms | dot tiles ms | tiles / GEMM | runs |")
     print("|---|---|---|---|---|")
     for m, gemm, tiles in crossover(
         args.activations, args.size, args.copies, rows, args.rounds
     ):
-        runs = "GEMM" if m * parts >= _ffi.gemm_rows() else "dot tiles"
+        runs = "GEMM" if m * parts >= rule.gemm_rows else "dot tiles"
         print(
             f"| {m} ({m * parts}) | {gemm:.3f} | {tiles:.3f} | {tiles / gemm:.2f} "
             f"| {runs} |"

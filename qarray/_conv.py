@@ -31,7 +31,7 @@ from jax.experimental.hijax import (
     linearize_from_jvp,
 )
 
-from . import _ffi, _kernels, _numerics
+from . import _ffi, _formulations, _numerics
 from ._ops import (
     ProductVJP,
     check_activations,
@@ -316,7 +316,7 @@ class ConvQ(ProductVJP, HiPrim):
             self.activations == "int8"
             and set(self.lhs_dilation) == {1}
             and _ffi.available()
-            and not _kernels._explicitly_sharded(x)
+            and not _formulations._explicitly_sharded(x)
         )
 
     def _kernel(self, x, qvalue, scale):

@@ -7,8 +7,9 @@ AVX-512 VNNI, AVX-VNNI, AVX2; aarch64: dotprod, i8mm), the best this CPU has
 chosen when the library loads. ``QARRAY_CPU_ISA=amx|avx512|avxvnni|avx2|i8mm|
 dotprod`` forces a lower one (tests, benchmarks); ``QARRAY_KERNELS=xla`` asks
 for the XLA formulations everywhere. ``status`` says which runs
-(``"available (avx2)"``), ``available`` whether one does, and
-``_kernels.choose_strategy`` picks them on CPU.
+(``"available (avx2)"``), ``available`` whether one does, ``rule`` the
+thresholds of the set that runs (``_rules``), and
+``_formulations.choose_strategy`` picks them on CPU.
 """
 
 from __future__ import annotations
@@ -22,12 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._thresholds import (
-    INT4_GEMM_ROWS,
-    KERNEL_GEMM_ROWS,
-    KERNEL_TILE_ROWS,
-    SPLIT_LEVELS,
-)
+from . import _rules
 
 LIBRARY = Path(__file__).parent / "_cpu" / "libqarray_cpu.so"
 # the jaxlib whose FFI headers built LIBRARY (scripts/build_kernels.sh): XLA
@@ -66,6 +62,9 @@ def status() -> str:
     isa = library.qarray_cpu_isa()
     if isa is None:
         return library.qarray_cpu_reason().decode()
+    refused = limits_refusal(library_limits(library), _rules.CPU_RULES)
+    if refused:
+        return refused
     jax.ffi.register_ffi_target(
         TARGET, jax.ffi.pycapsule(library.QarrayProduct), platform="cpu"
     )
@@ -120,31 +119,55 @@ def _varying_like(y, operands):
         axes = tuple(sorted(varying))
         if hasattr(jax.lax, "pcast"):
             y = jax.lax.pcast(y, axes, to="varying")
-        else:  # jax 0.11 (what the lent GPU machines carry)
+        else:  # jax 0.11, before pcast (an environment older than the pin)
             y = jax.lax.pvary(y, axes)
     return y
 
 
-def thresholds() -> dict[str, np.int64]:
-    """The thresholds that choose a path inside the products' kernel, passed
-    with every call (``_thresholds`` owns them; the library checks their
-    range)."""
-    return {
-        "split": np.int64(SPLIT_LEVELS),
-        "gemm_rows": np.int64(gemm_rows()),
-        "kn_dot_rows": np.int64(KERNEL_TILE_ROWS["kn", "int8"]),
-    }
+# the library's limits: ``KernelRule`` field -> the C function exporting it
+LIMITS = {
+    "split_levels": "qarray_cpu_max_split",
+    "kn_dot_int8_rows": "qarray_cpu_max_kn_dot_rows",
+}
 
 
-def gemm_rows() -> int:
-    """``_thresholds.KERNEL_GEMM_ROWS`` for the instruction set that runs."""
-    return KERNEL_GEMM_ROWS.get(isa() or "other", KERNEL_GEMM_ROWS["other"])
+def library_limits(library: ctypes.CDLL) -> dict[str, int]:
+    """What only the kernels know: the most int8 parts a row (``kMaxSplit``)
+    and kn dot-tile rows (``kMaxKnDotRows``) their stack arrays hold, read
+    from the loaded library."""
+    limits = {}
+    for name, symbol in LIMITS.items():
+        function = getattr(library, symbol)
+        function.restype = ctypes.c_int64
+        limits[name] = function()
+    return limits
 
 
-def int4_gemm_rows(activations: str) -> int:
-    """``_thresholds.INT4_GEMM_ROWS`` for the instruction set that runs."""
-    table = INT4_GEMM_ROWS.get(isa() or "other", INT4_GEMM_ROWS["other"])
-    return table[activations]
+def limits_refusal(limits: dict[str, int], rules: dict) -> str | None:
+    """Why the library refuses to load beside these rules (a rule asks for
+    more than the kernels hold: every call would fail), or None."""
+    for rule in rules.values():
+        for field, most in limits.items():
+            asked = getattr(rule, field)
+            if asked > most:
+                return (
+                    f"refused: {LIBRARY.name} holds at most {field}={most}, "
+                    f"qarray._rules' {rule.name!r} rule asks {asked} (change the "
+                    "rule, or the kernels' limit in qarray/_cpu/common.h and "
+                    "rebuild with make setup)"
+                )
+    return None
+
+
+def rule() -> _rules.KernelRule:
+    """The rule of the instruction set that runs here (``_rules.for_isa``)."""
+    return _rules.for_isa(isa())
+
+
+def thresholds(activations: str = "float32") -> dict[str, np.int64]:
+    """Every threshold the kernels take (``rule().thresholds``), passed with
+    every call: the library has none of its own, and checks their range."""
+    return {k: np.int64(v) for k, v in rule().thresholds(activations).items()}
 
 
 def product_int4(x, packed, scale, *, int8: bool = False):
@@ -156,8 +179,7 @@ def product_int4(x, packed, scale, *, int8: bool = False):
         (x, packed, scale),
         _float32(x.shape[0], packed.shape[0]),
         int8=np.int64(int8),
-        split=thresholds()["split"],
-        int4_gemm_rows=np.int64(int4_gemm_rows("int8" if int8 else "float32")),
+        **thresholds("int8" if int8 else "float32"),
     )
 
 
@@ -183,7 +205,7 @@ def conv(x, qvalue, scale, out_shape, geometry, *, int8: bool):
         _float32(*out_shape),
         geometry=np.asarray(geometry, np.int64),
         int8=np.int64(int8),
-        split=thresholds()["split"],
+        **thresholds("int8" if int8 else "float32"),
     )
 
 
@@ -199,5 +221,5 @@ def product(x, qvalue, scale, *, kn: bool, int8: bool):
         _float32(x.shape[0], n),
         kn=np.int64(kn),
         int8=np.int64(int8),
-        **thresholds(),
+        **thresholds("int8" if int8 else "float32"),
     )

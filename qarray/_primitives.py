@@ -25,7 +25,7 @@ from jax.experimental.hijax import (
     linearize_from_jvp,
 )
 
-from . import _kernels, _numerics
+from . import _formulations, _numerics
 from ._ops import (
     ProductVJP,
     batch_at_front,
@@ -84,7 +84,7 @@ class Quantize(HiPrim):
         x = x.astype(FLOAT32)
         if self.bits == 4:
             return QArray(*_numerics.quantize_groups(x, self.group_size))
-        return QArray(*_kernels.quantize(x))
+        return QArray(*_formulations.quantize(x))
 
     # straight-through estimator: the identity for tangents and cotangents
     def jvp(self, primals, tangents):
@@ -325,7 +325,7 @@ class MatmulQ(_QProduct):
 
     def expand(self, x, qw):
         x = x.astype(FLOAT32)
-        y = _kernels.matmul(
+        y = _formulations.matmul(
             x, qw.qvalue, qw.scale, self.activations, precision=self.precision
         )
         return y.astype(self.out_aval.dtype)
@@ -347,7 +347,9 @@ class LinearQ(_QProduct):
 
     def expand(self, x, qw):
         product = (
-            _kernels.linear_int4 if self.in_avals[1].bits == 4 else _kernels.linear
+            _formulations.linear_int4
+            if self.in_avals[1].bits == 4
+            else _formulations.linear
         )
         x = x.astype(FLOAT32)
         y = product(x, qw.qvalue, qw.scale, self.activations, precision=self.precision)

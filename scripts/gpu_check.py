@@ -84,7 +84,7 @@ def run_rows(reps: int = 15) -> list[dict]:
     sys.path.insert(0, str(ROOT))
     import qarray as qa
     from benchmarks._timing import interleaved
-    from qarray import _kernels
+    from qarray import _formulations
 
     f32 = jax.jit(lambda x, w: x @ w.T)
     bf16 = jax.jit(
@@ -117,7 +117,7 @@ def run_rows(reps: int = 15) -> list[dict]:
             strategy = (
                 "bf16"
                 if name == "bf16"
-                else _kernels.choose_strategy(m, k, n, activations, platform, "nk")
+                else _formulations.choose_strategy(m, k, n, activations, platform, "nk")
             )
             rows.append(
                 {

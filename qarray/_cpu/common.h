@@ -42,20 +42,24 @@ constexpr int64_t kPanelBytes = 256 << 10;
 // 8 channels x 4 bytes side by side (gemm.h's Panel8; AMX's tile row)
 constexpr int64_t kStepBytes = 64;
 // int8 parts of a float32 row at most (the tiles keep per-part state on the
-// stack)
+// stack). Exported (dispatch.cc's qarray_cpu_max_split): qarray/_ffi.py
+// refuses the library where a rule of qarray/_rules.py asks for more
 constexpr int kMaxSplit = 4;
 // layout kn's dot tiles: int8 rows at most (the tiles keep a row's sums on
-// the stack; tiles_avx512.cc instantiates counts up to it)
+// the stack; tiles_avx512.cc instantiates counts up to it). Exported and
+// checked the same way (qarray_cpu_max_kn_dot_rows)
 constexpr int64_t kMaxKnDotRows = 9;
 
 // The thresholds that choose a path inside the kernels. Python owns them
-// (qarray/_kernels.py, which also uses them to choose between the kernels
-// and XLA's formulations) and passes them with every call.
+// (qarray/_rules.py: one rule per instruction set, which also chooses
+// between the kernels and XLA's formulations) and passes every one with every
+// call: no defaults here, so a handler that forgot one cannot run on a
+// number Python never chose.
 struct Thresholds {
-  int64_t split = 3;       // int8 parts of a float32 row (weight-only)
-  int64_t gemm_rows = 8;   // int8 rows (or parts) from which the GEMM runs
-  int64_t kn_dot_rows = 9; // layout kn: int8 rows up to which the dot tiles run
-  int64_t int4_gemm_rows = 2;  // int4 weights: rows of x from which the GEMM runs
+  int64_t split;           // int8 parts of a float32 row (weight-only)
+  int64_t gemm_rows;       // int8 rows (or parts) from which the GEMM runs
+  int64_t kn_dot_rows;     // layout kn: int8 rows up to which the dot tiles run
+  int64_t int4_gemm_rows;  // int4 weights: rows of x from which the GEMM runs
 };
 
 // y f32[m, n] from x f32[m, k] and int8 weights with one scale per stored row

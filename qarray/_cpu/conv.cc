@@ -8,7 +8,8 @@ namespace {
 ffi::Error ConvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                     ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
                     ffi::ResultBuffer<ffi::F32> y, ffi::Span<const int64_t> geometry,
-                    int64_t int8, int64_t split) {
+                    int64_t int8, int64_t split, int64_t gemm_rows, int64_t kn_dot_rows,
+                    int64_t int4_gemm_rows) {
   auto xd = x.dimensions(), qd = q.dimensions(), yd = y->dimensions();
   if (geometry.size() != 13 || xd.size() < 3 || xd.size() > 5 || qd.size() != 2 ||
       yd.size() != xd.size())
@@ -43,7 +44,7 @@ ffi::Error ConvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       yd[1] != a.out_channels || scale.element_count() != a.out_channels)
     return ffi::Error::InvalidArgument("qarray_conv: shapes do not match");
   a.int8 = int8 != 0;
-  a.t.split = split;
+  a.t = Thresholds{split, gemm_rows, kn_dot_rows, int4_gemm_rows};
   if (auto e = CheckThresholds("qarray_conv", a.t); e.failure()) return e;
   a.x = x.typed_data();
   a.q = q.typed_data();
@@ -56,12 +57,12 @@ ffi::Error ConvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 }  // namespace qarray::cpu
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QarrayConv, qarray::cpu::ConvImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S8>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Attr<xla::ffi::Span<const int64_t>>("geometry")
-                                  .Attr<int64_t>("int8")
-                                  .Attr<int64_t>("split"));
+                              qarray::cpu::BindThresholds(
+                                  xla::ffi::Ffi::Bind()
+                                      .Ctx<xla::ffi::ThreadPool>()
+                                      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                      .Arg<xla::ffi::Buffer<xla::ffi::S8>>()
+                                      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                      .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                      .Attr<xla::ffi::Span<const int64_t>>("geometry")
+                                      .Attr<int64_t>("int8")));

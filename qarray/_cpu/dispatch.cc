@@ -157,3 +157,14 @@ extern "C" __attribute__((visibility("default"))) const char* qarray_cpu_isa() {
 extern "C" __attribute__((visibility("default"))) const char* qarray_cpu_reason() {
   return qarray::cpu::ActiveReason();
 }
+
+// The limits only the kernels know (common.h): qarray/_ffi.py reads them when
+// it loads the library and refuses it where a rule of qarray/_rules.py asks
+// for more, rather than let every call fail its thresholds check
+extern "C" __attribute__((visibility("default"))) int64_t qarray_cpu_max_split() {
+  return qarray::cpu::kMaxSplit;
+}
+
+extern "C" __attribute__((visibility("default"))) int64_t qarray_cpu_max_kn_dot_rows() {
+  return qarray::cpu::kMaxKnDotRows;
+}

@@ -801,9 +801,11 @@ inline void PermuteEvenOdd(std::vector<int8_t>& xs) {
   }
 }
 
+// x's int8 rows for an int4 product (W4A8: one a row of x, weight-only: split
+// parts), K as it is (a multiple of the group, so of 32): ProductInt4T's and
+// the providers' own GEMMs (AMX's)
 template <class V>
-void ProductInt4T(Pool& pool, const Int4Args& args) {
-  if (args.m == 0 || args.n == 0) return;
+std::shared_ptr<Int4State> Int4XRows(Pool& pool, const Int4Args& args) {
   auto s = std::make_shared<Int4State>();
   s->a = args;
   const Int4Args& a = s->a;
@@ -812,6 +814,14 @@ void ProductInt4T(Pool& pool, const Int4Args& args) {
   s->xs.assign(AllocatedRows(s->rows) * a.k, 0);
   s->sx.resize(s->rows);
   QuantizeRowsOn<V>(pool, a.x, nullptr, a.m, a.k, a.k, s->parts, s->xs.data(), s->sx.data());
+  return s;
+}
+
+template <class V>
+void ProductInt4T(Pool& pool, const Int4Args& args) {
+  if (args.m == 0 || args.n == 0) return;
+  const std::shared_ptr<Int4State> s = Int4XRows<V>(pool, args);
+  const Int4Args& a = s->a;
   const bool gemm = a.m >= a.t.int4_gemm_rows;
   if constexpr (I::kDotPaths) {
     if (!gemm) PermuteEvenOdd(s->xs);  // k: a multiple of 32

@@ -23,6 +23,18 @@ class FfiPool final : public Pool {
   ffi::ThreadPool& pool_;
 };
 
+// The thresholds every handler binds, in Thresholds' order, after its own
+// attributes (each handler is passed all of them: qarray/_ffi.py's
+// thresholds())
+template <class Binding>
+auto BindThresholds(Binding binding) {
+  return std::move(binding)
+      .template Attr<int64_t>("split")
+      .template Attr<int64_t>("gemm_rows")
+      .template Attr<int64_t>("kn_dot_rows")
+      .template Attr<int64_t>("int4_gemm_rows");
+}
+
 // The tiles keep up to kMaxSplit parts a row; a row count below 1 would turn
 // a path off by accident
 inline ffi::Error CheckThresholds(const char* handler, const Thresholds& t) {

@@ -8,7 +8,8 @@ namespace {
 ffi::Error ProductImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                        ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
                        ffi::ResultBuffer<ffi::F32> y, int64_t kn, int64_t int8,
-                       int64_t split, int64_t gemm_rows, int64_t kn_dot_rows) {
+                       int64_t split, int64_t gemm_rows, int64_t kn_dot_rows,
+                       int64_t int4_gemm_rows) {
   auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
   if (xd.size() != 2 || qd.size() != 2 || sd.size() != 1)
     return ffi::Error::InvalidArgument(
@@ -21,7 +22,7 @@ ffi::Error ProductImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   a.int8 = int8 != 0;
   if ((kn ? qd[0] : qd[1]) != a.k || sd[0] != (kn ? a.k : a.n))
     return ffi::Error::InvalidArgument("qarray_product: x, q and scale do not match");
-  a.t = Thresholds{split, gemm_rows, kn_dot_rows};
+  a.t = Thresholds{split, gemm_rows, kn_dot_rows, int4_gemm_rows};
   if (auto e = CheckThresholds("qarray_product", a.t); e.failure()) return e;
   a.x = x.typed_data();
   a.q = q.typed_data();
@@ -34,14 +35,12 @@ ffi::Error ProductImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 }  // namespace qarray::cpu
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QarrayProduct, qarray::cpu::ProductImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S8>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Attr<int64_t>("kn")
-                                  .Attr<int64_t>("int8")
-                                  .Attr<int64_t>("split")
-                                  .Attr<int64_t>("gemm_rows")
-                                  .Attr<int64_t>("kn_dot_rows"));
+                              qarray::cpu::BindThresholds(
+                                  xla::ffi::Ffi::Bind()
+                                      .Ctx<xla::ffi::ThreadPool>()
+                                      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                      .Arg<xla::ffi::Buffer<xla::ffi::S8>>()
+                                      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                      .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                      .Attr<int64_t>("kn")
+                                      .Attr<int64_t>("int8")));

@@ -8,7 +8,7 @@ namespace {
 ffi::Error ProductInt4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                            ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi::F32> scale,
                            ffi::ResultBuffer<ffi::F32> y, int64_t int8, int64_t split,
-                           int64_t int4_gemm_rows) {
+                           int64_t gemm_rows, int64_t kn_dot_rows, int64_t int4_gemm_rows) {
   auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
   if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2)
     return ffi::Error::InvalidArgument(
@@ -23,8 +23,7 @@ ffi::Error ProductInt4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (a.group % 32)
     return ffi::Error::InvalidArgument("qarray_product_int4: group size % 32 != 0");
   a.int8 = int8 != 0;
-  a.t.split = split;
-  a.t.int4_gemm_rows = int4_gemm_rows;
+  a.t = Thresholds{split, gemm_rows, kn_dot_rows, int4_gemm_rows};
   if (auto e = CheckThresholds("qarray_product_int4", a.t); e.failure()) return e;
   a.x = x.typed_data();
   a.q = q.typed_data();
@@ -37,12 +36,11 @@ ffi::Error ProductInt4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 }  // namespace qarray::cpu
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QarrayProductInt4, qarray::cpu::ProductInt4Impl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Attr<int64_t>("int8")
-                                  .Attr<int64_t>("split")
-                                  .Attr<int64_t>("int4_gemm_rows"));
+                              qarray::cpu::BindThresholds(
+                                  xla::ffi::Ffi::Bind()
+                                      .Ctx<xla::ffi::ThreadPool>()
+                                      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                      .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
+                                      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                      .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                      .Attr<int64_t>("int8")));

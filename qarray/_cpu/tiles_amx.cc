@@ -49,7 +49,7 @@
 
 namespace qarray::cpu::amx {
 
-#include "avx2_ops.h"
+#include "tiles_avx2.h"
 
 // _tile_loadconfig's 64 bytes
 struct TileConfig {
@@ -353,15 +353,8 @@ void ProductInt4(Pool& pool, const Int4Args& args) {
   if (args.m < args.t.int4_gemm_rows || args.group % (4 * I::kStepAlign))
     return Next().product_int4(pool, args);
   if (args.n == 0) return;
-  auto s = std::make_shared<Int4State>();
-  s->a = args;
+  const std::shared_ptr<Int4State> s = Int4XRows<VecAvx2>(pool, args);
   const Int4Args& a = s->a;
-  s->parts = a.int8 ? 1 : a.t.split;
-  s->rows = s->parts * a.m;
-  s->xs.assign(AllocatedRows(s->rows) * a.k, 0);
-  s->sx.resize(s->rows);
-  QuantizeRowsOn<VecAvx2>(pool, a.x, nullptr, a.m, a.k, a.k, s->parts, s->xs.data(),
-                          s->sx.data());
   const Int4State* p = s.get();
   const std::shared_ptr<PackedRows> x = PackRows(pool, s, s->xs.data(), a.k, s->rows);
   const PackedRows* px = x.get();

@@ -26,7 +26,7 @@
 
 namespace qarray::cpu::avx2 {
 
-#include "avx2_ops.h"
+#include "tiles_avx2.h"
 
 using I = I8Avx2;
 #include "quantize_row.h"

@@ -16,7 +16,7 @@
 //       broadcasts of x (KnDotProduct);
 //   int4, below int4_gemm_rows rows: float32 tiles, each nibble its value
 //       times the group's scale by one permute of a 16-entry table (Int4Rows).
-// Every threshold is Python's (qarray/_kernels.py), passed in Thresholds.
+// Every threshold is Python's (qarray/_formulations.py), passed in Thresholds.
 //
 // Compiled for any x86-64: the target pragma comes after every shared header,
 // so nothing those headers define is compiled for AVX-512 (the linker could
@@ -40,7 +40,7 @@
 namespace qarray::cpu::avx512 {
 
 // gemm.h's packing helpers (8-channel blocks) and float transposes
-#include "avx2_ops.h"
+#include "tiles_avx2.h"
 
 // the vector type the row quantizer (quantize_row.h) runs on
 struct VecAvx512 {

@@ -8,10 +8,14 @@ every instruction set's tiles without XLA; this file checks what users reach.
 On a CPU whose best tiles are not AVX2's (AVX-512), the last test runs this
 file again with QARRAY_CPU_ISA=avx2.
 
-Covers: qarray/_ffi.py, qarray/_thresholds.py
+Covers: qarray/_ffi.py, qarray/_rules.py
 """
 
+import ctypes
+import dataclasses
 import os
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -21,7 +25,7 @@ import numpy as np
 import pytest
 
 import qarray as qa
-from qarray import _ffi, _kernels, _numerics, _thresholds
+from qarray import _ffi, _formulations, _numerics, _rules
 from qarray._conv import ConvQ
 from support import reference as ref
 from support.cpu_kernels import best_isa, cpu_flags, needs_kernels
@@ -89,47 +93,120 @@ def test_kernels_switch_off_with_qarray_kernels_xla():
     assert status_in({"QARRAY_KERNELS": "xla"}) == "QARRAY_KERNELS=xla"
 
 
-def test_thresholds_come_from_one_module():
-    """One owner (_thresholds): what the kernels are passed is what
-    choose_strategy uses."""
-    t = _ffi.thresholds()
-    assert t["split"] == _kernels.SPLIT_LEVELS == _thresholds.SPLIT_LEVELS
-    assert t["gemm_rows"] == _ffi.gemm_rows()
-    assert t["kn_dot_rows"] == _kernels.KERNEL_TILE_ROWS["kn", "int8"]
+def test_thresholds_come_from_the_rule():
+    """One owner (_rules): the kernels are passed every threshold of the rule
+    choose_strategy uses, whichever handler runs."""
+    rule = _ffi.rule()
+    assert rule == _rules.for_isa(_ffi.isa())
+    for activations in ("float32", "int8"):
+        assert _ffi.thresholds(activations) == {
+            "split": rule.split_levels,
+            "gemm_rows": rule.gemm_rows,
+            "kn_dot_rows": rule.kn_dot_int8_rows,
+            "int4_gemm_rows": rule.int4_gemm_rows[activations],
+        }
 
 
-def test_gemm_rows_come_from_thresholds_by_isa(monkeypatch):
-    table = _thresholds.KERNEL_GEMM_ROWS
-    assert _ffi.gemm_rows() == table.get(_ffi.isa() or "other", table["other"])
+def test_each_instruction_set_has_its_rule(monkeypatch):
     monkeypatch.setattr(_ffi, "isa", lambda: "amx")
-    assert _ffi.gemm_rows() == table["amx"]
-    assert _ffi.thresholds()["gemm_rows"] == table["amx"]
-    monkeypatch.setattr(_ffi, "isa", lambda: "i8mm")  # not in the table
-    assert _ffi.gemm_rows() == table["other"]
+    assert _ffi.rule() is _rules.AMX
+    assert _ffi.thresholds()["gemm_rows"] == _rules.AMX.gemm_rows
+    monkeypatch.setattr(_ffi, "isa", lambda: "avx512")
+    assert _ffi.rule() is _rules.AVX512
+    want = _rules.AVX512.int4_gemm_rows["int8"]
+    assert _ffi.thresholds("int8")["int4_gemm_rows"] == want
+    for isa in ("avxvnni", "avx2", "i8mm", "dotprod", None):  # no rule of their own
+        monkeypatch.setattr(_ffi, "isa", lambda isa=isa: isa)
+        assert _ffi.rule() is _rules.OTHER
 
 
-def test_int4_gemm_rows_come_from_thresholds_by_isa(monkeypatch):
-    table = _thresholds.INT4_GEMM_ROWS
-    want = table.get(_ffi.isa() or "other", table["other"])["int8"]
-    assert _ffi.int4_gemm_rows("int8") == want
-    monkeypatch.setattr(_ffi, "isa", lambda: "i8mm")  # not in the table
-    assert _ffi.int4_gemm_rows("float32") == table["other"]["float32"]
+def test_rules_are_frozen_and_overridden_inside_a_block_only():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        _rules.OTHER.gemm_rows = 1
+    with _rules.overriding(gemm_rows=1):
+        assert _rules.for_isa("amx").gemm_rows == 1
+        assert _rules.for_isa(None).gemm_rows == 1
+        assert _rules.for_isa("amx").split_levels == _rules.AMX.split_levels
+    assert _rules.for_isa("amx") is _rules.AMX
+    with pytest.raises(TypeError, match="no field"):
+        with _rules.overriding(gemm_row=1):
+            pass
+
+
+def common_h_limit(name: str) -> int:
+    """A limit as qarray/_cpu/common.h declares it."""
+    source = (pathlib.Path(_ffi.LIBRARY).parent / "common.h").read_text()
+    return int(re.search(rf"constexpr int\w* {name} = (\d+);", source)[1])
+
+
+def test_the_library_exports_its_limits_and_every_rule_keeps_to_them():
+    needs_kernels()
+    limits = _ffi.library_limits(ctypes.CDLL(str(_ffi.LIBRARY)))
+    assert limits == {
+        "split_levels": common_h_limit("kMaxSplit"),
+        "kn_dot_int8_rows": common_h_limit("kMaxKnDotRows"),
+    }
+    assert _ffi.limits_refusal(limits, _rules.CPU_RULES) is None
+
+
+def test_the_library_refuses_to_load_beside_a_rule_past_its_limits(monkeypatch):
+    """Python's rule and C++'s limits disagreeing: the library is refused
+    when it loads (status says why), not loaded to fail every kn call."""
+    needs_kernels()
+    limits = _ffi.library_limits(ctypes.CDLL(str(_ffi.LIBRARY)))
+    rows = limits["kn_dot_int8_rows"] + 1
+    wide = dataclasses.replace(_rules.OTHER, name="wide", kn_dot_int8_rows=rows)
+    monkeypatch.setattr(_rules, "CPU_RULES", {**_rules.CPU_RULES, "wide": wide})
+    refused = _ffi.status.__wrapped__()  # the load again, uncached
+    assert refused.startswith("refused: libqarray_cpu.so holds at most"), refused
+    assert f"kn_dot_int8_rows={rows - 1}" in refused
+    assert f"'wide' rule asks {rows}" in refused
+    # a library whose limit is below the rules' (its split_levels)
+    fake = {**limits, "split_levels": _rules.OTHER.split_levels - 1}
+    refused = _ffi.limits_refusal(fake, _rules.CPU_RULES)
+    assert refused is not None and "split_levels=" in refused
+
+
+def test_a_refused_library_leaves_the_products_to_xla():
+    """The whole load, in a fresh process: status says why, the kernels are
+    off, and the products run XLA's formulations."""
+    needs_kernels()
+    code = (
+        "import dataclasses, jax.numpy as jnp, qarray as qa\n"
+        "from qarray import _ffi, _rules\n"
+        "_rules.CPU_RULES['deep'] = dataclasses.replace("
+        "_rules.OTHER, name='deep', split_levels=99)\n"
+        "y = qa.linear_q(jnp.ones((2, 64)), qa.quantize(jnp.ones((8, 64))))\n"
+        "print(_ffi.available(), y.shape)\n"
+        "print(_ffi.status())\n"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    first, status = out.stdout.strip().splitlines()
+    assert first == "False (2, 8)"
+    assert status.startswith("refused:") and "'deep' rule asks 99" in status
 
 
 @pytest.mark.parametrize("activations", ["float32", "int8"])
 @pytest.mark.parametrize("gemm_rows", [1, 64])
-def test_int4_kernel_paths_both_match_numpy(rng, monkeypatch, activations, gemm_rows):
+def test_int4_kernel_paths_both_match_numpy(rng, activations, gemm_rows):
     """The threshold Python passes decides the path (1: the GEMM at every
     row count, 64: the dot tiles), and both paths give the same answer."""
     needs_kernels()
-    monkeypatch.setattr(_ffi, "int4_gemm_rows", lambda activations: gemm_rows)
+    switch = _rules.ByActivations(float32=gemm_rows, int8=gemm_rows)
     m, k, n, group = 5, 128, 40, 64
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((n, k)).astype(np.float32)
     packed, scale = qa.unpack(qa.quantize(jnp.asarray(w), bits=4, group_size=group))
     v = ref.roundtrip(x) if activations == "int8" else x
     want = v.astype(np.float64) @ ref.roundtrip4(w, group).astype(np.float64).T
-    got = _ffi.product_int4(jnp.asarray(x), packed, scale, int8=activations == "int8")
+    with _rules.overriding(int4_gemm_rows=switch):
+        got = _ffi.product_int4(
+            jnp.asarray(x), packed, scale, int8=activations == "int8"
+        )
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL * np.abs(want).max())
 
 
@@ -161,7 +238,7 @@ def test_kernel_agrees_with_the_xla_formulations(rng, shape, layout, activations
     x = rng.standard_normal((m, k)).astype(np.float32)
     stored = (k, n) if layout == "kn" else (n, k)
     qvalue, scale = ref.quantize(rng.standard_normal(stored).astype(np.float32))
-    fn = _kernels.matmul if layout == "kn" else _kernels.linear
+    fn = _formulations.matmul if layout == "kn" else _formulations.linear
     kernel = jax.jit(lambda x, q, s: fn(x, q, s, activations, "kernel"))(
         x, qvalue, scale
     )
@@ -184,7 +261,7 @@ def test_kernel_weights_of_minus_128(rng):
     scale = rng.uniform(0.01, 0.02, n).astype(np.float32)
     for activations in ("float32", "int8"):
         got = jax.jit(
-            lambda x, q, s, a=activations: _kernels.linear(x, q, s, a, "kernel")
+            lambda x, q, s, a=activations: _formulations.linear(x, q, s, a, "kernel")
         )(x, qvalue, scale)
         want = ref.linear_q(x, qvalue, scale, activations)
         assert rel_err(got, want) <= 1e-6
@@ -202,7 +279,7 @@ def test_int4_kernel_matches_numpy(rng, m, activations):
     packed, scale = qa.unpack(qa.quantize(jnp.asarray(w), bits=4, group_size=group))
     v = ref.roundtrip(x) if activations == "int8" else x
     want = v.astype(np.float64) @ ref.roundtrip4(w, group).astype(np.float64).T
-    product = lambda *a: _kernels.linear_int4(*a, activations, "kernel")  # noqa: E731
+    product = lambda *a: _formulations.linear_int4(*a, activations, "kernel")  # noqa: E731
     got = jax.jit(product)(x, packed, scale)
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL * np.abs(want).max())
 
@@ -327,7 +404,7 @@ def test_nan_rows_in_products_give_nan_rows(rng):
     x[1, 5] = np.nan
     qvalue, scale = ref.quantize(rng.standard_normal((64, 40)).astype(np.float32))
     got = np.asarray(
-        jax.jit(lambda x, q, s: _kernels.matmul(x, q, s, "int8", "kernel"))(
+        jax.jit(lambda x, q, s: _formulations.matmul(x, q, s, "int8", "kernel"))(
             x, qvalue, scale
         )
     )

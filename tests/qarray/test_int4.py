@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import qarray as qa
-from qarray import _ffi, _kernels
+from qarray import _ffi, _formulations
 from support import reference as ref
 
 # rerun on XLA's formulations alone where the kernels ran (make test)
@@ -114,7 +114,7 @@ def test_linear_q_int4_matches_numpy(rng, strategy, m, activations):
         got = jax.jit(qa.linear_q, static_argnums=2)(x, q, activations)
     else:
         packed, scale = qa.unpack(q)
-        product = lambda *a: _kernels.linear_int4(*a, activations, strategy)  # noqa: E731
+        product = lambda *a: _formulations.linear_int4(*a, activations, strategy)  # noqa: E731
         got = jax.jit(product)(x, packed, scale)
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL * np.abs(want).max())
 

@@ -1,7 +1,7 @@
 """Each matmul_q and linear_q formulation against the NumPy reference, and the
 choice rules.
 
-Covers: qarray/_kernels.py"""
+Covers: qarray/_formulations.py"""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import qarray as qa
-from qarray import _ffi, _kernels
+from qarray import _ffi, _formulations
 from support import reference as ref
 from support.cpu_kernels import needs_kernels
 
@@ -86,11 +86,11 @@ def rel_err(got, want):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("strategy", strategies(_kernels.WEIGHT_ONLY_STRATEGIES))
+@pytest.mark.parametrize("strategy", strategies(_formulations.WEIGHT_ONLY_STRATEGIES))
 def test_weight_only_strategies(rng, shape, strategy):
     needs(strategy)
     x, qvalue, scale = data(rng, *shape)
-    f = jax.jit(lambda x, q, s: _kernels.matmul(x, q, s, "float32", strategy))
+    f = jax.jit(lambda x, q, s: _formulations.matmul(x, q, s, "float32", strategy))
     got = f(x, qvalue, scale)
     want = ref.matmul_q(x, qvalue, scale)
     assert got.shape == want.shape and got.dtype == np.float32
@@ -98,11 +98,11 @@ def test_weight_only_strategies(rng, shape, strategy):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("strategy", strategies(_kernels.INT8_STRATEGIES))
+@pytest.mark.parametrize("strategy", strategies(_formulations.INT8_STRATEGIES))
 def test_int8_activation_strategies(rng, shape, strategy):
     needs(strategy)
     x, qvalue, scale = data(rng, *shape)
-    f = jax.jit(lambda x, q, s: _kernels.matmul(x, q, s, "int8", strategy))
+    f = jax.jit(lambda x, q, s: _formulations.matmul(x, q, s, "int8", strategy))
     got = f(x, qvalue, scale)
     want = ref.matmul_q(x, qvalue, scale, activations="int8")
     assert rel_err(got, want) <= TOLERANCE[strategy]
@@ -111,14 +111,16 @@ def test_int8_activation_strategies(rng, shape, strategy):
 def test_leading_axes_and_vectors(rng):
     x = rng.standard_normal((2, 3, 64)).astype(np.float32)
     _, qvalue, scale = data(rng, 1, 64, 16)
-    for strategy in _kernels.WEIGHT_ONLY_STRATEGIES:
+    for strategy in _formulations.WEIGHT_ONLY_STRATEGIES:
         if (strategy == "kernel" and not _ffi.available()) or (
             strategy in CPU_STRATEGIES and jax.default_backend() != "cpu"
         ):
             continue
-        got = _kernels.matmul(jnp.asarray(x), qvalue, scale, "float32", strategy)
+        got = _formulations.matmul(jnp.asarray(x), qvalue, scale, "float32", strategy)
         assert rel_err(got, ref.matmul_q(x, qvalue, scale)) <= TOLERANCE[strategy]
-        got = _kernels.matmul(jnp.asarray(x[0, 0]), qvalue, scale, "float32", strategy)
+        got = _formulations.matmul(
+            jnp.asarray(x[0, 0]), qvalue, scale, "float32", strategy
+        )
         assert got.shape == (16,)
 
 
@@ -137,7 +139,7 @@ def test_leading_axes_and_vectors(rng):
 )
 def test_choose_strategy(m, kn, activations, platform, expected):
     """Without qarray's CPU kernels (the XLA formulations)."""
-    got = _kernels.choose_strategy(m, kn, kn, activations, platform, kernels=False)
+    got = _formulations.choose_strategy(m, kn, kn, activations, platform, kernels=False)
     assert got == expected
 
 
@@ -173,7 +175,7 @@ def test_choose_strategy_with_the_cpu_kernels(
 ):
     """The vector instruction sets' choices (AMX's: below)."""
     monkeypatch.setattr(_ffi, "isa", lambda: "avx512")
-    got = _kernels.choose_strategy(
+    got = _formulations.choose_strategy(
         m, 4096, 4096, activations, platform, layout, kernels=True
     )
     assert got == expected
@@ -184,16 +186,16 @@ def test_amx_takes_weight_only_nk_products_at_every_row_count(m, monkeypatch):
     """AMX's nk GEMM: no row cap weight-only; kn and W8A8 keep theirs."""
     monkeypatch.setattr(_ffi, "isa", lambda: "amx")
     for k, n in ((1024, 1024), (4096, 1024), (4096, 4096)):
-        assert _kernels.choose_strategy(m, k, n, "float32", "cpu", "nk", True) == (
+        assert _formulations.choose_strategy(m, k, n, "float32", "cpu", "nk", True) == (
             "kernel"
         )
-    assert _kernels.choose_strategy(m, 4096, 4096, "float32", "cpu", "kn", True) == (
-        "split_int8"
-    )
+    assert _formulations.choose_strategy(
+        m, 4096, 4096, "float32", "cpu", "kn", True
+    ) == ("split_int8")
     if m > 128:
-        assert _kernels.choose_strategy(m, 4096, 4096, "int8", "cpu", "nk", True) == (
-            "int8_dot"
-        )
+        assert _formulations.choose_strategy(
+            m, 4096, 4096, "int8", "cpu", "nk", True
+        ) == ("int8_dot")
 
 
 @pytest.mark.parametrize("isa", ["amx", "avxvnni", "avx2", "i8mm"])
@@ -201,7 +203,7 @@ def test_large_kn_weight_only_keeps_split_int8_past_8_rows_elsewhere(isa, monkey
     """Where the per-call packing of large kn weights costs the GEMM its
     lead (measured on AVX-512 only as ahead: there it keeps the kernel)."""
     monkeypatch.setattr(_ffi, "isa", lambda: isa)
-    choose = _kernels.choose_strategy
+    choose = _formulations.choose_strategy
     assert choose(8, 4096, 4096, "float32", "cpu", "kn", True) == "kernel"
     assert choose(16, 4096, 4096, "float32", "cpu", "kn", True) == "split_int8"
     assert choose(16, 1024, 1024, "float32", "cpu", "kn", True) == "kernel"
@@ -209,16 +211,18 @@ def test_large_kn_weight_only_keeps_split_int8_past_8_rows_elsewhere(isa, monkey
 
 def test_w8a8_with_a_short_k_takes_the_gemm_at_every_row_count():
     for layout in ("nk", "kn"):
-        got = _kernels.choose_strategy(512, 1024, 1024, "int8", "cpu", layout, True)
+        got = _formulations.choose_strategy(
+            512, 1024, 1024, "int8", "cpu", layout, True
+        )
         assert got == "kernel"
-    assert _kernels.choose_strategy(512, 4096, 1024, "int8", "cpu", "nk", True) == (
-        "int8_dot"
-    )
+    assert _formulations.choose_strategy(
+        512, 4096, 1024, "int8", "cpu", "nk", True
+    ) == ("int8_dot")
 
 
 def test_the_kn_gemm_takes_small_and_large_weights():
     for activations, size in (("float32", 1024), ("int8", 1024), ("int8", 4096)):
-        got = _kernels.choose_strategy(
+        got = _formulations.choose_strategy(
             64, size, size, activations, "cpu", "kn", kernels=True
         )
         assert got == "kernel"
@@ -231,15 +235,15 @@ def test_the_kn_gemm_takes_small_and_large_weights():
 )
 def test_matmul_q_runs_the_chosen_strategy_on_cpu(rng, m, activations):
     x, qvalue, scale = data(rng, m, 64, 32)
-    chosen = _kernels.choose_strategy(m, 64, 32, activations, "cpu", "kn")
-    forced = jax.jit(lambda x, q, s: _kernels.matmul(x, q, s, activations, chosen))
+    chosen = _formulations.choose_strategy(m, 64, 32, activations, "cpu", "kn")
+    forced = jax.jit(lambda x, q, s: _formulations.matmul(x, q, s, activations, chosen))
     auto = jax.jit(lambda x, q, s: qa.matmul_q(x, qa.pack(q, s), activations))
     np.testing.assert_array_equal(auto(x, qvalue, scale), forced(x, qvalue, scale))
 
 
 def test_unknown_strategy_is_refused():
     with pytest.raises(ValueError, match="unknown weight-only strategy 'fast'"):
-        _kernels.matmul(
+        _formulations.matmul(
             jnp.ones((2, 4)), jnp.ones((4, 3), jnp.int8), jnp.ones(4), "float32", "fast"
         )
 
@@ -254,11 +258,11 @@ def linear_data(rng, m, k, n):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("strategy", strategies(_kernels.WEIGHT_ONLY_STRATEGIES))
+@pytest.mark.parametrize("strategy", strategies(_formulations.WEIGHT_ONLY_STRATEGIES))
 def test_linear_weight_only_strategies(rng, shape, strategy):
     needs(strategy)
     x, qvalue, scale = linear_data(rng, *shape)
-    f = jax.jit(lambda x, q, s: _kernels.linear(x, q, s, "float32", strategy))
+    f = jax.jit(lambda x, q, s: _formulations.linear(x, q, s, "float32", strategy))
     got = f(x, qvalue, scale)
     want = ref.linear_q(x, qvalue, scale)
     assert got.shape == want.shape and got.dtype == np.float32
@@ -266,11 +270,11 @@ def test_linear_weight_only_strategies(rng, shape, strategy):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("strategy", strategies(_kernels.INT8_STRATEGIES))
+@pytest.mark.parametrize("strategy", strategies(_formulations.INT8_STRATEGIES))
 def test_linear_int8_activation_strategies(rng, shape, strategy):
     needs(strategy)
     x, qvalue, scale = linear_data(rng, *shape)
-    f = jax.jit(lambda x, q, s: _kernels.linear(x, q, s, "int8", strategy))
+    f = jax.jit(lambda x, q, s: _formulations.linear(x, q, s, "int8", strategy))
     got = f(x, qvalue, scale)
     want = ref.linear_q(x, qvalue, scale, activations="int8")
     assert got.shape == want.shape
@@ -280,14 +284,16 @@ def test_linear_int8_activation_strategies(rng, shape, strategy):
 def test_linear_leading_axes_and_vectors(rng):
     x = rng.standard_normal((2, 3, 64)).astype(np.float32)
     _, qvalue, scale = linear_data(rng, 1, 64, 16)
-    for strategy in _kernels.WEIGHT_ONLY_STRATEGIES:
+    for strategy in _formulations.WEIGHT_ONLY_STRATEGIES:
         if (strategy == "kernel" and not _ffi.available()) or (
             strategy in CPU_STRATEGIES and jax.default_backend() != "cpu"
         ):
             continue
-        got = _kernels.linear(jnp.asarray(x), qvalue, scale, "float32", strategy)
+        got = _formulations.linear(jnp.asarray(x), qvalue, scale, "float32", strategy)
         assert rel_err(got, ref.linear_q(x, qvalue, scale)) <= TOLERANCE[strategy]
-        got = _kernels.linear(jnp.asarray(x[0, 0]), qvalue, scale, "float32", strategy)
+        got = _formulations.linear(
+            jnp.asarray(x[0, 0]), qvalue, scale, "float32", strategy
+        )
         assert got.shape == (16,)
 
 
@@ -298,8 +304,8 @@ def test_linear_leading_axes_and_vectors(rng):
 )
 def test_linear_q_runs_the_chosen_strategy_on_cpu(rng, m, activations):
     x, qvalue, scale = linear_data(rng, m, 64, 32)
-    chosen = _kernels.choose_strategy(m, 64, 32, activations, "cpu", "nk")
-    forced = jax.jit(lambda x, q, s: _kernels.linear(x, q, s, activations, chosen))
+    chosen = _formulations.choose_strategy(m, 64, 32, activations, "cpu", "nk")
+    forced = jax.jit(lambda x, q, s: _formulations.linear(x, q, s, activations, chosen))
     auto = jax.jit(lambda x, q, s: qa.linear_q(x, qa.pack(q, s), activations))
     np.testing.assert_array_equal(auto(x, qvalue, scale), forced(x, qvalue, scale))
 
@@ -307,9 +313,9 @@ def test_linear_q_runs_the_chosen_strategy_on_cpu(rng, m, activations):
 def test_unknown_linear_strategy_is_refused():
     args = (jnp.ones((2, 4)), jnp.ones((3, 4), jnp.int8), jnp.ones(3))
     with pytest.raises(ValueError, match="unknown weight-only strategy 'int8_dot'"):
-        _kernels.linear(*args, "float32", "int8_dot")
+        _formulations.linear(*args, "float32", "int8_dot")
     with pytest.raises(ValueError, match="unknown int8-activation strategy 'fast'"):
-        _kernels.linear(*args, "int8", "fast")
+        _formulations.linear(*args, "int8", "fast")
 
 
 @pytest.mark.parametrize("shape", [(1, 64, 48), (5, 300, 7), (64, 96, 130), (0, 8, 4)])

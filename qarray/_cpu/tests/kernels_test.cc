@@ -120,6 +120,11 @@ bool Close(double got, double want, double tol) {
 
 // --- checks
 
+// the thresholds the checks start from (the kernels have none of their own:
+// Python passes its rule's, qarray/_rules.py); each check also forces every
+// path with others
+constexpr Thresholds kThresholds{3, 8, 9, 2};
+
 void CheckQuantize(const Isa& isa, Pool& pool, std::mt19937& rng) {
   for (int64_t k : {1, 7, 8, 16, 31, 33, 64, 100, 1000, 4099}) {
     for (int kind = 0; kind < 6; ++kind) {
@@ -170,8 +175,8 @@ void CheckProduct(const Isa& isa, Pool& pool, std::mt19937& rng) {
                           // over the pool's threads (4M multiply-adds and more;
                           // x quantized on them from 2^18 elements)
                           {1, 2048, 700}, {20, 512, 410}, {520, 512, 24}};
-  // the default thresholds, and every path forced to the GEMM
-  const Thresholds thresholds[] = {Thresholds{}, Thresholds{3, 1, 0}, Thresholds{2, 8, 9}};
+  // the usual thresholds, every path forced to the GEMM, and two parts a row
+  const Thresholds thresholds[] = {kThresholds, Thresholds{3, 1, 0, 2}, Thresholds{2, 8, 9, 2}};
   for (const Shape& sh : shapes)
     for (const Thresholds& t : thresholds)
       for (int kn = 0; kn < 2; ++kn)
@@ -234,13 +239,13 @@ void CheckInt4(const Isa& isa, Pool& pool, std::mt19937& rng) {
   const Shape shapes[] = {{1, 32, 5, 32},    {2, 64, 17, 32},   {3, 256, 33, 64},
                           {5, 128, 40, 128}, {17, 96, 9, 32},   {1, 2048, 300, 128},
                           {24, 512, 70, 256}, {520, 512, 24, 128}};
-  // the GEMM from 2 rows (Thresholds{}'s), at every row count, or never
-  const int64_t switches[] = {Thresholds{}.int4_gemm_rows, 1, 1 << 20};
+  // the GEMM from 2 rows (kThresholds'), at every row count, or never
+  const int64_t switches[] = {kThresholds.int4_gemm_rows, 1, 1 << 20};
   for (const Shape& sh : shapes)
     for (int64_t gemm_rows : switches)
     for (int int8 = 0; int8 < 2; ++int8) {
       const int64_t m = sh.m, k = sh.k, n = sh.n, groups = k / sh.group;
-      Thresholds t;
+      Thresholds t = kThresholds;
       t.int4_gemm_rows = gemm_rows;
       std::vector<float> x = Random(rng, m * k);
       std::vector<uint8_t> q(n * k / 2);
@@ -300,6 +305,7 @@ void CheckConv(const Isa& isa, Pool& pool, std::mt19937& rng) {
   for (const Case& cs : cases)
     for (int int8 = 0; int8 < 2; ++int8) {
       ConvArgs a;
+      a.t = kThresholds;
       ConvGeometry& g = a.g;
       g.nsp = cs.nsp;
       g.groups = cs.groups;

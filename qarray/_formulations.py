@@ -1,7 +1,9 @@
-"""Array-level (lojax) implementations behind the primitives' ``expand``.
+"""The XLA formulations behind the primitives' ``expand``, and the choice
+between them and qarray's kernels (``choose_strategy``).
 
-Everything here takes and returns plain arrays: the primitives own the types,
-these functions own the arithmetic, and the choice of formulation.
+Everything here takes and returns plain arrays (lojax): the primitives own
+the types, these functions own the arithmetic and the choice of formulation;
+every number the choice uses is a rule's (``_rules``).
 
 How ``matmul_q`` computes ``x[m, k] @ (qvalue[k, n] * scale[k])``
 -----------------------------------------------------------------
@@ -41,10 +43,10 @@ Operands sharded over explicit mesh axes take the ``dequantize`` / plain int8
 formulations, which keep every axis in place for sharding propagation. On CPU:
 ``chunked`` for a single row, either mode (bandwidth-bound; no full f32 copy of
 the weights); more rows: ``split_int8`` (weight-only) or ``int8_dot``, except
-weight-only products with tiny weights (``SMALL_WEIGHT_ELEMENTS``), which take
-``dequantize``: they read x, and have no weight bytes to save. Elsewhere:
-``dequantize`` (weight-only) and ``int8_dot``. The measurements behind these
-choices are in ``benchmarks/`` (``make bench``).
+weight-only products with tiny weights (the rule's ``small_weight_elements``),
+which take ``dequantize``: they read x, and have no weight bytes to save.
+Elsewhere: ``dequantize`` (weight-only) and ``int8_dot``. The benchmarks behind
+these choices: ``benchmarks.bench_kernels --strategies`` and ``make bench``.
 
 How ``linear_q`` computes ``x[m, k] @ (qvalue[n, k] * scale[n, None])^T``
 ------------------------------------------------------------------------
@@ -58,9 +60,9 @@ The same strategies, chosen by the same rule (``choose_strategy``), each
 contracting both operands' last axes: ``chunked`` converts chunks of ~128
 output channels (rows of ``qvalue``), each giving a block of output columns;
 ``split_int8`` and ``int8_dot`` run one int8 dot; ``dequantize`` converts the
-whole payload. At M = 1 the chunks are steady while the int8 dots (an int8
-product padded to 8 rows is compute-bound) swing with the machine's load; from
-M = 8 up the int8 dots win, as for matmul_q (``make bench``, suite matmul).
+whole payload. For a single row the chunks are steady while the int8 dots (an
+int8 product padded to 8 rows is compute-bound) swing with the machine's load;
+for more the int8 dots win, as for matmul_q (``make bench``, suite matmul).
 
 The two products are each other's transposes (``g @ W`` for W stored ``(n, k)``
 is matmul_q's product): each primitive's backward for ``x`` is the other's
@@ -78,7 +80,6 @@ from jax import lax
 from . import _ffi
 from ._numerics import dequantize_groups, dequantize_rows, quantize_rows
 from ._qarray import kind_of_parts
-from ._thresholds import KERNEL_TILE_ROWS, SPLIT_LEVELS
 
 # lhs[m, k] . rhs[k, n]: contract lhs's columns with rhs's rows (matmul_q)
 _ROWS_BY_COLS = (((1,), (0,)), ((), ()))
@@ -87,9 +88,6 @@ _LAST_BY_LAST = (((1,), (1,)), ((), ()))
 
 WEIGHT_ONLY_STRATEGIES = ("kernel", "chunked", "split_int8", "dequantize", "pallas")
 INT8_STRATEGIES = ("kernel", "chunked", "int8_dot")
-
-# rows of int8 weights converted to f32 at a time by the chunked formulation
-CONVERT_ROWS = 128
 
 
 def quantize(x):
@@ -107,49 +105,27 @@ def quantize(x):
     return lax.platform_dependent(cpu=kernel, default=lambda: quantize_rows(x))
 
 
-# weight-only products with at most this many weights take "dequantize" on
-# CPU too (a 4 KiB float32 copy, in cache)
-SMALL_WEIGHT_ELEMENTS = 1024
-
-# the kernels (their tiles up to KERNEL_TILE_ROWS rows, their GEMM from
-# KERNEL_GEMM_ROWS int8 rows: _thresholds) up to KERNEL_MAX_ROWS rows (W8A8
-# with a short K: every count), past which XLA's int8 dots measure as fast, in
-# both layouts (make bench, suite kernels --strategies, weights cold)
-KERNEL_MAX_ROWS = {"float32": 64, "int8": 128}
-# W8A8 with K up to this: the GEMM at every row count (its chunks' panels stay
-# near L1, ahead of XLA's int8 dot there; at K = 4096 behind it from 256 rows:
-# make bench, suite kernels --strategies)
-KERNEL_SHORT_K = 2048
-# layout kn packs its weights on every call: with more than KN_LARGE_WEIGHTS
-# of them that costs weight-only's GEMM (three int8 parts a row) its lead
-# over split_int8 past KN_LARGE_MAX_ROWS rows (make bench, suite kernels
-# --strategies, the 4096 x 4096 kn rows)
-KN_LARGE_WEIGHTS = 2**21
-KN_LARGE_MAX_ROWS = 8
-# AVX-512's tiles (16 channels a vector) keep the GEMM ahead of split_int8 at
-# every row count to KERNEL_MAX_ROWS there, packing included (the backward
-# of linear_q layers under load: docs/kernels.md, "kn past 8 rows on AVX-512")
-KN_LARGE_UNCAPPED = ("avx512",)
-# AMX's GEMM, on the weights' own rows (layout nk), stays ahead of split_int8
-# weight-only at every row count measured: no KERNEL_MAX_ROWS there (make
-# bench, suite kernels --strategies, on AMX; docs/kernels.md)
-AMX_UNCAPPED = ("nk", "float32")
-
-
 def kernel_wins(m: int, k: int, n: int, activations: str, layout: str) -> bool:
-    """Whether the CPU kernel is the faster formulation (see above)."""
-    if m <= KERNEL_TILE_ROWS[layout, activations]:
+    """Whether the CPU kernel is the faster formulation, by the rule of the
+    instruction set that runs (``_ffi.rule()``): its dot tiles for a few rows,
+    then its GEMM up to the rows past which XLA's int8 dots keep up."""
+    rule = _ffi.rule()
+    if m <= rule.dot_tile_rows(layout, activations):
         return True
-    int8_rows = m if activations == "int8" else SPLIT_LEVELS * m
-    too_many = m > KERNEL_MAX_ROWS[activations]
-    if (layout, activations) == AMX_UNCAPPED and _ffi.isa() == "amx":
-        too_many = False
-    if activations == "int8" and k <= KERNEL_SHORT_K:
-        too_many = False
-    large_kn = layout == "kn" and activations == "float32" and k * n > KN_LARGE_WEIGHTS
-    if large_kn and _ffi.isa() not in KN_LARGE_UNCAPPED:
-        too_many = m > KN_LARGE_MAX_ROWS
-    return int8_rows >= _ffi.gemm_rows() and not too_many
+    cap = rule.kernel_max_rows[activations]
+    if layout == "nk" and activations == "float32" and rule.nk_weight_only_uncapped:
+        cap = None
+    if activations == "int8" and k <= rule.kernel_short_k:
+        cap = None
+    large_kn = layout == "kn" and activations == "float32"
+    if (
+        large_kn
+        and k * n > rule.kn_large_weights
+        and rule.kn_large_max_rows is not None
+    ):
+        cap = rule.kn_large_max_rows
+    too_many = cap is not None and m > cap
+    return rule.int8_rows(m, activations) >= rule.gemm_rows and not too_many
 
 
 def choose_strategy(
@@ -170,10 +146,11 @@ def choose_strategy(
         kernels = _ffi.available()
     if kernels and kernel_wins(m, k, n, activations, layout):
         return "kernel"
-    if activations == "float32" and k * n <= SMALL_WEIGHT_ELEMENTS:
+    small = _ffi.rule().small_weight_elements
+    if activations == "float32" and k * n <= small:
         # no weight bytes to save: the product reads x, and the three int8
         # parts of split_int8 would write and read it three times more
-        # (make bench, suite served: the 10-million-element rows)
+        # (make bench, suite served)
         return "dequantize"
     if m == 1:
         return "chunked"
@@ -237,14 +214,6 @@ def linear(x, qvalue, scale, activations="float32", strategy=None, *, precision=
     return y.reshape(*lead, n)
 
 
-# rows up to which the int4 CPU kernel beats dequantizing and a float32 dot
-# (``make bench``, suite int4): its dot tiles below INT4_GEMM_ROWS rows of x,
-# then the int8 GEMM with the nibbles unpacked into its panel and each
-# group's sums scaled in the tile, on three int8 parts a row of x
-# (weight-only) or one (W4A8)
-INT4_KERNEL_MAX_ROWS = {"float32": 256, "int8": 4096}
-
-
 def linear_int4(
     x, packed, scale, activations="float32", strategy=None, *, precision=None
 ):
@@ -253,9 +222,12 @@ def linear_int4(
 
     ``activations="int8"`` (W4A8) quantizes each row of x first (``xq``,
     ``sx``, as ``quantize_rows``): ``y = sx[:, None] * (xq @ W^T)``.
-    ``"kernel"``: qarray's CPU kernel (nibbles unpacked in registers, the
-    group scales applied to each group's sums); ``"dequantize"``: W in float32,
-    then one dot (the reference formulation, and what runs elsewhere).
+    ``"kernel"``: qarray's CPU kernel (its dot tiles below the rule's
+    ``int4_gemm_rows`` rows of x, then the int8 GEMM with the nibbles unpacked
+    into its panel and each group's sums scaled in the tile), chosen up to the
+    rule's ``int4_kernel_max_rows`` (``make bench``, suite int4);
+    ``"dequantize"``: W in float32, then one dot (the reference formulation,
+    and what runs elsewhere).
     """
     lead, k = x.shape[:-1], x.shape[-1]
     n = packed.shape[0]
@@ -285,7 +257,7 @@ def linear_int4(
         _, group = kind_of_parts(packed, scale)
         kernel = (
             _ffi.available()
-            and m <= INT4_KERNEL_MAX_ROWS[activations]
+            and m <= _ffi.rule().int4_kernel_max_rows[activations]
             and group % 32 == 0
         )
         if kernel:
@@ -334,7 +306,8 @@ def _weight_only(v, qvalue, strategy, dims=_ROWS_BY_COLS, precision=None):
     if strategy == "chunked":
         return _chunked(v, qvalue) if dims == _ROWS_BY_COLS else _chunked_nk(v, qvalue)
     if strategy == "split_int8":
-        return _split_product(v, qvalue, dims, levels=SPLIT_LEVELS)
+        levels = _ffi.rule().split_levels
+        return _split_product(v, qvalue, dims, levels=levels)
     if strategy == "dequantize":
         w = qvalue.astype(jnp.float32)
         return lax.dot_general(v, w, dims, precision=precision)
@@ -402,14 +375,15 @@ def _split_product(v, qvalue, dims, levels):
 
 
 def _chunk_rows(k: int) -> int:
-    """Rows per chunk: a divisor of k near 128 (so the weights reshape into
-    chunks without a copy), else 128 with a tail: on XLA:CPU 128 rows (an f32
-    chunk of 512 bytes per column) beat smaller and larger chunks across N."""
-    for delta in range(65):
-        for rows in (CONVERT_ROWS - delta, CONVERT_ROWS + delta):
-            if 64 <= rows <= 256 and k % rows == 0:
+    """Rows per chunk: a divisor of k near the rule's ``convert_rows`` (so the
+    weights reshape into chunks without a copy; from half to twice it), else
+    ``convert_rows`` with a tail."""
+    convert = _ffi.rule().convert_rows
+    for delta in range(convert // 2 + 1):
+        for rows in (convert - delta, convert + delta):
+            if convert // 2 <= rows <= 2 * convert and k % rows == 0:
                 return rows
-    return CONVERT_ROWS
+    return convert
 
 
 def _chunked(v, qvalue):

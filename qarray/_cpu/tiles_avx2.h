@@ -1,4 +1,4 @@
-// The AVX2 operations (quantize_row.h's vector type VecAvx2, gemm.h's int8
+// AVX2's tile operations (quantize_row.h's vector type VecAvx2, gemm.h's int8
 // tile operations I8Avx2), included inside the namespace of each file that
 // builds on them, after its target pragma (tiles_avx2.cc; tiles_amx.cc, whose
 // tiles take gemm.h's other paths from here), like quantize_row.h and gemm.h.
