@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._ops import DEFAULT_GROUP_SIZE
+from .._ops import DEFAULT_GROUP_SIZE, PRECISION_BITS
 from .._primitives import dequantize
 from ._calibrate import METHODS, Calibration, calibrated
 from ._config import QuantConfig
@@ -43,8 +43,9 @@ from ._quantize import quantize as quantize_model
 from ._spectral import SpectralConv
 
 METRICS = ("output", "gradient")
-# cheapest first: what plan tries before the next
-LADDER = ("int4", "int8", "float32")
+# the precisions cheapest first, what plan tries before the next: the
+# quantized ones by their bits, then float32 (not quantized)
+LADDER = (*sorted(PRECISION_BITS, key=PRECISION_BITS.get), "float32")
 
 
 def layers_of(model) -> list:
@@ -262,8 +263,9 @@ class _Measurer:
     compiled anew for every choice: the precisions are static). ``simulated``
     runs the float model with each layer's weights replaced by their
     dequantized values, the same weight-only products in float32, as one
-    compiled function whatever the choice: what makes a search over many
-    choices take seconds. ``plan`` verifies its answer with ``measured``.
+    compiled function whatever the choice: one compilation for the whole
+    search rather than one per choice. ``plan`` verifies its answer with
+    ``measured``.
     A calibrated method's weights for the simulation come from a model
     calibrated at one precision throughout (one calibration per precision);
     ``measured`` calibrates the chosen mix itself."""

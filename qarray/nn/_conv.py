@@ -6,27 +6,21 @@ import math
 from collections.abc import Sequence
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 
 from .._conv import conv_q
 from .._ops import FLOAT_DTYPES
-from ._inputs import InputScales, check_input_scales
-from ._linear import (
-    _dtype_str,
-    _require,
+from ._product import QuantizedProduct
+from ._weights import (
     check_modes,
     checked_group_size,
+    dtype_str,
+    require_array,
     stored_width,
 )
-from ._weights import (
-    MatmulPrecision,
-    QuantizedWeights,
-    checked_matmul_precision,
-)
 
 
-class Conv(QuantizedWeights, InputScales, eqx.Module):
+class Conv(QuantizedProduct):
     """One quantized convolution, ``eqx.nn.Conv``'s conventions: channels
     first, an unbatched ``x (C, *spatial) -> (out, *out_spatial)`` (``vmap``
     for batches; a batched ``(B, C, *spatial)`` works too), 1 to 3 spatial
@@ -51,22 +45,12 @@ class Conv(QuantizedWeights, InputScales, eqx.Module):
     ``Linear``'s (per input channel; calibrated layers).
     """
 
-    weight: jax.Array | None
-    qvalue: jax.Array | None
-    scale: jax.Array | None
-    bias: jax.Array | None
-    channel_scale: jax.Array | None
-    activation_scale: jax.Array | None
+    # the fields it shares: Linear's (QuantizedWeights', QuantizedProduct's)
     kernel_size: tuple[int, ...] = eqx.field(static=True)
     stride: tuple[int, ...] = eqx.field(static=True)
     padding: str | tuple[tuple[int, int], ...] = eqx.field(static=True)
     dilation: tuple[int, ...] = eqx.field(static=True)
     groups: int = eqx.field(static=True)
-    activations: str = eqx.field(static=True)
-    precision: str = eqx.field(static=True)
-    group_size: int | None = eqx.field(static=True)  # int4 only
-    stored_error: float | None = eqx.field(static=True)
-    matmul_precision: MatmulPrecision = eqx.field(static=True)
 
     def __init__(
         self,
@@ -106,27 +90,27 @@ class Conv(QuantizedWeights, InputScales, eqx.Module):
             if qvalue.ndim != 2:
                 raise TypeError(
                     "Conv requires qvalue (out, K) for K = C / groups * "
-                    f"prod(kernel_size) (int4: (out, K / 2)), got {_dtype_str(qvalue)}."
+                    f"prod(kernel_size) (int4: (out, K / 2)), got {dtype_str(qvalue)}."
                 )
             kernel_size = tuple(int(k) for k in kernel_size)
             if per_out % math.prod(kernel_size):
                 raise TypeError(
-                    f"Conv: qvalue {_dtype_str(qvalue)} has no whole number of "
+                    f"Conv: qvalue {dtype_str(qvalue)} has no whole number of "
                     f"input channels for kernel_size {kernel_size}."
                 )
         else:
-            _require("weight", weight, FLOAT_DTYPES, 3, "Conv")
+            require_array("weight", weight, FLOAT_DTYPES, 3, "Conv")
             if not 3 <= weight.ndim <= 5:
                 raise TypeError(
                     "Conv requires weight (out, C / groups, *kernel_size) with 1 "
-                    f"to 3 spatial axes, got {_dtype_str(weight)}."
+                    f"to 3 spatial axes, got {dtype_str(weight)}."
                 )
             kernel_size = tuple(weight.shape[2:])
             per_out = math.prod(weight.shape[1:])
             if precision == "int4" and per_out % group_size:
                 raise TypeError(
                     f"Conv (int4) requires K = C / groups * prod(kernel_size) = "
-                    f"{per_out} (weight {_dtype_str(weight)}) to be a multiple of "
+                    f"{per_out} (weight {dtype_str(weight)}) to be a multiple of "
                     f"group_size {group_size}."
                 )
         nsp = len(kernel_size)
@@ -134,7 +118,9 @@ class Conv(QuantizedWeights, InputScales, eqx.Module):
         def per_axis(v):
             return (int(v),) * nsp if isinstance(v, int) else tuple(int(a) for a in v)
 
-        self.weight, self.qvalue, self.scale = weight, qvalue, scale
+        self._keep_weights(
+            weight, qvalue, scale, precision, group_size, stored_error, matmul_precision
+        )
         self.kernel_size, self.stride, self.dilation = (
             kernel_size,
             per_axis(stride),
@@ -149,35 +135,17 @@ class Conv(QuantizedWeights, InputScales, eqx.Module):
                 (int(p), int(p)) if isinstance(p, int) else (int(p[0]), int(p[1]))
                 for p in padding
             )
-        self.groups, self.activations, self.stored_error = (
-            int(groups),
-            activations,
-            stored_error,
-        )
-        self.precision, self.group_size = precision, group_size
+        self.groups = int(groups)
         if bias is not None:
-            _require("bias", bias, FLOAT_DTYPES, 1, "Conv")
+            require_array("bias", bias, FLOAT_DTYPES, 1, "Conv")
             if tuple(bias.shape) != (self.out_channels,):
                 raise TypeError(
                     f"Conv requires bias of shape ({self.out_channels},), got "
-                    f"{_dtype_str(bias)}."
+                    f"{dtype_str(bias)}."
                 )
-        self.bias = bias
-        check_input_scales(
-            type(self).__name__,
-            channel_scale,
-            activation_scale,
-            self.in_channels,
-            activations,
+        self._keep_inputs(
+            bias, channel_scale, activation_scale, activations, self.in_channels
         )
-        self.channel_scale, self.activation_scale = channel_scale, activation_scale
-        self.matmul_precision = checked_matmul_precision(
-            type(self).__name__, matmul_precision
-        )
-
-    @property
-    def _input_channels(self) -> int:
-        return self.in_channels
 
     @classmethod
     def from_float(
@@ -262,11 +230,7 @@ class Conv(QuantizedWeights, InputScales, eqx.Module):
         x, activations = self._prepared(x, -len(self.kernel_size) - 1)
         parameters = self._conv_parameters() | {"activations": activations}
         y = conv_q(x, qw, self.kernel_size, **parameters)
-        if self.bias is None:
-            return y
-        # the bias in x's dtype: the output's (class doc)
-        bias = self.bias.astype(y.dtype)
-        return y + bias.reshape(-1, *(1,) * len(self.kernel_size))
+        return self._plus_bias(y, len(self.kernel_size))
 
     def _conv_parameters(self) -> dict:
         """``conv_q``'s keyword arguments for this layer."""

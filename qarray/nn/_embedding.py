@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._ops import PRECISION_BITS
 from .._primitives import dequantize, pack, quantize
-from ._linear import check_modes, checked_group_size, checked_parts
-from ._weights import MatmulPrecision, QuantizedWeights, checked_matmul_precision
+from ._weights import (
+    QuantizedWeights,
+    check_modes,
+    checked_group_size,
+    checked_parts,
+)
 
 
-class Embedding(QuantizedWeights, eqx.Module):
+class Embedding(QuantizedWeights):
     """A lookup table of quantized rows: ``index -> weight[index]``, shape
     ``(embedding_size,)``, as ``eqx.nn.Embedding`` (an integer index per call;
     ``jax.vmap`` for many).
@@ -34,14 +36,8 @@ class Embedding(QuantizedWeights, eqx.Module):
     has none of its own); ``QuantConfig`` gives it to every layer.
     """
 
-    weight: jax.Array | None
-    qvalue: jax.Array | None
-    scale: jax.Array | None
-    precision: str = eqx.field(static=True)
-    group_size: int | None = eqx.field(static=True)
-    stored_error: float | None = eqx.field(static=True)
+    # the fields it shares: QuantizedWeights'
     dtype: str = eqx.field(static=True)  # the lookups' (a dtype's name)
-    matmul_precision: MatmulPrecision = eqx.field(static=True)
 
     def __init__(
         self,
@@ -60,13 +56,12 @@ class Embedding(QuantizedWeights, eqx.Module):
         group_size = checked_group_size("Embedding", precision, group_size, "float32")
         check_modes("Embedding", "float32", weight, qvalue, scale, "qvalue and scale")
         checked_parts("Embedding", weight, qvalue, scale, precision, group_size)
-        self.weight, self.qvalue, self.scale = weight, qvalue, scale
-        self.precision, self.group_size = precision, group_size
-        self.stored_error = stored_error
+        self._keep_weights(
+            weight, qvalue, scale, precision, group_size, stored_error, matmul_precision
+        )
         if weight is not None:
             dtype = weight.dtype
         self.dtype = np.dtype(np.float32 if dtype is None else dtype).name
-        self.matmul_precision = checked_matmul_precision("Embedding", matmul_precision)
 
     @classmethod
     def from_eqx(
@@ -89,13 +84,6 @@ class Embedding(QuantizedWeights, eqx.Module):
         )
         return table if trainable else table.frozen()
 
-    @property
-    def _bits(self) -> int:
-        return PRECISION_BITS[self.precision]
-
-    def _quantized(self, rows):
-        return quantize(rows, self._bits, self.group_size)
-
     def __call__(self, x, *, key=None):
         """``x``: an integer index -> its row ``(embedding_size,)``; ``key`` is
         accepted and unused (equinox's convention)."""
@@ -104,7 +92,8 @@ class Embedding(QuantizedWeights, eqx.Module):
             return jnp.asarray(self.weight)[x]
         if self.trainable:  # straight-through: the identity for cotangents
             row = jnp.asarray(self.weight)[x]
-            return dequantize(self._quantized(row[None]))[0].astype(row.dtype)
+            qw = quantize(row[None], self._bits, self.group_size)
+            return dequantize(qw)[0].astype(row.dtype)
         qvalue, scale = jnp.asarray(self.qvalue)[x], jnp.asarray(self.scale)[x]
         qw = pack(qvalue[None], scale[None], self._bits, self.group_size)
         return dequantize(qw)[0].astype(self.dtype)

@@ -14,8 +14,9 @@ each group's scale when the column block reaches it (from the updated
 weights), or, with ``act_order``, from the original weights first. The
 columns go in blocks: within a block one column at a time, the rest of the
 matrix updated once per block (one matrix product). The factorisation runs
-in float64 (NumPy), the column loop compiled in float32 (XLA), which keeps a
-(4096, 4096) layer to a second or two on two cores.
+in float64 (NumPy), the column loop compiled in float32 (XLA): one program
+for the whole loop rather than a dispatch per column, which is what makes
+large layers affordable (``benchmarks/bench_calibration.py`` times it).
 """
 
 from __future__ import annotations
@@ -49,8 +50,10 @@ def inverse_hessian_factor(h: np.ndarray, damp: float) -> tuple[np.ndarray, np.n
     h[np.diag_indices_from(h)] += damp * mean
     # with J the exchange matrix, chol(J H J) = L gives H = R R^T for the
     # upper R = J L J, so H^-1 = U^T U for the upper U = R^-1 = J L^-1 J:
-    # one Cholesky and one triangular solve (XLA's, in float32, the column
-    # loop's precision: NumPy's general inverse took seconds per 4096)
+    # one Cholesky and one triangular solve, where inverting H and factoring
+    # the inverse would take a general inverse and a second Cholesky (the
+    # solve XLA's, in float32, the column loop's precision; GPTQ's time on
+    # large layers: benchmarks/bench_calibration.py)
     lower = np.linalg.cholesky(h[::-1, ::-1])
     eye = jnp.eye(len(h), dtype=jnp.float32)
     inverse = jax.scipy.linalg.solve_triangular(

@@ -8,132 +8,20 @@ from collections.abc import Callable
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from .._ops import (
-    DEFAULT_GROUP_SIZE,
-    FLOAT_DTYPES,
-    LAYOUTS,
-    PRECISIONS,
-    check_activations,
-    check_group_size,
-)
+from .._ops import FLOAT_DTYPES, LAYOUTS
 from .._primitives import linear_q, matmul_q
-from ._inputs import InputScales, check_input_scales
+from ._product import QuantizedProduct
 from ._weights import (
-    MatmulPrecision,
-    QuantizedWeights,
-    checked_matmul_precision,
+    check_modes,
+    checked_group_size,
+    checked_parts,
+    dtype_str,
+    require_array,
 )
 
 
-def _dtype_str(a) -> str:
-    return f"{np.dtype(a.dtype).name}{tuple(a.shape)}"
-
-
-def _require(name: str, a, dtype, min_rank: int, owner: str = "Linear") -> None:
-    """A TypeError unless ``a`` is an array of ``dtype`` (or one of a tuple
-    of dtypes) and rank >= ``min_rank``."""
-    names = [np.dtype(d).name for d in (dtype if isinstance(dtype, tuple) else [dtype])]
-    if not hasattr(a, "dtype") or np.dtype(a.dtype).name not in names:
-        got = _dtype_str(a) if hasattr(a, "dtype") else type(a).__name__
-        want = (
-            names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
-        )
-        raise TypeError(f"{owner} requires {name} to be a {want} array, got {got}.")
-    if a.ndim < min_rank:
-        raise TypeError(
-            f"{owner} requires {name} of rank >= {min_rank}, got {_dtype_str(a)}."
-        )
-
-
-def check_modes(owner: str, activations, weight, qvalue, scale, stored: str) -> None:
-    """A layer's ``activations`` value, and that it has exactly one of float
-    ``weight`` (trainable) and the stored parts (``stored`` names them)."""
-    check_activations(owner, activations)
-    if (weight is None) == (qvalue is None and scale is None):
-        got = "both" if weight is not None else "neither"
-        raise TypeError(
-            f"{owner} takes either weight (trainable) or {stored} (stored), got {got}."
-        )
-
-
-def checked_group_size(
-    owner: str,
-    precision,
-    group_size,
-    activations,
-    precisions=PRECISIONS,
-    hint="",
-    w4a8=False,
-) -> int | None:
-    """The group size a layer of ``precision`` keeps (int4: ``group_size`` or
-    the default; otherwise None), once ``precision`` is one of
-    ``precisions`` and an int4 layer is weight-only (unless ``w4a8``: int8
-    activations allowed with int4 weights)."""
-    if precision not in precisions:
-        raise ValueError(
-            f"{owner} requires precision in {precisions}{hint}, got {precision!r}."
-        )
-    if precision != "int4":
-        return None
-    if activations != "float32" and not w4a8:
-        raise ValueError(f"{owner} with precision 'int4' is weight-only.")
-    return check_group_size(
-        f"{owner}: group_size", DEFAULT_GROUP_SIZE if group_size is None else group_size
-    )
-
-
-def checked_parts(
-    owner: str, weight, qvalue, scale, precision: str, group_size
-) -> None:
-    """A layer's weights, once ``check_modes`` passed: stored parts given
-    together (not for float32) and fitting (``stored_width``), or float32
-    ``weight (..., out, K)`` whose K the int4 group size divides."""
-    if weight is None:
-        if qvalue is None or scale is None:
-            raise TypeError(f"{owner} takes qvalue and scale together.")
-        if precision == "float32":
-            raise TypeError(
-                f"{owner} with precision 'float32' takes weight (not quantized)."
-            )
-        stored_width(owner, qvalue, scale, precision, group_size)
-        return
-    _require("weight", weight, FLOAT_DTYPES, 2, owner)
-    if precision == "int4" and weight.shape[-1] % group_size:
-        raise TypeError(
-            f"{owner} (int4) requires K = {weight.shape[-1]} (weight "
-            f"{_dtype_str(weight)}) to be a multiple of group_size {group_size}."
-        )
-
-
-def stored_width(owner: str, qvalue, scale, precision: str, group_size) -> int:
-    """K, the input width of a stored layer's parts, once they fit: int8
-    ``qvalue (..., out, K)`` with a float32 scale per row ``(..., out)``;
-    int4 uint8 ``qvalue (..., out, K / 2)`` with ``scale (..., out, K / G)``."""
-    if precision == "int4":
-        _require("qvalue", qvalue, np.uint8, 2, owner)
-        _require("scale", scale, np.float32, 2, owner)
-        k = 2 * qvalue.shape[-1]
-        want = (*qvalue.shape[:-1], k // group_size)
-        if k % group_size or tuple(scale.shape) != want:
-            raise TypeError(
-                f"{owner} requires qvalue uint8 (out, K / 2) and scale (out, K / "
-                f"{group_size}) for int4: scale of shape {want} for qvalue "
-                f"{_dtype_str(qvalue)} (K = {k}), got {_dtype_str(scale)}."
-            )
-        return k
-    _require("qvalue", qvalue, np.int8, 2, owner)
-    _require("scale", scale, np.float32, 1, owner)
-    if tuple(scale.shape) != tuple(qvalue.shape[:-1]):
-        raise TypeError(
-            f"{owner} requires scale.shape == qvalue.shape[:-1] (one scale per "
-            f"row), got {_dtype_str(qvalue)} and {_dtype_str(scale)}."
-        )
-    return qvalue.shape[-1]
-
-
-class Linear(QuantizedWeights, InputScales, eqx.Module):
+class Linear(QuantizedProduct):
     """One quantized dense layer: ``x (..., K) -> x @ W + bias (..., N)``.
 
     ``W`` is int8 with one float32 scale per row of the stored matrix
@@ -181,20 +69,10 @@ class Linear(QuantizedWeights, InputScales, eqx.Module):
     scale instead of one measured per row (straight-through gradient).
     """
 
-    weight: jax.Array | None
-    qvalue: jax.Array | None
-    scale: jax.Array | None
-    bias: jax.Array | None
-    channel_scale: jax.Array | None
-    activation_scale: jax.Array | None
+    # the fields it shares: QuantizedWeights' (weight, qvalue, scale,
+    # precision, group_size, stored_error, matmul_precision) and
+    # QuantizedProduct's (bias, channel_scale, activation_scale, activations)
     layout: str = eqx.field(static=True)
-    activations: str = eqx.field(static=True)
-    precision: str = eqx.field(static=True)
-    group_size: int | None = eqx.field(static=True)  # int4 only
-    # the relative error of the float32 weights a stored layer was quantized
-    # from (None: given as parts, not known)
-    stored_error: float | None = eqx.field(static=True)
-    matmul_precision: MatmulPrecision = eqx.field(static=True)
 
     def __init__(
         self,
@@ -224,31 +102,21 @@ class Linear(QuantizedWeights, InputScales, eqx.Module):
             )
         check_modes("Linear", activations, weight, qvalue, scale, "qvalue and scale")
         checked_parts("Linear", weight, qvalue, scale, precision, group_size)
-        self.weight, self.qvalue, self.scale = weight, qvalue, scale
-        self.precision, self.group_size = precision, group_size
-        self.layout, self.activations, self.stored_error = (
-            layout,
-            activations,
-            stored_error,
+        self._keep_weights(
+            weight, qvalue, scale, precision, group_size, stored_error, matmul_precision
         )
+        self.layout = layout
         if bias is not None:
-            _require("bias", bias, FLOAT_DTYPES, 1)
+            require_array("bias", bias, FLOAT_DTYPES, 1, "Linear")
             if bias.shape[-1] != self.out_features:
                 raise TypeError(
                     f"Linear requires bias of shape (..., {self.out_features}) for "
-                    f"weights {_dtype_str(self._stored)} (layout {layout!r}), got "
-                    f"{_dtype_str(bias)}."
+                    f"weights {dtype_str(self._stored)} (layout {layout!r}), got "
+                    f"{dtype_str(bias)}."
                 )
-        self.bias = bias
-        check_input_scales(
-            "Linear", channel_scale, activation_scale, self.in_features, activations
+        self._keep_inputs(
+            bias, channel_scale, activation_scale, activations, self.in_features
         )
-        self.channel_scale, self.activation_scale = channel_scale, activation_scale
-        self.matmul_precision = checked_matmul_precision("Linear", matmul_precision)
-
-    @property
-    def _input_channels(self) -> int:
-        return self.in_features
 
     @classmethod
     def from_float(
@@ -329,8 +197,7 @@ class Linear(QuantizedWeights, InputScales, eqx.Module):
             qw = self.quantized() if qw is None else qw
             product = matmul_q if self.layout == "kn" else linear_q
             y = product(x, qw, activations, precision=precision)
-        # the bias in x's dtype: the output's (class doc)
-        return y if self.bias is None else y + self.bias.astype(y.dtype)
+        return self._plus_bias(y)
 
     def placed(self, put: Callable, model: str) -> Linear:
         """This layer with ``put(array, spec)`` applied to each array: its

@@ -29,15 +29,11 @@ rank) b a`` to the weights the base multiplies by):
   per-mode ``b (N, rank, *modes)`` (a rank-``rank`` update of each mode's
   matrix) costs ``2 rank (C + N) prod(modes)`` (twice as many for C = N)
   and a mode-independent ``a (rank, C)`` (``4 rank (C + N)``) can only add
-  the same channel mixing to every mode. Measured once on the FNO of
-  examples/neural_operator (C = N = 20, 10 x 10 modes, its 1 x 1
-  convolutions adapted too; 300 Adam steps to a shifted heat source,
-  in-process), test error 0.502 before, 0.0437 after a full float32
-  fine-tune: this one at rank 1, 16,524 parameters (5.1% of the model's),
-  0.0486; per-mode ``b`` at rank 1, 32,364 (10.0%), 0.0489; both shared at
-  rank 4, 2,736 (0.85%), 0.0531; no spectral adapter, 0.0629. The per-mode
-  ``b`` buys nothing for twice the parameters; sharing ``a`` too loses a
-  little.
+  the same channel mixing to every mode. examples/neural_operator/qlora.py
+  fine-tunes that example's FNO this way (its 1 x 1 convolutions adapted
+  too); on it, a per-mode ``b`` bought no accuracy for its twice the
+  parameters, and sharing ``a`` across the modes as well lost some
+  (docs/nn.md's QLoRA section compares them).
 
 The base's arrays are frozen: only ``a`` and ``b`` are adapter leaves
 (``lora_spec`` marks them for ``eqx.partition``), so gradients, optimiser

@@ -226,7 +226,8 @@ def awq_clip(w, features, s_cols, *, group_size: int | None):
     grid = jnp.asarray(AWQ_CLIP_GRID, jnp.float32)
     w32 = jnp.asarray(w, jnp.float32)
     groups = w32.shape[1] // (group_size or w32.shape[1])
-    # rows per step: the (m, rows, groups) errors of one ratio stay ~64 MB
+    # rows per step: the (m, rows, groups) errors of one ratio stay within
+    # 2**24 float32s (64 MiB) whatever the layer's size
     step = int(np.clip(2**24 // (rows.shape[0] * groups), 8, _CLIP_ROWS))
     options = {"group_size": group_size}
     clipped, ratios = [], []

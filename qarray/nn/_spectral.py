@@ -12,20 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._ops import (
-    DEFAULT_GROUP_SIZE,
-    FLOAT_DTYPES,
-    PRECISION_BITS,
-    PRECISIONS,
-    check_group_size,
-)
+from .._ops import FLOAT_DTYPES
 from .._primitives import dequantize
-from ._linear import stored_width
-from ._weights import (
-    MatmulPrecision,
-    QuantizedWeights,
-    checked_matmul_precision,
-)
+from ._weights import QuantizedWeights, checked_group_size, stored_width
 
 
 def kept_frequencies(n: int, m: int, last: bool) -> np.ndarray:
@@ -38,7 +27,7 @@ def kept_frequencies(n: int, m: int, last: bool) -> np.ndarray:
     return np.r_[0 : (m + 1) // 2, n - m // 2 : n]
 
 
-class SpectralConv(QuantizedWeights, eqx.Module):
+class SpectralConv(QuantizedWeights):
     """``x (..., in_channels, *spatial) -> (..., out_channels, *spatial)``:
     an rFFT over the ``len(modes)`` spatial axes (1 to 3), the lowest
     ``modes`` frequencies of each axis (``kept_frequencies``) mixed across
@@ -73,16 +62,12 @@ class SpectralConv(QuantizedWeights, eqx.Module):
     meaning, as ``Linear``'s).
     """
 
-    weight: jax.Array | None  # float (in, out, *modes, 2): real, imaginary
-    qvalue: jax.Array | None  # int8 (rows, 2 in); int4: uint8 (rows, in)
-    scale: jax.Array | None  # (rows,); int4: (rows, 2 in / group_size)
+    # the fields it shares, QuantizedWeights': weight float (in, out,
+    # *modes, 2), real and imaginary parts; qvalue int8 (rows, 2 in), int4
+    # uint8 (rows, in); scale (rows,), int4 (rows, 2 in / group_size); ...
     in_channels: int = eqx.field(static=True)
     out_channels: int = eqx.field(static=True)
     modes: tuple[int, ...] = eqx.field(static=True)
-    precision: str = eqx.field(static=True)
-    group_size: int | None = eqx.field(static=True)
-    stored_error: float | None = eqx.field(static=True)
-    matmul_precision: MatmulPrecision = eqx.field(static=True)
 
     def __init__(
         self,
@@ -108,34 +93,18 @@ class SpectralConv(QuantizedWeights, eqx.Module):
                 f"SpectralConv takes 1 to 3 positive modes (one per spatial axis), "
                 f"got {modes!r}."
             )
-        if precision not in PRECISIONS:
+        group_size = checked_group_size(
+            "SpectralConv", precision, group_size, "float32"
+        )
+        if group_size is not None and (2 * in_channels) % group_size:
             raise ValueError(
-                f"SpectralConv requires precision in {PRECISIONS}, got {precision!r}."
+                f"SpectralConv (int4) requires group_size to divide "
+                f"2 * in_channels = {2 * in_channels}, got {group_size!r}."
             )
-        if precision == "int4":
-            group_size = check_group_size(
-                "SpectralConv: group_size",
-                DEFAULT_GROUP_SIZE if group_size is None else group_size,
-            )
-            if (2 * in_channels) % group_size:
-                raise ValueError(
-                    f"SpectralConv (int4) requires group_size to divide "
-                    f"2 * in_channels = {2 * in_channels}, got {group_size!r}."
-                )
-        else:
-            group_size = None
         self.in_channels, self.out_channels, self.modes = (
             int(in_channels),
             int(out_channels),
             modes,
-        )
-        self.precision, self.group_size, self.stored_error = (
-            precision,
-            group_size,
-            stored_error,
-        )
-        self.matmul_precision = checked_matmul_precision(
-            "SpectralConv", matmul_precision
         )
         if qvalue is not None or scale is not None:
             if weight is not None or precision == "float32":
@@ -151,16 +120,23 @@ class SpectralConv(QuantizedWeights, eqx.Module):
                     f"= ({rows}, {2 * self.in_channels}), got qvalue "
                     f"{qvalue.dtype}{tuple(qvalue.shape)}."
                 )
-            self.weight, self.qvalue, self.scale = None, qvalue, scale
-            return
+        else:
+            weight = self._checked_weight(weight, key, dtype)
+        self._keep_weights(
+            weight, qvalue, scale, precision, group_size, stored_error, matmul_precision
+        )
+
+    def _checked_weight(self, weight, key, dtype):
+        """The float weights given, or FNO's initialisation from ``key``,
+        once they are ``(in, out, *modes, 2)`` of a float dtype."""
         if weight is None:
             if key is None:
                 raise TypeError("SpectralConv needs a key to initialise its weights.")
-            shape = (self.in_channels, self.out_channels, *modes, 2)
+            shape = (self.in_channels, self.out_channels, *self.modes, 2)
             bound = 1.0 / (self.in_channels * self.out_channels)
             dtype = jnp.float32 if dtype is None else dtype
             weight = jax.random.uniform(key, shape, dtype, maxval=bound)
-        want = (self.in_channels, self.out_channels, *modes, 2)
+        want = (self.in_channels, self.out_channels, *self.modes, 2)
         dtype = getattr(weight, "dtype", None)
         if tuple(getattr(weight, "shape", ())) != want or dtype not in FLOAT_DTYPES:
             raise TypeError(
@@ -168,11 +144,7 @@ class SpectralConv(QuantizedWeights, eqx.Module):
                 f"out, *modes, 2) = {want} (real and imaginary parts), got {dtype}"
                 f"{tuple(getattr(weight, 'shape', ()))}."
             )
-        self.weight, self.qvalue, self.scale = weight, None, None
-
-    @property
-    def _bits(self) -> int:
-        return PRECISION_BITS[self.precision]
+        return weight
 
     def _weight_rows(self, weight):
         """(in, out, *modes, 2) -> rows (out * prod(modes), 2 in)."""

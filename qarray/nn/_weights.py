@@ -1,17 +1,30 @@
 """What every layer with quantized weights shares (``Linear``, ``Conv``,
-``Embedding``, ``SpectralConv``): float weights quantized on every call
-(trainable) or stored ones, as a QArray, their export and their error."""
+``Embedding``, ``SpectralConv``): the base module ``QuantizedWeights``, whose
+fields are the weights (float ones quantized on every call, or stored int8 /
+int4 parts) and how they are kept (precision, group size, the error recorded
+at quantization, the products' precision), the checks a layer runs on them
+before it keeps them, their QArray, their export and their error."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .._numerics import relative_error
-from .._ops import PRECISION_BITS, check_precision
+from .._ops import (
+    DEFAULT_GROUP_SIZE,
+    FLOAT_DTYPES,
+    PRECISION_BITS,
+    PRECISIONS,
+    check_activations,
+    check_group_size,
+    check_precision,
+)
 from .._primitives import dequantize, pack, quantize, unpack
 
 # a product's precision, as jnp.dot takes it (``check_precision``)
@@ -27,24 +40,177 @@ def checked_matmul_precision(owner: str, value):
     return tuple(value) if isinstance(value, list) else value
 
 
+def dtype_str(a) -> str:
+    """``float32(8, 16)``: an array's dtype and shape, for error messages."""
+    return f"{np.dtype(a.dtype).name}{tuple(a.shape)}"
+
+
+def require_array(name: str, a, dtype, min_rank: int, owner: str) -> None:
+    """A TypeError unless ``a`` is an array of ``dtype`` (or one of a tuple
+    of dtypes) and rank >= ``min_rank``."""
+    names = [np.dtype(d).name for d in (dtype if isinstance(dtype, tuple) else [dtype])]
+    if not hasattr(a, "dtype") or np.dtype(a.dtype).name not in names:
+        got = dtype_str(a) if hasattr(a, "dtype") else type(a).__name__
+        want = (
+            names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+        )
+        raise TypeError(f"{owner} requires {name} to be a {want} array, got {got}.")
+    if a.ndim < min_rank:
+        raise TypeError(
+            f"{owner} requires {name} of rank >= {min_rank}, got {dtype_str(a)}."
+        )
+
+
+def check_modes(owner: str, activations, weight, qvalue, scale, stored: str) -> None:
+    """A layer's ``activations`` value, and that it has exactly one of float
+    ``weight`` (trainable) and the stored parts (``stored`` names them)."""
+    check_activations(owner, activations)
+    if (weight is None) == (qvalue is None and scale is None):
+        got = "both" if weight is not None else "neither"
+        raise TypeError(
+            f"{owner} takes either weight (trainable) or {stored} (stored), got {got}."
+        )
+
+
+def checked_group_size(
+    owner: str,
+    precision,
+    group_size,
+    activations,
+    precisions=PRECISIONS,
+    hint="",
+    w4a8=False,
+) -> int | None:
+    """The group size a layer of ``precision`` keeps (int4: ``group_size`` or
+    the default; otherwise None), once ``precision`` is one of
+    ``precisions`` and an int4 layer is weight-only (unless ``w4a8``: int8
+    activations allowed with int4 weights)."""
+    if precision not in precisions:
+        raise ValueError(
+            f"{owner} requires precision in {precisions}{hint}, got {precision!r}."
+        )
+    if precision != "int4":
+        return None
+    if activations != "float32" and not w4a8:
+        raise ValueError(f"{owner} with precision 'int4' is weight-only.")
+    return check_group_size(
+        f"{owner}: group_size", DEFAULT_GROUP_SIZE if group_size is None else group_size
+    )
+
+
+def checked_parts(
+    owner: str, weight, qvalue, scale, precision: str, group_size
+) -> None:
+    """A layer's weights, once ``check_modes`` passed: stored parts given
+    together (not for float32) and fitting (``stored_width``), or float32
+    ``weight (..., out, K)`` whose K the int4 group size divides."""
+    if weight is None:
+        if qvalue is None or scale is None:
+            raise TypeError(f"{owner} takes qvalue and scale together.")
+        if precision == "float32":
+            raise TypeError(
+                f"{owner} with precision 'float32' takes weight (not quantized)."
+            )
+        stored_width(owner, qvalue, scale, precision, group_size)
+        return
+    require_array("weight", weight, FLOAT_DTYPES, 2, owner)
+    if precision == "int4" and weight.shape[-1] % group_size:
+        raise TypeError(
+            f"{owner} (int4) requires K = {weight.shape[-1]} (weight "
+            f"{dtype_str(weight)}) to be a multiple of group_size {group_size}."
+        )
+
+
+def stored_width(owner: str, qvalue, scale, precision: str, group_size) -> int:
+    """K, the input width of a stored layer's parts, once they fit: int8
+    ``qvalue (..., out, K)`` with a float32 scale per row ``(..., out)``;
+    int4 uint8 ``qvalue (..., out, K / 2)`` with ``scale (..., out, K / G)``."""
+    if precision == "int4":
+        require_array("qvalue", qvalue, np.uint8, 2, owner)
+        require_array("scale", scale, np.float32, 2, owner)
+        k = 2 * qvalue.shape[-1]
+        want = (*qvalue.shape[:-1], k // group_size)
+        if k % group_size or tuple(scale.shape) != want:
+            raise TypeError(
+                f"{owner} requires qvalue uint8 (out, K / 2) and scale (out, K / "
+                f"{group_size}) for int4: scale of shape {want} for qvalue "
+                f"{dtype_str(qvalue)} (K = {k}), got {dtype_str(scale)}."
+            )
+        return k
+    require_array("qvalue", qvalue, np.int8, 2, owner)
+    require_array("scale", scale, np.float32, 1, owner)
+    if tuple(scale.shape) != tuple(qvalue.shape[:-1]):
+        raise TypeError(
+            f"{owner} requires scale.shape == qvalue.shape[:-1] (one scale per "
+            f"row), got {dtype_str(qvalue)} and {dtype_str(scale)}."
+        )
+    return qvalue.shape[-1]
+
+
 def quantization_error(w, qw):
     """``||w - dequantize(qw)|| / ||w||`` (0 for zero weights), without a
     derivative: a diagnostic."""
     return lax.stop_gradient(relative_error(w, dequantize(qw)))
 
 
-class QuantizedWeights:
-    """A mixin for the quantized layers. The layer declares ``weight`` (its
-    float weights when trainable, else None), ``qvalue`` and ``scale`` (when
-    stored), ``precision``, ``group_size`` and ``stored_error``, and gives
-    ``_weight_rows(weight)``: its weights as the 2-D matrix that is quantized
-    row by row (default: as they are)."""
+class QuantizedWeights(eqx.Module):
+    """The base of the quantized layers: their weights, in one of three forms,
+    and how they are kept.
+
+    - trainable: ``weight``, float (float32, bfloat16 or float16), quantized
+      on every call (``qvalue`` and ``scale`` None);
+    - stored: ``qvalue`` (int8 ``(rows, K)``, or int4 packed: uint8
+      ``(rows, K / 2)``) and its float32 ``scale`` (``(rows,)``, int4:
+      ``(rows, K / group_size)``), ``weight`` None;
+    - ``precision="float32"``: ``weight`` used as it is, never quantized.
+
+    A layer declares only its own fields (they follow these in the
+    dataclass, so the leaves flatten as ``weight, qvalue, scale``, then the
+    layer's), checks its weights in its ``__init__`` with the checks of this
+    module and keeps them with ``_keep_weights``; it gives
+    ``_weight_rows(weight)``, its float weights as the 2-D matrix that is
+    quantized row by row (default: as they are).
+    """
+
+    weight: jax.Array | None
+    qvalue: jax.Array | None
+    scale: jax.Array | None
+    precision: str = eqx.field(static=True)
+    group_size: int | None = eqx.field(static=True)  # int4 only
+    # the relative error of the float weights a stored layer was quantized
+    # from (None: given as parts, not known)
+    stored_error: float | None = eqx.field(static=True)
+    # the products' ``precision`` (JAX's meaning: checked_matmul_precision)
+    matmul_precision: MatmulPrecision = eqx.field(static=True)
+
+    def _keep_weights(
+        self,
+        weight,
+        qvalue,
+        scale,
+        precision: str,
+        group_size: int | None,
+        stored_error: float | None,
+        matmul_precision,
+    ) -> None:
+        """Set the shared fields (from ``__init__``, once the layer checked
+        its weights); ``matmul_precision`` is checked here."""
+        self.weight, self.qvalue, self.scale = weight, qvalue, scale
+        self.precision, self.group_size = precision, group_size
+        self.stored_error = stored_error
+        self.matmul_precision = checked_matmul_precision(
+            type(self).__name__, matmul_precision
+        )
 
     @property
     def trainable(self) -> bool:
         """Float weights, quantized on every call unless float32 (else
         stored)."""
         return self.weight is not None
+
+    @property
+    def _bits(self) -> int:
+        return PRECISION_BITS[self.precision]
 
     def _weight_rows(self, weight):
         return weight
@@ -55,12 +221,11 @@ class QuantizedWeights:
         if self.precision == "float32":
             name = type(self).__name__
             raise TypeError(f"a float32 {name} has no quantized weights.")
-        bits = PRECISION_BITS[self.precision]
         if self.trainable:
             rows = self._weight_rows(jnp.asarray(self.weight))
-            return quantize(rows, bits, self.group_size)
+            return quantize(rows, self._bits, self.group_size)
         qvalue, scale = jnp.asarray(self.qvalue), jnp.asarray(self.scale)
-        return pack(qvalue, scale, bits, self.group_size)
+        return pack(qvalue, scale, self._bits, self.group_size)
 
     def weight_error(self, qw=None):
         """``||w - W|| / ||w||``, the relative quantization error of the float
@@ -89,8 +254,8 @@ class QuantizedWeights:
 @eqx.filter_jit
 def stored_parts(layer: QuantizedWeights):
     """(qvalue, scale, relative weight error) a trainable layer stores when
-    frozen; compiled, as eagerly each primitive would compile on its own
-    (which made quantizing a model take seconds)."""
+    frozen; compiled as one program, as eagerly each primitive would be
+    compiled and dispatched on its own, again for every layer of a model."""
     qw = layer.quantized()
     qvalue, scale = unpack(qw)
     return qvalue, scale, layer.weight_error(qw)

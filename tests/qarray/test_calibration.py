@@ -3,7 +3,7 @@ smoothquant=alpha, static=...) against NumPy: the scales chosen, the stored
 weights, the layers' outputs and gradients, model files, and what they buy
 on a model with outlier input channels.
 
-Covers: qarray/nn/_calibrate.py, qarray/nn/_scales.py, qarray/nn/_inputs.py,
+Covers: qarray/nn/_calibrate.py, qarray/nn/_scales.py, qarray/nn/_product.py,
 qarray/nn/_config.py"""
 
 import dataclasses

@@ -32,7 +32,7 @@ On a TPU the suite runs at ``jax_default_matmul_precision="highest"``
 
 Covers: qarray/nn/_linear.py, qarray/nn/_conv.py, qarray/nn/_embedding.py,
 qarray/nn/_spectral.py, qarray/nn/_lora.py, qarray/nn/_config.py,
-qarray/nn/_quantize.py, qarray/nn/_kinds.py, qarray/nn/_inputs.py
+qarray/nn/_quantize.py, qarray/nn/_kinds.py, qarray/nn/_product.py
 """
 
 import equinox as eqx

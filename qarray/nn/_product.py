@@ -1,18 +1,22 @@
-"""What a calibrated ``Linear`` or ``Conv`` does to its input before the
-product: divide it by a per-input-channel scale (AWQ's and SmoothQuant's,
-the weights having been multiplied by it before quantization) and round it
-to the int8 grid of a static activation scale (calibrated, not measured per
-call)."""
+"""What ``Linear`` and ``Conv`` share beyond their weights: both multiply
+their float input by the quantized weights and add a bias, and a calibrated
+layer first divides its input by a per-input-channel scale (AWQ's and
+SmoothQuant's, the weights having been multiplied by it before quantization)
+and rounds it to the int8 grid of a static activation scale (calibrated, not
+measured per call)."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from .._numerics import QMAX, on_grid
+from ._weights import QuantizedWeights
 
 
 def check_input_scales(
@@ -51,9 +55,34 @@ def static_int8(x, scale):
     return x + lax.stop_gradient(q - x)
 
 
-class InputScales:
-    """A mixin for ``Linear`` and ``Conv``: their optional
-    ``channel_scale`` and ``activation_scale`` leaves applied to ``x``."""
+class QuantizedProduct(QuantizedWeights):
+    """The base of ``Linear`` and ``Conv``: quantized weights that multiply
+    ``x``, and the fields of that product (after the weights' in the
+    dataclass, before the layer's own):
+
+    - ``bias``: added to the product (its shape is the layer's to check);
+    - ``channel_scale`` ``(C,)``: ``x`` divided by it per input channel;
+    - ``activation_scale`` ``()``: ``x`` rounded to its int8 grid;
+    - ``activations``: "float32" (weight-only) or "int8" (``x`` quantized
+      per row too).
+    """
+
+    bias: jax.Array | None
+    channel_scale: jax.Array | None
+    activation_scale: jax.Array | None
+    activations: str = eqx.field(static=True)
+
+    def _keep_inputs(
+        self, bias, channel_scale, activation_scale, activations: str, channels: int
+    ) -> None:
+        """Set the product's fields (from ``__init__``, once the layer checked
+        its weights and bias); the input scales are checked here against the
+        layer's ``channels`` input channels."""
+        check_input_scales(
+            type(self).__name__, channel_scale, activation_scale, channels, activations
+        )
+        self.bias, self.activations = bias, activations
+        self.channel_scale, self.activation_scale = channel_scale, activation_scale
 
     def _prepared(self, x, channel_axis: int):
         """(``x`` divided by ``channel_scale`` along ``channel_axis`` and put
@@ -73,6 +102,14 @@ class InputScales:
             return x, self.activations
         scale = lax.stop_gradient(jnp.asarray(self.activation_scale))
         return static_int8(x, scale).astype(dtype), "float32"
+
+    def _plus_bias(self, y, spatial: int = 0):
+        """``y (..., out, *spatial)`` plus the bias ``(..., out)``, in y's
+        dtype: x's, which the layer answers in (a bfloat16 ``x`` with a
+        float32 bias stays bfloat16)."""
+        if self.bias is None:
+            return y
+        return y + self.bias.astype(y.dtype)[(..., *(None,) * spatial)]
 
     def with_input_scales(self, channel_scale=None, activation_scale=None):
         """This layer with a per-input-channel ``channel_scale`` (the
