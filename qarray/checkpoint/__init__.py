@@ -33,8 +33,6 @@ folded)::
 Needs the ``safetensors`` package (installed with ``qarray[tesseract]``).
 """
 
-import warnings
-
 from ._errors import ModelFileError as ModelFileError
 from ._network_file import load_model as load_model
 from ._network_file import load_network as load_network
@@ -55,42 +53,8 @@ __all__ = [
     "save_tree",
 ]
 
-# names this package exported before it kept to model files: still importable
-# from here, with a DeprecationWarning saying where each went
-_MOVED = {
-    "convert_state_dict": ("qarray.checkpoint.pytorch", "convert_state_dict"),
-    "convert_tree": ("qarray.checkpoint.pytorch", "convert_tree"),
-    "fold_batchnorm": ("qarray.checkpoint.pytorch", "fold_batchnorm"),
-    "parse_layers": ("qarray.tesseract._cli", "parse_layers"),
-    "leaf_paths": ("qarray.checkpoint._tree", "leaf_paths"),
-    "ModelLayer": ("qarray.checkpoint._network_file", "ModelLayer"),
-    "quantize_rows": ("qarray._numerics", "quantize_rows_np"),
-    "quantize_groups": ("qarray._numerics", "quantize_groups_np"),
-    "relative_error": ("qarray._numerics", "relative_error_np"),
-    "relative_error4": ("qarray._numerics", "relative_error4_np"),
-}
-
-
-def __getattr__(name: str):
-    if name not in _MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    module, attribute = _MOVED[name]
-    where = (
-        f"{module}.{attribute}"
-        if not module.split(".")[-1].startswith("_")
-        else "a private helper (no public replacement: qarray.quantize / qarray.unpack "
-        "for the numerics, qarray-serve convert for the layers' parser)"
-    )
-    warnings.warn(
-        f"qarray.checkpoint.{name} is deprecated: qarray.checkpoint exports model "
-        f"files only; it is now {where}.",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(importlib.import_module(module), attribute)
-
 
 def __dir__() -> list[str]:
+    """The model-file API (not the submodules, ``pytorch`` among them, that
+    importing it brings in)."""
     return sorted(__all__)
