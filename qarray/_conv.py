@@ -24,10 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.hijax import (
-    GradAccum,
     HiPrim,
     ShapedArray,
-    Zero,
     linearize_from_jvp,
 )
 
@@ -121,6 +119,8 @@ class ConvQ(ProductVJP, HiPrim):
     and positions: one scale per example) for an int8 x int8 convolution with
     int32 sums; ``"float32"`` (weight-only) keeps ``x`` as it is.
     """
+
+    op_name = "conv_q"
 
     def __init__(
         self,
@@ -394,19 +394,6 @@ class ConvQ(ProductVJP, HiPrim):
             lambda x, g: pull(x, g, explicit=False),
             out_sharding=explicit_spec(w_aval),
         )(x, g)
-
-    # linear in x: what jax.linear_transpose (and reverse mode over a
-    # linearized jvp, whose tangent products are weight-only conv_q) needs
-    def transpose(self, ct, x, qw):
-        if self.activations != "float32":
-            raise TypeError(
-                f"conv_q with activations={self.activations!r} is not linear in "
-                "x: transpose the weight-only convolution instead."
-            )
-        if isinstance(qw, GradAccum) or not isinstance(x, GradAccum):
-            raise NotImplementedError("conv_q transposes in x only, with qw known.")
-        if not isinstance(ct, Zero):
-            x.accum(self._ct_x(ct, qw))
 
     def batch(self, axis_data, args, dims):
         (x, qw), (dx, dq) = args, dims

@@ -15,9 +15,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.hijax import (
+    GradAccum,
     ShapedArray,
     Zero,
     instantiate_zeros,
+    linearize_from_jvp,
 )
 from jax.sharding import AxisType
 
@@ -220,10 +222,28 @@ def batch_at_front(x, d, size):
 
 
 class ProductVJP:
-    """The reverse rule of a product ``y = x (*) W`` with ``W = dequantize(qw)``
+    """The reverse rules of a product ``y = x (*) W`` with ``W = dequantize(qw)``
     (matmul_q, linear_q, conv_q): the forward keeps only what the wanted
     cotangents read (x's needs qw, qw's needs x); a subclass gives
+    ``op_name`` (the public name, for errors), ``activations``,
     ``_ct_x(g, qw)`` (typed like x) and ``_ct_w(x, g)`` (laid out like qw)."""
+
+    op_name: str
+
+    # linear in x: what jax.linear_transpose (and reverse mode over a
+    # linearized jvp, whose tangent products are the weight-only ones) needs
+    def transpose(self, ct, x, qw):
+        if self.activations != "float32":
+            raise TypeError(
+                f"{self.op_name} with activations={self.activations!r} is not "
+                "linear in x: transpose the weight-only product instead."
+            )
+        if isinstance(qw, GradAccum) or not isinstance(x, GradAccum):
+            raise NotImplementedError(
+                f"{self.op_name} transposes in x only, with qw known."
+            )
+        if not isinstance(ct, Zero):
+            x.accum(self._ct_x(ct, qw))
 
     def vjp_fwd(self, nzs_in, x, qw):
         needs_x, needs_qw = nzs_in
@@ -235,3 +255,35 @@ class ProductVJP:
         ct_x = None if qw is None else self._ct_x(g, qw)
         ct_qw = None if x is None else self._ct_w(x, g)
         return ct_x, ct_qw
+
+
+class StraightThrough:
+    """The AD rules of quantize and dequantize (the straight-through
+    estimator): the identity for tangents and cotangents, each re-typed as
+    the other side's tangent (a QArray's is float32; a bfloat16 x's cotangent
+    comes back in bfloat16). For a primitive of one operand."""
+
+    def jvp(self, primals, tangents):
+        (a,), (ta,) = primals, tangents
+        return self(a), same_tangent(ta, self.out_aval)
+
+    lin, linearized = linearize_from_jvp
+
+    def vjp_fwd(self, nzs_in, a):
+        return self(a), None
+
+    def vjp_bwd_retval(self, _res, g):
+        dtype = self.in_avals[0].to_tangent_aval().dtype
+        return (instantiate_zeros(g).astype(dtype),)
+
+
+class Parts:
+    """A primitive that reads a value's parts (unpack, factors): typed as the
+    value's lo types, without parameters; a subclass checks its operand, then
+    calls this ``__init__``."""
+
+    def __init__(self, aval):
+        self.in_avals = (aval,)
+        self.out_aval = tuple(aval.lo_ty())
+        self.params = {}
+        super().__init__()

@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.hijax import (
-    GradAccum,
     HiPrim,
     ShapedArray,
     Zero,
@@ -27,7 +26,9 @@ from jax.experimental.hijax import (
 
 from . import _formulations, _numerics
 from ._ops import (
+    Parts,
     ProductVJP,
+    StraightThrough,
     batch_at_front,
     check_activations,
     check_bits,
@@ -37,7 +38,6 @@ from ._ops import (
     product_rule,
     require_float,
     require_qarray,
-    same_tangent,
     sum_to_type,
     type_str,
     union_mat,
@@ -54,7 +54,7 @@ from ._qarray import (
 )
 
 
-class Quantize(HiPrim):
+class Quantize(StraightThrough, HiPrim):
     """f32[..., n] -> q8[..., n]: symmetric per-row absmax int8 quantization;
     with ``bits=4``, -> q4[..., n]: int4 per group of ``group_size``, packed.
     bfloat16 and float16 ``x`` quantize as their float32 values (the scales
@@ -86,19 +86,6 @@ class Quantize(HiPrim):
             return QArray(*_numerics.quantize_groups(x, self.group_size))
         return QArray(*_formulations.quantize(x))
 
-    # straight-through estimator: the identity for tangents and cotangents
-    def jvp(self, primals, tangents):
-        (x,), (tx,) = primals, tangents
-        return self(x), same_tangent(tx, self.out_aval)
-
-    lin, linearized = linearize_from_jvp
-
-    def vjp_fwd(self, nzs_in, x):
-        return self(x), None
-
-    def vjp_bwd_retval(self, _res, g):
-        return (instantiate_zeros(g).astype(self.in_avals[0].dtype),)
-
     def batch(self, axis_data, args, dims):
         (x,), (d,) = args, dims
         if d is None:
@@ -109,7 +96,7 @@ class Quantize(HiPrim):
         return quantize(moved, self.bits, self.group_size), QArraySpec()
 
 
-class Dequantize(HiPrim):
+class Dequantize(StraightThrough, HiPrim):
     """q8[..., n] -> f32[..., n]: ``qvalue * scale[..., None]``."""
 
     def __init__(self, q_aval):
@@ -123,19 +110,6 @@ class Dequantize(HiPrim):
         if self.in_avals[0].bits == 4:
             return _numerics.dequantize_groups(q.qvalue, q.scale)
         return _numerics.dequantize_rows(q.qvalue, q.scale)
-
-    # straight-through estimator: the identity for tangents and cotangents
-    def jvp(self, primals, tangents):
-        (q,), (tq,) = primals, tangents
-        return self(q), same_tangent(tq, self.out_aval)
-
-    lin, linearized = linearize_from_jvp
-
-    def vjp_fwd(self, nzs_in, q):
-        return self(q), None
-
-    def vjp_bwd_retval(self, _res, g):
-        return (instantiate_zeros(g),)
 
     def batch(self, axis_data, args, dims):
         (q,), (d,) = args, dims
@@ -162,7 +136,6 @@ class _QProduct(ProductVJP, HiPrim):
     payload too, and every rule stays in terms of primitives (higher-order AD).
     """
 
-    op_name: str  # the public name, for errors
     w_axis: int  # qw's contracted axis
     w_out: str  # what qw's other (output) axis is called in errors
     operands_fmt: str  # how errors print the operands
@@ -277,21 +250,6 @@ class _QProduct(ProductVJP, HiPrim):
                 out_sharding=explicit_spec(x_aval),
             )
         return sum_to_type(ct_x.astype(x_aval.dtype), x_aval)
-
-    # linear in x: what jax.linear_transpose (and reverse mode over a
-    # linearized jvp, whose tangent products are these) needs
-    def transpose(self, ct, x, qw):
-        if self.activations != "float32":
-            raise TypeError(
-                f"{self.op_name} with activations={self.activations!r} is not "
-                "linear in x: transpose the weight-only product instead."
-            )
-        if isinstance(qw, GradAccum) or not isinstance(x, GradAccum):
-            raise NotImplementedError(
-                f"{self.op_name} transposes in x only, with qw known."
-            )
-        if not isinstance(ct, Zero):
-            x.accum(self._ct_x(ct, qw))
 
     def batch(self, axis_data, args, dims):
         (x, qw), (dx, dq) = args, dims
@@ -441,7 +399,7 @@ class Pack(HiPrim):
         return pack(qvalue, scale, self.bits, self.group_size), QArraySpec()
 
 
-class Unpack(HiPrim):
+class Unpack(Parts, HiPrim):
     """q8[..., n] -> (int8[..., n], f32[...]): read a QArray's parts.
 
     For reading results out (e.g. returning quantized weights): the parts carry
@@ -450,10 +408,7 @@ class Unpack(HiPrim):
 
     def __init__(self, q_aval):
         require_qarray("unpack", "q", q_aval)
-        self.in_avals = (q_aval,)
-        self.out_aval = tuple(q_aval.lo_ty())
-        self.params = {}
-        super().__init__()
+        super().__init__(q_aval)
 
     def expand(self, q):
         return (q.qvalue, q.scale)

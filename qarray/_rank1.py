@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.experimental.hijax import HiPrim, HiType, ShapedArray, register_hitype
 from jax.sharding import NamedSharding
 
-from ._ops import type_str
+from ._ops import Parts, type_str
 from ._qarray import FLOAT32, full_spec, with_spec
 
 
@@ -110,16 +110,13 @@ class Outer(HiPrim):
         return g @ row, col @ g
 
 
-class Factors(HiPrim):
+class Factors(Parts, HiPrim):
     """r1[m,n] -> (f32[m], f32[n]): the accessor rules use instead of attributes."""
 
     def __init__(self, r1_aval):
         if not isinstance(r1_aval, Rank1Ty):
             raise TypeError(f"factors requires a Rank1 (r1), got {type_str(r1_aval)}.")
-        self.in_avals = (r1_aval,)
-        self.out_aval = tuple(r1_aval.lo_ty())
-        self.params = {}
-        super().__init__()
+        super().__init__(r1_aval)
 
     def expand(self, r1):
         return (r1.col, r1.row)

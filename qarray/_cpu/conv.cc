@@ -44,13 +44,8 @@ ffi::Error ConvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       yd[1] != a.out_channels || scale.element_count() != a.out_channels)
     return ffi::Error::InvalidArgument("qarray_conv: shapes do not match");
   a.int8 = int8 != 0;
-  a.t = Thresholds{split, gemm_rows, kn_dot_rows, int4_gemm_rows};
-  if (auto e = CheckThresholds("qarray_conv", a.t); e.failure()) return e;
-  a.x = x.typed_data();
-  a.q = q.typed_data();
-  a.scale = scale.typed_data();
-  a.y = y->typed_data();
-  return RunOnIsa("qarray_conv", pool, &Isa::conv, a);
+  return RunProduct("qarray_conv", pool, &Isa::conv, a,
+                    Thresholds{split, gemm_rows, kn_dot_rows, int4_gemm_rows}, x, q, scale, y);
 }
 
 }  // namespace
@@ -58,11 +53,6 @@ ffi::Error ConvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QarrayConv, qarray::cpu::ConvImpl,
                               qarray::cpu::BindThresholds(
-                                  xla::ffi::Ffi::Bind()
-                                      .Ctx<xla::ffi::ThreadPool>()
-                                      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                      .Arg<xla::ffi::Buffer<xla::ffi::S8>>()
-                                      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                      .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  qarray::cpu::BindProduct<xla::ffi::S8>()
                                       .Attr<xla::ffi::Span<const int64_t>>("geometry")
                                       .Attr<int64_t>("int8")));

@@ -23,8 +23,21 @@ class FfiPool final : public Pool {
   ffi::ThreadPool& pool_;
 };
 
-// The thresholds every handler binds, in Thresholds' order, after its own
-// attributes (each handler is passed all of them: qarray/_ffi.py's
+// The operands of every product handler (product, product_int4, conv): XLA's
+// pool, x f32, the weights (W: S8, or U8 for packed int4), their scales f32
+// -> y f32; the handler's own attributes follow
+template <ffi::DataType W>
+auto BindProduct() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<W>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::Buffer<ffi::F32>>();
+}
+
+// The thresholds every product handler binds, in Thresholds' order, after
+// its own attributes (each is passed all of them: qarray/_ffi.py's
 // thresholds())
 template <class Binding>
 auto BindThresholds(Binding binding) {
@@ -59,6 +72,22 @@ ffi::Error RunOnIsa(const char* handler, ffi::ThreadPool& pool,
   FfiPool p(pool);
   (isa->*entry)(p, a);
   return ffi::Error::Success();
+}
+
+// What every product handler ends with, its shapes checked: the thresholds
+// Python passed, checked, the buffers, and RunOnIsa
+template <class Args, class Q>
+ffi::Error RunProduct(const char* handler, ffi::ThreadPool& pool,
+                      void (*Isa::*entry)(Pool&, const Args&), Args& a, const Thresholds& t,
+                      ffi::Buffer<ffi::F32> x, Q q, ffi::Buffer<ffi::F32> scale,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  a.t = t;
+  if (auto e = CheckThresholds(handler, a.t); e.failure()) return e;
+  a.x = x.typed_data();
+  a.q = q.typed_data();
+  a.scale = scale.typed_data();
+  a.y = y->typed_data();
+  return RunOnIsa(handler, pool, entry, a);
 }
 
 }  // namespace qarray::cpu

@@ -22,13 +22,8 @@ ffi::Error ProductImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   a.int8 = int8 != 0;
   if ((kn ? qd[0] : qd[1]) != a.k || sd[0] != (kn ? a.k : a.n))
     return ffi::Error::InvalidArgument("qarray_product: x, q and scale do not match");
-  a.t = Thresholds{split, gemm_rows, kn_dot_rows, int4_gemm_rows};
-  if (auto e = CheckThresholds("qarray_product", a.t); e.failure()) return e;
-  a.x = x.typed_data();
-  a.q = q.typed_data();
-  a.scale = scale.typed_data();
-  a.y = y->typed_data();
-  return RunOnIsa("qarray_product", pool, &Isa::product, a);
+  return RunProduct("qarray_product", pool, &Isa::product, a,
+                    Thresholds{split, gemm_rows, kn_dot_rows, int4_gemm_rows}, x, q, scale, y);
 }
 
 }  // namespace
@@ -36,11 +31,6 @@ ffi::Error ProductImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QarrayProduct, qarray::cpu::ProductImpl,
                               qarray::cpu::BindThresholds(
-                                  xla::ffi::Ffi::Bind()
-                                      .Ctx<xla::ffi::ThreadPool>()
-                                      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                      .Arg<xla::ffi::Buffer<xla::ffi::S8>>()
-                                      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                      .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  qarray::cpu::BindProduct<xla::ffi::S8>()
                                       .Attr<int64_t>("kn")
                                       .Attr<int64_t>("int8")));

@@ -23,13 +23,8 @@ ffi::Error ProductInt4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (a.group % 32)
     return ffi::Error::InvalidArgument("qarray_product_int4: group size % 32 != 0");
   a.int8 = int8 != 0;
-  a.t = Thresholds{split, gemm_rows, kn_dot_rows, int4_gemm_rows};
-  if (auto e = CheckThresholds("qarray_product_int4", a.t); e.failure()) return e;
-  a.x = x.typed_data();
-  a.q = q.typed_data();
-  a.scale = scale.typed_data();
-  a.y = y->typed_data();
-  return RunOnIsa("qarray_product_int4", pool, &Isa::product_int4, a);
+  return RunProduct("qarray_product_int4", pool, &Isa::product_int4, a,
+                    Thresholds{split, gemm_rows, kn_dot_rows, int4_gemm_rows}, x, q, scale, y);
 }
 
 }  // namespace
@@ -37,10 +32,5 @@ ffi::Error ProductInt4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QarrayProductInt4, qarray::cpu::ProductInt4Impl,
                               qarray::cpu::BindThresholds(
-                                  xla::ffi::Ffi::Bind()
-                                      .Ctx<xla::ffi::ThreadPool>()
-                                      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                      .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
-                                      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                      .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  qarray::cpu::BindProduct<xla::ffi::U8>()
                                       .Attr<int64_t>("int8")));
