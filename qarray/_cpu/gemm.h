@@ -281,9 +281,9 @@ inline void PackNk(const int8_t* q, int64_t ld, int64_t k, int64_t n0, int64_t n
 
 // weight rows PackKn prefetches ahead of the four it interleaves: a chunk
 // reads each row's few hundred bytes and jumps N on, a stride the hardware
-// prefetchers follow late (the packing's loads were ~40% of a kn GEMM's
-// cycles at 33 int8 rows, perf); 16 rows ahead took a tenth off it from 12
-// to 192 int8 rows, weights cold and hot (docs/kernels.md)
+// prefetchers follow late, so the packing's loads would hold up a kn GEMM;
+// how far ahead: benchmarks.bench_kernels --strategies, the kn GEMM rows,
+// weights cold and hot (docs/kernels.md)
 constexpr int64_t kKnPrefetchRows = 16;
 
 // columns [n0, n1) of kn weights' rows [0, rows) (row i: n int8 from q + i * n)
@@ -327,8 +327,9 @@ inline void QuantizeRows(const float* x, const float* fold, int64_t m, int64_t k
 }
 
 // QuantizeRows on the pool's threads, a range of rows each, from
-// kParallelRows elements (parts included): one thread quantizing x was a
-// seventh of a product of 64 float32 rows on AMX (perf; benchmarks.compare_builds)
+// kParallelRows elements (parts included): on the fastest tiles one thread
+// quantizing x would be a visible share of a many-row product
+// (benchmarks.compare_builds)
 constexpr int64_t kParallelRows = 1 << 16;
 template <class V>
 inline void QuantizeRowsOn(Pool& pool, const float* x, const float* fold, int64_t m, int64_t k,
@@ -354,9 +355,9 @@ struct ProductState {
 
 // bytes [p, end) fetched into L2 in `shares` parts, one a Next(): the next
 // panel's weights (nk: contiguous rows) while the tiles of this one compute,
-// so that packing it reads L2 rather than memory (packing, which waited on
-// those reads, took ~45% of a 16-row nk product's samples, perf: the rows a
-// served batch of one-row requests computes)
+// so that packing it reads L2 rather than memory (packing otherwise waits on
+// those reads at the rows a served batch of one-row requests computes:
+// benchmarks.bench_kernels --strategies)
 struct FetchAhead {
   const int8_t* p;
   const int8_t* end;
@@ -506,8 +507,8 @@ inline void NkDotRows(const ProductState& s, int64_t n0, int64_t n1) {
 // row broadcast; the sums (in L1/L2) loaded and stored once per pass. A
 // thread takes a contiguous range of weight rows, streaming its share of
 // memory in order (columns split over threads instead touched every page of
-// the weights once per thread and 4 KiB of it: TLB misses, 6-8x slower at
-// (1, 4096, 4096))
+// the weights once per thread and 4 KiB of it: TLB misses;
+// benchmarks.bench_kernels, one row of x)
 template <class Ops>
 inline void KnDotRange(const ProductState& s, int64_t k0, int64_t k1, int32_t* sums) {
   const ProductArgs& a = s.a;

@@ -134,8 +134,9 @@ const Isa& Next() {
 // y^T = W x^T: tile A is 16 output channels x 64 k of W, rows k bytes apart
 // (W's own layout: nothing packed), tile B 16 steps of x's int8 rows packed
 // as gemm.h packs weights (PackNk: 16 rows x 4 k a step, the small operand),
-// C their 16 channels x 16 rows of int32 sums. Packing the weights cost
-// twice the products at the rows a served batch has (benchmarks/amx_nk.py).
+// C their 16 channels x 16 rows of int32 sums. Packing the weights would
+// cost more than the products at the rows a served batch has
+// (benchmarks.bench_kernels --strategies, on AMX).
 // Several C tiles at once (WeightTiles): the loads of A and B are shared and
 // the sums' tiles are independent, so tdpbssd does not wait on its own
 // previous result.

@@ -114,7 +114,7 @@ struct I8Avx512 : I8Avx2 {
   }
 
   // int4 panels a pair at a time (two 8-channel blocks through AVX2's
-  // packing cost twice as much: make bench, suite int4)
+  // packing cost more: make bench, suite int4)
   static constexpr bool kPacksPairs = true;
   // `lanes` (up to 16) channels of packed int4 rows (q, half bytes apart) ->
   // k / 4 steps of 64 bytes at dst, kStepBytes apart: 64 k of each channel

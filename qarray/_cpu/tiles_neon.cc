@@ -10,9 +10,9 @@
 // block of int32: 32 multiply-adds per instruction, 1/32 per MAC, on two rows
 // at a time (the panel's two steps of 4 k zipped into pairs of channels x 8 k,
 // two zips per 4 channels and 8 k, shared by every pair of rows).
-// Their speed cannot be measured on the x86 machines these kernels were
-// written on: `make test-kernels-arm` checks their results under qemu, whose
-// timings mean nothing.
+// `make test-kernels-arm` checks their results under qemu, whose timings
+// mean nothing: their speed is benchmarks.bench_kernels --isa-table's on an
+// aarch64 host.
 //
 // Compiled for any ARMv8-A: the target pragmas come after the shared headers
 // (as in tiles_avx2.cc); dispatch.cc calls these only where the kernel's
