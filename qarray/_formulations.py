@@ -15,10 +15,11 @@ payload. How it runs is a deterministic function of the static shapes, the
 ========== ================================ =========================================
 strategy   what                             why / accuracy
 ========== ================================ =========================================
-chunked    K in chunks of ~128 rows: each   XLA:CPU never fuses an int8 -> f32 convert
-           chunk's int8 rows converted to   into a dot: a whole-matrix convert writes a
-           f32 and multiplied, accumulated  full f32 copy (4x the int8 bytes). Chunks
-           in f32 (``lax.scan``)            keep the copy in cache. Exact f32 math.
+chunked    K in chunks (the rule's          XLA:CPU never fuses an int8 -> f32 convert
+           ``convert_rows``): each chunk's  into a dot: a whole-matrix convert writes a
+           int8 rows converted to f32 and   full f32 copy (4x the int8 bytes). Chunks
+           multiplied, accumulated in f32   keep the copy in cache. Exact f32 math.
+           (``lax.scan``)
 split_int8 ``v`` split per row into three   One int8 x int8 -> int32 product (parts'
            int8 parts, each quantizing      rows stacked), the fast int8 kernel. ``v``
            what the previous left           is kept to ~1e-7 of each row's largest
@@ -57,12 +58,13 @@ quantized per row as it is (``y = int32(xq @ qvalue^T) * sx * scale``): its
 error is the size of the weights' own, sqrt(2) of weight-only in all.
 
 The same strategies, chosen by the same rule (``choose_strategy``), each
-contracting both operands' last axes: ``chunked`` converts chunks of ~128
-output channels (rows of ``qvalue``), each giving a block of output columns;
-``split_int8`` and ``int8_dot`` run one int8 dot; ``dequantize`` converts the
-whole payload. For a single row the chunks are steady while the int8 dots (an
-int8 product padded to 8 rows is compute-bound) swing with the machine's load;
-for more the int8 dots win, as for matmul_q (``make bench``, suite matmul).
+contracting both operands' last axes: ``chunked`` converts chunks of
+``convert_rows`` output channels (rows of ``qvalue``), each giving a block of
+output columns; ``split_int8`` and ``int8_dot`` run one int8 dot;
+``dequantize`` converts the whole payload. For a single row the chunks are
+steady while the int8 dots (an int8 product padded to 8 rows is compute-bound)
+swing with the machine's load; for more the int8 dots win, as for matmul_q
+(``make bench``, suite matmul).
 
 The two products are each other's transposes (``g @ W`` for W stored ``(n, k)``
 is matmul_q's product): each primitive's backward for ``x`` is the other's
