@@ -194,27 +194,33 @@ def _outputs(inputs: dict, resident: Network | None) -> dict:
     return {"y": y, "layers": per_layer if asked else None}
 
 
-# compiled; concurrent requests on the resident model merge along x's rows
-ENDPOINTS = Endpoints(RUNTIME, _outputs, lambda: (RUNTIME.resident,), ["x"])
+# compiled; concurrent requests on the resident model merge along x's rows;
+# what a request says about itself (its output's shape, whether it may merge,
+# whether apply's pullback pays) the contract answers from declared shapes
+ENDPOINTS = Endpoints(
+    RUNTIME, _outputs, lambda: (RUNTIME.resident,), ["x"],
+    differentiable_outputs=InputSchema.differentiable_outputs,
+    mergeable=InputSchema.mergeable,
+    cache_pays=InputSchema.cache_pays,
+    lookup=InputSchema.lookup,
+    jacobian_work=InputSchema.check_jacobian_work,
+)  # fmt: skip
 apply_jit = ENDPOINTS.apply_jit  # what tesseract-core's jax_recipes differentiate
 
 
 def apply(inputs: InputSchema) -> OutputSchema:
     """The network's output y (and per-layer diagnostics when asked)."""
-    store = RUNTIME.cache.arriving(inputs.cache_pays())
-    return ENDPOINTS.apply(qt.request_dict(inputs), inputs.mergeable(), store)
+    return ENDPOINTS.apply(inputs)
 
 
 abstract_eval = ENDPOINTS.abstract_eval  # shapes and dtypes, without computing
 
 
-# --- gradient endpoints: the request's paths and vectors checked, then computed
+# --- gradient endpoints: Endpoints checks the request's paths and vectors
 
 
 def jacobian(inputs: InputSchema, jac_inputs: set[str], jac_outputs: set[str]):
     """d y / d (jac_inputs), each of shape y.shape + input.shape."""
-    given, y = inputs.given(jac_inputs, "jac_inputs"), inputs.network_shape().y
-    ENDPOINTS.check_jacobian({"y": y}, given, inputs.check_jacobian_work)
     return ENDPOINTS.jacobian(inputs, jac_inputs, jac_outputs)
 
 
@@ -222,12 +228,8 @@ def jacobian_vector_product(
     inputs: InputSchema, jvp_inputs, jvp_outputs, tangent_vector
 ):
     """Tangent of y for tangents of jvp_inputs (each shaped like its input)."""
-    inputs.given(jvp_inputs, "jvp_inputs")
-    tangents = qt.checked_vectors(
-        "tangent_vector", tangent_vector, lambda p: (p, inputs.lookup(p).shape)
-    )
     return ENDPOINTS.jacobian_vector_product(
-        inputs, jvp_inputs, jvp_outputs, tangents, mergeable=inputs.mergeable()
+        inputs, jvp_inputs, jvp_outputs, tangent_vector
     )
 
 
@@ -235,16 +237,6 @@ def vector_jacobian_product(
     inputs: InputSchema, vjp_inputs, vjp_outputs, cotangent_vector
 ):
     """Cotangents of vjp_inputs for a cotangent of y (shaped like y)."""
-    inputs.given(vjp_inputs, "vjp_inputs")
-    y = inputs.network_shape().y
-    cotangents = qt.checked_vectors(
-        "cotangent_vector", cotangent_vector, lambda p: ("y", y)
-    )
     return ENDPOINTS.vector_jacobian_product(
-        inputs,
-        vjp_inputs,
-        vjp_outputs,
-        cotangents,
-        {"y": y},
-        mergeable=inputs.mergeable(),
+        inputs, vjp_inputs, vjp_outputs, cotangent_vector
     )

@@ -10,10 +10,11 @@
   and the batcher of one API module (``RUNTIME = Runtime.from_env()``);
 - ``Limits``: request size limits as schema validators and endpoint checks;
 - ``MergedRows``: concurrent requests merged along their rows into one
-  compiled call (dynamic batching; ``Rows``, its name before, still works and warns);
+  compiled call (dynamic batching);
 - ``Endpoints``: apply and the gradient endpoints over a function of the
-  request (compiled, batched, the pullback cached): what ``ModelTesseract``
-  and the top-level ``tesseract_api.py`` both serve through;
+  request (checked, compiled, batched, the pullback cached): what
+  ``ModelTesseract`` and the top-level ``tesseract_api.py`` both serve
+  through, each endpoint one call;
 - ``jit_request``: an endpoint function of the request dict, compiled;
 - ``main``, ``create_app``: the guarded server (``qarray-serve``);
   ``shared_memory_tesseract``: it on one host, arrays through shared memory.
@@ -36,12 +37,10 @@ _WHERE = {
     "Runtime": "._runtime",
     "Settings": "._settings",
     "create_app": "._server",
-    "jit_request": "._request_jit",
+    "jit_request": "._request",
     "main": "._cli",
-    "shared_memory_tesseract": "._local",
+    "shared_memory_tesseract": "._shared_memory",
 }
 __all__ = [*_WHERE, "internal"]
-__getattr__, __dir__ = lazy_names(
-    __name__, {**_WHERE, "internal": ".internal"}, renamed={"Rows": "MergedRows"}
-)
+__getattr__, __dir__ = lazy_names(__name__, {**_WHERE, "internal": ".internal"})
 del lazy_names

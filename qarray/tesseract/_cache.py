@@ -32,7 +32,7 @@ from jax.extend.core import Literal
 from tesseract_core.runtime.tree_transforms import get_at_path
 
 from .._jit import Parts, packed, unpacked
-from ._request_jit import merge_request, split_request
+from ._request import merge_request, split_request
 
 # QArray residuals leave the compiled forward pass as their parts
 # (qarray.jit's): a hi-typed value makes every call of a jitted function that

@@ -4,7 +4,7 @@ parse with), so every later check sees the same document.
 
 - A body under ``ORJSON_MAX_BYTES`` is read by orjson, which is faster on
   small bodies and on arrays written as JSON numbers.
-- A larger body is mostly base64 arrays (a QAT step's weights: 16 MB of
+- A larger body is mostly base64 arrays (a QAT step's weights: megabytes of
   strings, which ``json.loads`` scans a character at a time). Its long
   ``"buffer"`` strings are cut out first: each is checked to be base64
   (pybase64, vectorised), which makes it a JSON string with nothing to
@@ -128,7 +128,8 @@ def _is_base64(data: memoryview) -> bool:
     """Only base64 characters, padded right (no quote, backslash, control
     or non-ASCII character: a JSON string as it is written). The bytes are
     dropped: tesseract-core's validation decodes the string itself, so the
-    document stays ``json.loads``' (a second decode, ~1.3 ms per 12 MB)."""
+    document stays ``json.loads``' (a second decode, which
+    ``python -m benchmarks.parse_bodies`` counts in the figures)."""
     try:
         pybase64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):

@@ -12,28 +12,15 @@ from __future__ import annotations
 
 import importlib
 import sys
-import warnings
 from collections.abc import Callable
 
 
-def lazy_names(
-    package: str, where: dict[str, str], renamed: dict[str, str] | None = None
-) -> tuple[Callable, Callable]:
+def lazy_names(package: str, where: dict[str, str]) -> tuple[Callable, Callable]:
     """``(__getattr__, __dir__)`` for ``package``: ``where`` maps each name
     to the module (relative to ``qarray.tesseract``) that defines it, or
-    is that module itself (``"internal": ".internal"``). ``renamed`` maps a
-    name a release before used to its name now: it still resolves, with a
-    ``DeprecationWarning``, and is not listed by ``dir``."""
-    renamed = renamed or {}
+    is that module itself (``"internal": ".internal"``)."""
 
     def __getattr__(name: str):
-        if name in renamed:
-            warnings.warn(
-                f"{package}.{name} is deprecated: use {package}.{renamed[name]}",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            return __getattr__(renamed[name])
         if name not in where:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         module = importlib.import_module(where[name], __package__)

@@ -58,11 +58,8 @@ from tesseract_core.runtime import Array, Differentiable, Float32
 
 from ..checkpoint import ModelFileError, load_quantized
 from ..nn import QuantConfig, adapter_shapes, with_adapters
-from ._endpoints import Endpoints, given_paths, request_dict
+from ._endpoints import Endpoints
 from ._limits import require_finite
-from ._paths import lookup_path
-from ._request_jit import merge_request, split_request
-from ._requests import checked_vectors, unprocessable
 from ._runtime import Runtime
 from ._settings import Settings
 
@@ -133,7 +130,6 @@ class ModelTesseract:
             self.batch_inputs,
             run_rows=self._run_rows,
         )
-        self._shapes: dict = {}
         self.lora_shapes: list[tuple[tuple, tuple]] = []
         if lora_rank is not None:
             self._serve_adapters(lora_rank, lora_alpha)
@@ -225,13 +221,6 @@ class ModelTesseract:
 
         return eqx.filter_vmap(one)(inputs)
 
-    def _mergeable(self, request: dict) -> bool:
-        """Whether the request may merge with others: batch inputs declared
-        and given."""
-        return bool(self.batch_inputs) and all(
-            request.get(name) is not None for name in self.batch_inputs
-        )
-
     def apply_jit(self, inputs: dict) -> dict:
         """What tesseract-core's jax_recipes differentiate."""
         return self.endpoints.apply_jit(inputs)
@@ -240,42 +229,15 @@ class ModelTesseract:
         """The outputs' shapes and dtypes for these inputs (traced once per
         input signature); a 422 when the model cannot take them, or an
         output would pass QARRAY_MAX_ELEMENTS."""
-        arrays, static = split_request(inputs)
-        key = (static, tuple((np.shape(a), np.result_type(a)) for a in arrays))
-        if key not in self._shapes:
-            try:
-                shapes = jax.eval_shape(
-                    lambda arrays: self._run(merge_request(arrays, static), self.model),
-                    [
-                        jax.ShapeDtypeStruct(np.shape(a), np.result_type(a))
-                        for a in arrays
-                    ],
-                )
-                for name, shape in shapes.items():
-                    self.limits.check_result(name, shape.shape)
-            except (TypeError, ValueError) as error:
-                raise unprocessable(f"inputs: {error}") from None
-            self._shapes[key] = shapes
-        return self._shapes[key]
+        return self.endpoints.output_shapes(inputs)
 
-    @staticmethod
-    def _float_outputs(shapes: dict) -> tuple[str, ...]:
-        """The outputs a pullback differentiates (``output_shapes``'s floats)."""
-        return tuple(
-            k for k, v in shapes.items() if jnp.issubdtype(v.dtype, jnp.floating)
-        )
-
-    # --- the endpoints: the API module's functions call these
+    # --- the endpoints: the API module's functions call these (``Endpoints``
+    # checks the paths and vectors, merges rows given as ``batch_inputs``,
+    # keeps apply's pullback)
 
     def apply(self, inputs: BaseModel) -> dict:
         """The model's outputs."""
-        cache, request = self.runtime.cache, request_dict(inputs)
-        outputs = self._float_outputs(self.output_shapes(request))
-        # a model is taken as nonlinear: its pullback pays for itself
-        store = cache.arriving(
-            cache.pays(self.limits.settings.vjp_cache_min_flops, 1, False)
-        )
-        return self.endpoints.apply(request, self._mergeable(request), store, outputs)
+        return self.endpoints.apply(inputs)
 
     def abstract_eval(self, abstract_inputs) -> dict:
         """Output shapes and dtypes from input shapes and dtypes."""
@@ -283,50 +245,20 @@ class ModelTesseract:
 
     def jacobian(self, inputs: BaseModel, jac_inputs, jac_outputs) -> dict:
         """d outputs / d inputs, each of shape output.shape + input.shape."""
-        shapes = given_paths(inputs, jac_inputs, "jac_inputs", lookup_path)
-        out = self.output_shapes(request_dict(inputs))
-        self.endpoints.check_jacobian(
-            {name: tuple(out[name].shape) for name in jac_outputs}, shapes
-        )
         return self.endpoints.jacobian(inputs, jac_inputs, jac_outputs)
 
     def jacobian_vector_product(
         self, inputs: BaseModel, jvp_inputs, jvp_outputs, tangent_vector
     ) -> dict:
         """Tangents of jvp_outputs for tangents of jvp_inputs."""
-        shapes = given_paths(inputs, jvp_inputs, "jvp_inputs", lookup_path)
-        tangents = checked_vectors("tangent_vector", tangent_vector, _known(shapes))
-        request = request_dict(inputs)
-        self.output_shapes(request)  # a 422 for inputs the model cannot take
         return self.endpoints.jacobian_vector_product(
-            inputs, jvp_inputs, jvp_outputs, tangents,
-            mergeable=self._mergeable(request), request=request,
-        )  # fmt: skip
+            inputs, jvp_inputs, jvp_outputs, tangent_vector
+        )
 
     def vector_jacobian_product(
         self, inputs: BaseModel, vjp_inputs, vjp_outputs, cotangent_vector
     ) -> dict:
         """Cotangents of vjp_inputs for cotangents of vjp_outputs."""
-        given_paths(inputs, vjp_inputs, "vjp_inputs", lookup_path)
-        request = request_dict(inputs)
-        out = self.output_shapes(request)
-        shapes = {name: tuple(out[name].shape) for name in vjp_outputs if name in out}
-        cotangents = checked_vectors(
-            "cotangent_vector", cotangent_vector, _known(shapes)
-        )
-        floats = {name: out[name].shape for name in self._float_outputs(out)}
         return self.endpoints.vector_jacobian_product(
-            inputs, vjp_inputs, vjp_outputs, cotangents, floats,
-            mergeable=self._mergeable(request), request=request,
-        )  # fmt: skip
-
-
-def _known(shapes: dict):
-    """``checked_vectors``'s ``like`` for the arrays named in ``shapes``."""
-
-    def like(path: str):
-        if path not in shapes:
-            raise ValueError(f"no array {path!r}")
-        return path, shapes[path]
-
-    return like
+            inputs, vjp_inputs, vjp_outputs, cotangent_vector
+        )

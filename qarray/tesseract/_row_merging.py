@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._batcher import Batcher, Job
-from ._request_jit import _ARRAY, is_array, merge_request, split_request
+from ._request import _ARRAY, is_array, merge_request, split_request
 
 
 def _path_name(key_path) -> str:

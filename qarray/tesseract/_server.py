@@ -7,16 +7,17 @@ takes the arguments ``tesseract-runtime serve`` takes (``tesseract serve`` runs
 images that way; the other commands are ``qarray.tesseract._cli``'s), and
 ``--uds PATH``, which ``tesseract-runtime serve`` does not: uvicorn's, the
 server bound to a Unix domain socket at PATH instead of a TCP port (hosts
-that refuse TCP sockets, such as the TPU hosts we borrow; a proxy on the
+that refuse TCP sockets, such as sandboxed accelerator hosts; a proxy on the
 same host).
 
 The served API docs (``/docs``, ReDoc) load their script from an installed
 package (``fastapi-offline``) instead of a CDN, so they render on machines
 without internet access.
 
-Each worker keeps up to 256 MiB of freed heap mapped for the next request
-(``_memory.keep_freed_memory``): page faults on fresh memory cost more than
-the rest of a big request on the VMs this was measured on.
+Each worker keeps freed heap mapped for the next request
+(``_memory.keep_freed_memory``): on a user's machine the page faults of
+fresh memory can cost more than the rest of a big request
+(``python -m benchmarks.parse_bodies`` shows them deciding its figures).
 
 With ``--num-workers N`` and ``QARRAY_MODEL`` the workers map one read-only
 copy of the resident weights (``_shared_weights``) instead of loading N.

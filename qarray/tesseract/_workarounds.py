@@ -37,14 +37,15 @@ Checked against tesseract-core 1.15.0.
    same responses (``serve.negotiate_encoding``, ``serve.create_response``)
    on worker threads, without the per-request run folder and log capture.
    Left as they are with a GPU transport or profiling on.
-4. **A 40 ms stall per response with ``--num-workers`` > 1** (uvicorn 0.54,
+4. **A delayed-ACK stall per response with ``--num-workers`` > 1** (uvicorn 0.54,
    the server tesseract-core runs on). With more than one worker uvicorn
    binds the listening socket itself (``Config.bind_socket``:
    ``socket.socket(family, SOCK_STREAM)``, protocol 0), and asyncio sets
    TCP_NODELAY only on sockets whose protocol is IPPROTO_TCP, so every
    response waits out Nagle's algorithm against the client's delayed ACK (a
-   tiny request took tens of times longer with two workers than with one,
-   stock ``tesseract-runtime serve`` alike: docs/performance-notes.md).
+   tiny request is then dominated by that wait, stock ``tesseract-runtime
+   serve`` alike: benchmarks/bench_load.py's ``workers_rows`` compares one
+   worker and two).
    ``install_nodelay_listener`` makes ``bind_socket`` set TCP_NODELAY on the
    listening socket, which the accepted connections inherit (Linux).
 5. **Every worker a fresh interpreter** (uvicorn 0.54). uvicorn starts its
@@ -76,8 +77,8 @@ Checked against tesseract-core 1.15.0.
    and sends both with one ``writelines`` (one ``sendmsg``), or sends it
    alone at the end of the event-loop turn: a response that fits the
    socket's buffer leaves whole or not at all. (Sending only at the end of
-   the turn cost a small request ~0.1 ms: the handler's own work after the
-   response came first.)
+   the turn would make every small request wait for the handler's own work
+   after the response: ``make bench``, suite http.)
 """
 
 from __future__ import annotations

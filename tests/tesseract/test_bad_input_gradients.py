@@ -7,7 +7,7 @@ encoding, or not finite; Jacobians over QARRAY_MAX_ELEMENTS.
 The requests the cases start from, the check and the server:
 tests/tesseract/bad_requests.py, conftest.py's bad_input_server.
 
-Covers: qarray/tesseract/_paths.py, qarray/tesseract/_requests.py
+Covers: qarray/tesseract/_paths.py, qarray/tesseract/_request.py
 """
 
 import numpy as np

@@ -7,7 +7,7 @@ weights a layer gives, their values (finite, scales >= 0, int8 in
 The requests the cases start from, the check and the server:
 tests/tesseract/bad_requests.py, conftest.py's bad_input_server.
 
-Covers: qarray/tesseract/_contract.py, qarray/tesseract/_limits.py
+Covers: qarray/tesseract/_request.py, qarray/tesseract/_limits.py
 """
 
 import numpy as np

@@ -9,7 +9,7 @@ QARRAY_MAX_ELEMENTS.
 The requests the cases start from, the check and the server:
 tests/tesseract/bad_requests.py, conftest.py's bad_input_server.
 
-Covers: qarray/network/_shapes.py, qarray/tesseract/_contract.py
+Covers: qarray/network/_shapes.py, qarray/tesseract/_request.py
 """
 
 import numpy as np

@@ -525,11 +525,3 @@ def test_served_metrics_count_a_merged_batch(resident, tmp_path, rng):
         after = parse(requests.get(f"{url}/metrics", timeout=30).text)
         assert after["calls"] >= 1 and after["rows_total"] >= 3
         assert requests.post(f"{url}/metrics", timeout=30).status_code == 405
-
-
-def test_rows_the_former_name_of_merged_rows_still_imports_and_warns():
-    from qarray import tesseract
-
-    with pytest.warns(DeprecationWarning, match="MergedRows"):
-        assert tesseract.Rows is tesseract.MergedRows
-    assert "Rows" not in dir(tesseract)

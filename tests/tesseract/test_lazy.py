@@ -1,9 +1,8 @@
 """The lazy name tables of ``qarray.tesseract`` and ``qarray.tesseract.internal``
 (``_lazy.lazy_names``, PEP 562): a name resolves to the object its defining
 module holds (a module name to the module), is loaded once and kept on the
-package; an unknown name is an AttributeError; a renamed name still resolves,
-with a DeprecationWarning, and ``dir`` lists the table alone
-(qarray.tesseract's own renamed ``Rows``: tests/tesseract/test_batching.py).
+package; an unknown name is an AttributeError, ``dir`` lists the table alone,
+and the unreleased 0.1.0's ``Rows`` (now ``MergedRows``) is gone.
 
 Covers: qarray/tesseract/_lazy.py, qarray/tesseract/__init__.py,
 qarray/tesseract/internal.py
@@ -29,11 +28,9 @@ WHERE = {
 @pytest.fixture
 def package(monkeypatch):
     """A package made here, its names from WHERE (relative to
-    qarray.tesseract, as the real tables' are), ``Old`` renamed to ``Settings``."""
+    qarray.tesseract, as the real tables' are)."""
     module = types.ModuleType("made_up")
-    module.__getattr__, module.__dir__ = lazy_names(
-        "made_up", WHERE, renamed={"Old": "Settings"}
-    )
+    module.__getattr__, module.__dir__ = lazy_names("made_up", WHERE)
     monkeypatch.setitem(sys.modules, "made_up", module)
     return module
 
@@ -57,13 +54,15 @@ def test_an_unknown_name_is_an_attribute_error(package):
     assert not hasattr(package, "Rows")
 
 
-def test_a_renamed_name_warns_and_resolves_to_the_new_one(package):
-    settings = importlib.import_module("qarray.tesseract._settings").Settings
-    with pytest.warns(
-        DeprecationWarning, match=r"made_up\.Old is deprecated: use made_up\.Settings"
-    ):
-        assert package.Old is settings
-    assert dir(package) == sorted(WHERE)  # the old name is not listed
+def test_dir_lists_the_table_alone(package):
+    assert dir(package) == sorted(WHERE)
+
+
+def test_the_unreleased_rows_alias_is_gone():
+    """0.1.0 was never released: ``MergedRows`` is the only name."""
+    with pytest.raises(AttributeError, match="has no attribute 'Rows'"):
+        qt.Rows  # noqa: B018
+    assert "Rows" not in dir(qt)
 
 
 @pytest.mark.parametrize("real", [qt, qt.internal], ids=["tesseract", "internal"])

@@ -1,8 +1,6 @@
 """One host over shared memory: ``qarray.tesseract.shared_memory_tesseract``
 serves the Tesseract with qarray-serve (the guard) and passes arrays as binref
-files through the binref pool; answers against the NumPy reference network.
-
-Covers: qarray/tesseract/_local.py"""
+files through the binref pool; answers against the NumPy reference network."""
 
 from pathlib import Path
 

@@ -1,16 +1,16 @@
 """``qarray.tesseract.jit_request``: an endpoint function of the request dict
 compiled with its array leaves traced and the rest (strings, flags, None)
 static, against the same function in NumPy; and the split into arrays and a
-hashable rest that the residual cache and the row merging key on.
-
-Covers: qarray/tesseract/_request_jit.py
+hashable rest that the residual cache and the row merging key on. The rest of
+``_request``: the contract's checks in test_bad_input_*.py, ``request_dict``
+in test_endpoints.py.
 """
 
 import jax.numpy as jnp
 import numpy as np
 
 from qarray.tesseract import jit_request
-from qarray.tesseract._request_jit import merge_request, split_request
+from qarray.tesseract._request import merge_request, split_request
 
 
 def numpy_layer(inputs, scale):

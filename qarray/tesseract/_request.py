@@ -1,22 +1,34 @@
-"""The Tesseract contract's request checks: what the top-level
-``tesseract_api.py``'s ``InputSchema`` inherits (``NetworkRequest``), beyond
-what its fields' types say.
+"""A request to an endpoint, from the schemas' validated model to the
+compiled call: its 422s, its plain dict, that dict compiled, and the
+contract's checks.
 
-Errors are ValueErrors (422s) naming the field and the shapes
-(``layers.[2].w_q.scale``); work is bounded from the declared shapes before
-any array is decoded (``QARRAY_MAX_ELEMENTS``, ``QARRAY_MAX_WORK``).
+- ``unprocessable``, ``checked_vectors``, ``given_paths``: what the schemas
+  cannot say about a gradient request (paths it did not give, tangents and
+  cotangents of the wrong shape), as 422s naming the field;
+- ``request_dict``: the validated model as the dict the endpoint functions
+  compute on; ``split_request`` / ``merge_request``: that dict as its array
+  leaves (traced) and a hashable rest (static); ``jit_request``: an endpoint
+  function of it, compiled;
+- ``NetworkRequest``: the Tesseract contract's checks, which the top-level
+  ``tesseract_api.py``'s ``InputSchema`` inherits. Its errors are ValueErrors
+  (422s) naming the field and the shapes (``layers.[2].w_q.scale``); work is
+  bounded from the declared shapes before any array is decoded
+  (``QARRAY_MAX_ELEMENTS``, ``QARRAY_MAX_WORK``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Self
 
+import jax
+import numpy as np
+from fastapi import HTTPException
 from pydantic import BaseModel, model_validator
 
 from ..network import LayerShapes, NetworkShape, layer_shapes, network_shape
-from ._endpoints import given_paths
 from ._limits import (
     declared_shape,
     quantized_payload,
@@ -24,7 +36,106 @@ from ._limits import (
     require_finite,
 )
 from ._paths import lookup_path
-from ._runtime import Runtime
+
+# --- a gradient request's paths and vectors, checked (422s)
+
+
+def unprocessable(message: str) -> HTTPException:
+    """A 422 with ``message``'s first line (a traced error's may run long)."""
+    lines = message.strip().splitlines() or [""]
+    return HTTPException(status_code=422, detail=lines[0][:1000])
+
+
+def given_paths(inputs: Any, paths, field: str, lookup: Callable) -> dict[str, tuple]:
+    """Each path's array shape (``lookup(inputs, path)``); a 422 naming
+    ``field`` for a path the request did not give."""
+    shapes = {}
+    for path in sorted(paths):
+        try:
+            shapes[path] = tuple(np.shape(lookup(inputs, path)))
+        except ValueError as error:
+            raise unprocessable(f"{field}: {error}") from None
+    return shapes
+
+
+def checked_vectors(field: str, vectors: dict, shapes: dict[str, tuple]) -> dict:
+    """Tangents or cotangents, each shaped as the array of its path in
+    ``shapes`` (path -> shape) and finite: returned as float32, a 422 naming
+    the field otherwise."""
+    for path, v in vectors.items():
+        if path not in shapes:
+            raise unprocessable(f"{field}: no array {path!r}")
+        if tuple(np.shape(v)) != tuple(shapes[path]):
+            raise unprocessable(
+                f"{field}[{path!r}] must have the shape of {path} "
+                f"{tuple(shapes[path])}, got {tuple(np.shape(v))}"
+            )
+        if not np.isfinite(v).all():
+            raise unprocessable(f"{field}[{path!r}] must be finite")
+    return {path: np.asarray(v, np.float32) for path, v in vectors.items()}
+
+
+# --- the request as a dict, and that dict compiled
+
+
+def request_dict(inputs: BaseModel) -> dict:
+    """``inputs.model_dump()`` without its cost (visible on small requests):
+    nested models as dicts, lists as lists, arrays and values as they are."""
+
+    def plain(value):
+        if isinstance(value, BaseModel):
+            return {name: plain(field) for name, field in value}
+        if isinstance(value, dict):  # a plain dict (JAX's pytree node)
+            return {name: plain(field) for name, field in value.items()}
+        if isinstance(value, list):
+            return [plain(item) for item in value]
+        return value
+
+    return plain(inputs)
+
+
+_ARRAY = object()  # where an array leaf goes in the static part
+
+
+def is_array(leaf: Any) -> bool:
+    return isinstance(leaf, np.ndarray | np.generic | jax.Array)
+
+
+def split_request(inputs: Any) -> tuple[list, tuple]:
+    """``(arrays, static)``: the array leaves of ``inputs`` and a hashable
+    rest (the tree structure and every other leaf); ``merge_request`` inverts
+    it. Cheaper per call than ``eqx.filter_jit``'s partition, a visible part
+    of a small apply's latency (``make bench``, suite http)."""
+    leaves, treedef = jax.tree.flatten(inputs)
+    arrays = [leaf if is_array(leaf) else None for leaf in leaves]
+    others = tuple(_ARRAY if is_array(leaf) else leaf for leaf in leaves)
+    return arrays, (treedef, others)
+
+
+def merge_request(arrays: list, static: tuple) -> Any:
+    treedef, others = static
+    leaves = [a if o is _ARRAY else o for a, o in zip(arrays, others, strict=True)]
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def jit_request(fn: Callable) -> Callable:
+    """``fn(inputs, *constants)`` compiled with ``jax.jit``: the array leaves
+    of the ``inputs`` dict traced, its other leaves static; ``constants``
+    (pytrees of arrays the server holds, e.g. a resident model) traced."""
+
+    @functools.partial(jax.jit, static_argnames="static")
+    def compiled(arrays, constants, static):
+        return fn(merge_request(arrays, static), *constants)
+
+    @functools.wraps(fn)
+    def call(inputs, *constants):
+        arrays, static = split_request(inputs)
+        return compiled(arrays, constants, static=static)
+
+    return call
+
+
+# --- the contract's request (a quantized network)
 
 
 class NetworkRequest(BaseModel):
@@ -33,7 +144,9 @@ class NetworkRequest(BaseModel):
     ``return_weight_error``, ``lora``, declared by the subclass);
     ``runtime``: the API module's (its limits and resident model)."""
 
-    runtime: ClassVar[Runtime]
+    # the API module's Runtime (not imported: its cache compiles through
+    # this module)
+    runtime: ClassVar[Any]
 
     @classmethod
     def _check_size(cls, shape: NetworkShape) -> None:
@@ -139,6 +252,11 @@ class NetworkRequest(BaseModel):
             ]
         return network_shape(tuple(self.x.shape), self.layer_shapes(), adapters)
 
+    def differentiable_outputs(self) -> dict[str, tuple]:
+        """The differentiable outputs' shapes (``Endpoints``): y's, from the
+        declared shapes (nothing traced)."""
+        return {"y": self.network_shape().y}
+
     def lookup(self, path: str) -> Any:
         """The array at a differentiable path (``layers.[1].w_q.scale``), or a
         ValueError naming the path when the request did not give it."""
@@ -175,11 +293,6 @@ class NetworkRequest(BaseModel):
             passes,
             f", once per element of {name} {shape}",
         )
-
-    def given(self, paths, field: str) -> dict[str, tuple]:
-        """Each of ``paths``' shapes, a 422 naming ``field`` for one the
-        request did not give."""
-        return given_paths(self, paths, field, type(self).lookup)
 
     def cache_pays(self) -> bool:
         """Whether apply should keep its pullback (``ResidualCache.pays``)."""
