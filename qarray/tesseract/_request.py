@@ -271,9 +271,9 @@ class NetworkRequest(BaseModel):
     check_gradient_path = lookup  # what the gradient endpoints' schemas call
 
     def mergeable(self) -> bool:
-        """Whether the request may merge with others (``MergedRows.job``): the
-        resident model on rows of x, adapters (if any) one per request, no
-        per-layer outputs."""
+        """Whether the request may merge with others, for ``Endpoints`` to
+        decide: the resident model on rows of x, adapters (if any) one per
+        request, no per-layer outputs."""
         if self.layers is not None or self.x.ndim < 2:
             return False
         if self.return_w_q or self.return_weight_error:
@@ -295,7 +295,9 @@ class NetworkRequest(BaseModel):
         )
 
     def cache_pays(self) -> bool:
-        """Whether apply should keep its pullback (``ResidualCache.pays``)."""
+        """Whether apply should keep its pullback, for ``Endpoints`` to
+        decide (``ResidualCache.pays`` on the network's flops, its input
+        elements, whether it is linear)."""
         if self.layers is None:
             linear = all(a == "none" for a in self.runtime.resident.activation)
         else:
