@@ -20,8 +20,13 @@ Rows, for x (m, K) and weights W (N, K):
 - ``linear_q``, ``linear_q_w8a8``, ``linear_q_int4``: qarray's products on
   float32 x (weight-only, int8 activations, int4 G=128 weight-only) at the
   default precision;
-- ``pallas_int8``: qarray's Pallas kernel for int8 weights (``qarray/_tpu``),
-  forced (no strategy chooses it until these rows say where it wins);
+- ``pallas_int8``, ``pallas_w8a8``, ``pallas_int4``: qarray's Pallas kernels
+  (``qarray/_tpu``) called directly with their default blocks: int8 weights
+  with x in bf16 parts, with x as one int8 part, int4 G=128 weights;
+- ``qwix_int8``, ``qwix_w8a8``, ``qwix_int4``: qwix's quantized ``dot_general``
+  on bf16 x (int8 per-channel weights, with x quantized per row, int4 with
+  128-entry tiles): the peer made for this chip (rows left out where qwix
+  is not installed);
 - ``vjp_x``: the VJP's product for x (``y_bar @ W``, qarray's ``matmul_q`` on
   the same int8 weights).
 
@@ -43,12 +48,14 @@ import numpy as np
 from jax import lax
 
 import qarray as qa
-from qarray import _formulations
+from qarray import _tpu
 
 ROWS = (1, 8, 64, 512, 4096)
 GROUP = 128
 # rows XLA compiles only for a TPU (XLA:CPU refuses an int4 x int4 dot)
 TPU_ONLY = ("int4_dot",)
+# Pallas' interpreter off the chip (the --quick check on CPU)
+INTERPRET = jax.default_backend() != "tpu"
 
 
 def weights(k: int, n: int) -> dict:
@@ -65,6 +72,7 @@ def weights(k: int, n: int) -> dict:
         "int4": jnp.clip(int8 // 16, -8, 7).astype(jnp.int4),
         "q8": qa.unpack(q8),
         "q4": qa.unpack(q4),
+        **_qwix_weights(w),
     }
 
 
@@ -98,15 +106,63 @@ def products(k: int, n: int) -> dict[str, tuple[str, Callable]]:
             "float32",
             lambda x, w: qa.linear_q(x, qa.pack(*w["q4"], 4, group)),
         ),
-        # qarray's Pallas kernel (qarray/_tpu), forced: the weights streamed
-        # in blocks, x in one bf16 part (the default precision)
+        # qarray's Pallas kernels (qarray/_tpu), called directly
         "pallas_int8": (
             "float32",
-            lambda x, w: _formulations.linear(x, *w["q8"], "float32", "pallas"),
+            lambda x, w: _tpu.int8_product(x, *w["q8"], nk=True, interpret=INTERPRET),
+        ),
+        "pallas_w8a8": (
+            "float32",
+            lambda x, w: _tpu.int8_product(
+                x, *w["q8"], nk=True, mxu="int8", parts=1, interpret=INTERPRET
+            ),
+        ),
+        "pallas_int4": (
+            "float32",
+            lambda x, w: _tpu.int4_product(
+                x, *w["q4"], group_size=group, interpret=INTERPRET
+            ),
         ),
         # the VJP's product for x: y_bar (m, N) @ W (N, K), on (N, K) weights
         # read as matmul_q's (k, n) = (N, K); with K == N the loop keeps shape
         "vjp_x": ("float32", lambda x, w: qa.matmul_q(x, qa.pack(*w["q8"]))),
+        **_qwix_products(),
+    }
+
+
+def _qwix_products() -> dict[str, tuple[str, Callable]]:
+    """qwix's quantized dots on bf16 x (none where qwix is not installed)."""
+    try:
+        import qwix
+    except ImportError:
+        return {}
+    dims = (((1,), (1,)), ((), ()))
+
+    def per_row(x):
+        return qwix.quantize(x, jnp.int8, channelwise_axes=[0])
+
+    return {
+        "qwix_int8": ("bfloat16", lambda x, w: qwix.dot_general(x, w["qwix8"], dims)),
+        "qwix_w8a8": (
+            "bfloat16",
+            lambda x, w: qwix.dot_general(per_row(x), w["qwix8"], dims),
+        ),
+        "qwix_int4": ("bfloat16", lambda x, w: qwix.dot_general(x, w["qwix4"], dims)),
+    }
+
+
+def _qwix_weights(w) -> dict:
+    """The weights as qwix's QArrays (bf16 scales, as its users' models)."""
+    try:
+        import qwix
+    except ImportError:
+        return {}
+    w = w.astype(jnp.bfloat16)
+    return {
+        "qwix8": qwix.quantize(w, jnp.int8, channelwise_axes=[0]),
+        "qwix4": qwix.quantize(
+            w, jnp.int4, channelwise_axes=[0], tiled_axes={1: min(GROUP, w.shape[1])}
+        ),
     }
 
 

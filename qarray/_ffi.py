@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import jax
@@ -33,7 +32,6 @@ TARGET = "qarray_product"
 TARGET_INT4 = "qarray_product_int4"
 TARGET_QUANTIZE = "qarray_quantize"
 TARGET_CONV = "qarray_conv"
-KERNELS_ENV = "QARRAY_KERNELS"  # "xla": never use the CPU kernels
 ISA_ENV = "QARRAY_CPU_ISA"  # read by the library (qarray/_cpu/dispatch.cc)
 
 
@@ -41,8 +39,8 @@ ISA_ENV = "QARRAY_CPU_ISA"  # read by the library (qarray/_cpu/dispatch.cc)
 def status() -> str:
     """Whether the CPU kernels run in this process and on which instruction
     set: ``"available (avx2)"``, or the reason they do not."""
-    if os.environ.get(KERNELS_ENV, "").strip().lower() == "xla":
-        return f"{KERNELS_ENV}=xla"
+    if _rules.xla_only():
+        return f"{_rules.KERNELS_ENV}=xla"
     if not LIBRARY.is_file():
         return f"not built ({LIBRARY.name} missing: run make setup with a C++ compiler)"
     import jaxlib

@@ -32,6 +32,11 @@ int8_dot   (``activations="int8"``) ``v``   int8 x int8 -> int32, rows padded to
                                             slow for a single row).
 dequantize ``v @ qvalue.astype(f32)``       Backends that fuse the convert into the
                                             dot (GPU); the reference formulation.
+pallas     (TPU) qarray/_tpu's kernel: the  Few rows are bound by the weights' bytes:
+           int8 weights streamed once into  they enter the MXU as they are, with no
+           the int8 MXU, ``v`` as int8      convert. ``v``'s parts (``_tpu.INT8_PARTS``
+           parts                            by precision) are at least as fine as the
+                                            bf16 passes asked for.
 ========== ================================ =========================================
 
 Weight-only products keep the activations at float32 precision: the only
@@ -46,8 +51,11 @@ formulations, which keep every axis in place for sharding propagation. On CPU:
 the weights); more rows: ``split_int8`` (weight-only) or ``int8_dot``, except
 weight-only products with tiny weights (the rule's ``small_weight_elements``),
 which take ``dequantize``: they read x, and have no weight bytes to save.
-Elsewhere: ``dequantize`` (weight-only) and ``int8_dot``. The benchmarks behind
-these choices: ``benchmarks.bench_kernels --strategies`` and ``make bench``.
+On a TPU: ``pallas`` for weight-only products up to the TPU rule's
+``int8_kernel_max_rows`` (where its kernels compile: ``_tpu.available``),
+else ``dequantize`` and ``int8_dot``, as elsewhere. The benchmarks behind
+these choices: ``benchmarks.bench_kernels --strategies``, ``make bench`` and,
+on the chip, ``benchmarks.tpu_kernels``.
 
 How ``linear_q`` computes ``x[m, k] @ (qvalue[n, k] * scale[n, None])^T``
 ------------------------------------------------------------------------
@@ -79,7 +87,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _ffi
+from . import _ffi, _rules
 from ._numerics import dequantize_groups, dequantize_rows, quantize_rows
 from ._qarray import kind_of_parts
 
@@ -141,7 +149,14 @@ def choose_strategy(
 ) -> str:
     """The formulation ``matmul`` (x[m, k] @ q8[k, n], layout "kn") and
     ``linear`` (x[m, k] @ q8[n, k]^T, "nk") use (see module doc).
-    ``kernels``: whether qarray's CPU kernels run here (default: ``_ffi``)."""
+    ``kernels``: whether qarray's own kernels run here (default: ``_ffi``'s
+    on CPU, ``_tpu``'s on a TPU)."""
+    if platform == "tpu":
+        if kernels is None:
+            kernels = _tpu_available()
+        few = m <= _rules.for_tpu().int8_kernel_max_rows
+        if kernels and activations == "float32" and few:
+            return "pallas"
     if platform != "cpu":
         return "int8_dot" if activations == "int8" else "dequantize"
     if kernels is None:
@@ -246,6 +261,25 @@ def linear_int4(
     def run(strategy):
         if strategy == "kernel":
             return _ffi.product_int4(x2, packed, scale, int8=activations == "int8")
+        if strategy in ("pallas_groups", "pallas_tile"):
+            if activations != "float32":
+                raise ValueError(
+                    f"{strategy} is weight-only: activations {activations!r}"
+                )
+            _, group = kind_of_parts(packed, scale)
+            tpu = _tpu_module()
+            rule = _rules.for_tpu()
+            mode = strategy.removeprefix("pallas_")
+            return tpu.int4_product(
+                x2,
+                packed,
+                scale,
+                group_size=group,
+                mode=mode,
+                parts=tpu.parts_for(precision, jax.default_backend()),
+                blocks=getattr(rule, f"int4_{mode}_blocks"),
+                interpret=not _on_tpu(),
+            )
         if strategy == "dequantize":
             v = x2
             if activations == "int8":
@@ -262,15 +296,36 @@ def linear_int4(
             and m <= _ffi.rule().int4_kernel_max_rows[activations]
             and group % 32 == 0
         )
-        if kernel:
-            y = lax.platform_dependent(
-                cpu=lambda: run("kernel"), default=lambda: run("dequantize")
-            )
-        else:
+        cpu = "kernel" if kernel else "dequantize"
+        tpu = (
+            int4_tpu_mode(m, group, activations) if _on_tpu() else None
+        ) or "dequantize"
+        if cpu == tpu == "dequantize":
             y = run("dequantize")
+        else:
+            y = lax.platform_dependent(
+                cpu=lambda: run(cpu),
+                tpu=lambda: run(tpu),
+                default=lambda: run("dequantize"),
+            )
     else:
         y = run(strategy)
     return y.reshape(*lead, n)
+
+
+def int4_tpu_mode(m: int, group: int, activations: str) -> str | None:
+    """The TPU kernel an int4 product of ``m`` rows takes (``"pallas_groups"``
+    / ``"pallas_tile"``, by the TPU rule), or None: XLA's ``dequantize``."""
+    rule = _rules.for_tpu()
+    half = group // 2
+    fits = group % 2 == 0 and (128 % half == 0 or half % 128 == 0)
+    if activations != "float32" or not fits or not _tpu_available():
+        return None
+    if m <= rule.int4_groups_max_rows:
+        return "pallas_groups"
+    if m <= rule.int4_tile_max_rows:
+        return "pallas_tile"
+    return None
 
 
 def _by_platform(run, problem, strategy, layout):
@@ -279,9 +334,30 @@ def _by_platform(run, problem, strategy, layout):
     if strategy is not None:
         return run(strategy)
     cpu, other = (choose_strategy(*problem, p, layout) for p in ("cpu", "gpu"))
-    if cpu == other:
+    # a TPU's own choice only where one is attached: tracing its kernels
+    # elsewhere would cost every CPU trace for a branch that never lowers
+    tpu = choose_strategy(*problem, "tpu", layout) if _on_tpu() else other
+    if cpu == other == tpu:
         return run(cpu)
-    return lax.platform_dependent(cpu=lambda: run(cpu), default=lambda: run(other))
+    return lax.platform_dependent(
+        cpu=lambda: run(cpu), tpu=lambda: run(tpu), default=lambda: run(other)
+    )
+
+
+def _on_tpu() -> bool:
+    return jax.default_backend() == "tpu"
+
+
+def _tpu_module():
+    # imported on first use: Pallas adds a fifth to `import qarray`'s time
+    from . import _tpu
+
+    return _tpu
+
+
+def _tpu_available() -> bool:
+    """Whether qarray/_tpu's kernels compile here (never off a TPU)."""
+    return _on_tpu() and _tpu_module().available()
 
 
 def _explicitly_sharded(a) -> bool:
@@ -313,19 +389,20 @@ def _weight_only(v, qvalue, strategy, dims=_ROWS_BY_COLS, precision=None):
     if strategy == "dequantize":
         w = qvalue.astype(jnp.float32)
         return lax.dot_general(v, w, dims, precision=precision)
-    if strategy == "pallas":  # forced only: chosen nowhere until measured
-        # imported here: Pallas adds a fifth to `import qarray`'s time
-        from . import _tpu
-
-        platform = jax.default_backend()
-        ones = jnp.ones(qvalue.shape[0 if dims == _LAST_BY_LAST else 1], jnp.float32)
-        return _tpu.weight_only_product(
+    if strategy == "pallas":
+        tpu = _tpu_module()
+        parts = tpu.parts_for(precision, jax.default_backend())
+        nk = dims == _LAST_BY_LAST
+        ones = jnp.ones(qvalue.shape[0 if nk else 1], jnp.float32)
+        return tpu.int8_product(
             v,
             qvalue,
             ones,
-            nk=dims == _LAST_BY_LAST,
-            parts=_tpu.parts_for(precision, platform),
-            interpret=platform != "tpu",
+            nk=nk,
+            mxu="int8",
+            parts=tpu.INT8_PARTS[parts],
+            blocks=_rules.for_tpu().int8_blocks,
+            interpret=not _on_tpu(),
         )
     raise ValueError(f"unknown weight-only strategy {strategy!r}")
 

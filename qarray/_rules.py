@@ -21,7 +21,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Iterator
+
+# "xla": qarray's own kernels (the CPU's C++, the TPU's Pallas) never run,
+# XLA's formulations serve every product
+KERNELS_ENV = "QARRAY_KERNELS"
+
+
+def xla_only() -> bool:
+    """Whether ``QARRAY_KERNELS=xla`` asks for XLA's formulations only."""
+    return os.environ.get(KERNELS_ENV, "").strip().lower() == "xla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,30 +157,81 @@ AMX = dataclasses.replace(
 )
 CPU_RULES = {rule.name: rule for rule in (AMX, AVX512, OTHER)}
 
-# --- accelerators: qarray/_tpu's rule sits here, beside the CPUs', once its
-# kernels are measured on the chip (until then choose_strategy picks XLA's
-# formulations off the CPU, and "pallas" runs only when forced).
+# --- accelerators. qarray/_tpu's Pallas kernels on a TPU, where they lead
+# XLA's formulations (benchmarks.tpu_kernels, each way and block against
+# bf16's dense product; benchmarks.bench_tpu for XLA's and qwix's rows in
+# the same shapes; docs/accelerators.md keeps the tables).
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuRule:
+    """When and how qarray/_tpu's kernels run on a TPU (off it: never).
+
+    Blocks are (rows of x, output columns, K) upper bounds, K in packed
+    bytes for int4; rows count rows of x.
+    """
+
+    name: str
+    # weight-only products on int8 weights, either layout: up to these rows
+    # the weights stream once at HBM rate into the int8 MXU, x as int8 parts
+    # (_tpu.INT8_PARTS: finer than the bf16 pass asked for, at no cost while
+    # rows are few); past them the MXU's work, not the weights' bytes, sets
+    # the pace and XLA's dequantized dot keeps up
+    int8_kernel_max_rows: int
+    int8_blocks: tuple[int, int, int]
+    # weight-only products on int4 weights: nibbles unpacked in VMEM and each
+    # group's sums scaled (mode "groups") up to int4_groups_max_rows; each
+    # block dequantized in VMEM (mode "tile") up to int4_tile_max_rows; past
+    # that XLA's dequantized dot keeps up
+    int4_groups_max_rows: int
+    int4_groups_blocks: tuple[int, int, int]
+    int4_tile_max_rows: int
+    int4_tile_blocks: tuple[int, int, int]
+
+
+TPU = TpuRule(
+    name="tpu",
+    int8_kernel_max_rows=64,
+    int8_blocks=(512, 1024, 2048),
+    int4_groups_max_rows=64,
+    int4_groups_blocks=(512, 1024, 1024),
+    int4_tile_max_rows=512,
+    int4_tile_blocks=(512, 1024, 512),
+)
 
 _overrides: dict[str, object] = {}
+
+
+def _overridden(rule):
+    fields = {f.name for f in dataclasses.fields(rule)}
+    changes = {k: v for k, v in _overrides.items() if k in fields}
+    return dataclasses.replace(rule, **changes) if changes else rule
 
 
 def for_isa(isa: str | None) -> KernelRule:
     """The rule of a CPU instruction set (``_ffi.isa()``'s names; None or a
     set without a rule of its own: ``OTHER``), with ``overriding``'s
     changes."""
-    rule = CPU_RULES.get(isa or OTHER.name, OTHER)
-    return dataclasses.replace(rule, **_overrides) if _overrides else rule
+    return _overridden(CPU_RULES.get(isa or OTHER.name, OTHER))
+
+
+def for_tpu() -> TpuRule:
+    """The TPU's rule, with ``overriding``'s changes."""
+    return _overridden(TPU)
 
 
 @contextlib.contextmanager
 def overriding(**changes) -> Iterator[None]:
-    """Every rule with ``changes`` (``KernelRule`` field names) while the
-    block runs: what a benchmark uses to force a path (e.g. ``gemm_rows=1``:
-    the GEMM at every row count). The choice is made when a computation is
-    traced: trace inside the block."""
-    unknown = set(changes) - {f.name for f in dataclasses.fields(KernelRule)}
+    """Every rule with ``changes`` (``KernelRule`` or ``TpuRule`` field
+    names) while the block runs: what a benchmark uses to force a path (e.g.
+    ``gemm_rows=1``: the GEMM at every row count). The choice is made when a
+    computation is traced: trace inside the block."""
+    known = {f.name for rule in (KernelRule, TpuRule) for f in dataclasses.fields(rule)}
+    unknown = set(changes) - (known - {"name"})  # a rule's name is what it is
     if unknown:
-        raise TypeError(f"KernelRule has no field {sorted(unknown)}")
+        raise TypeError(
+            f"KernelRule and TpuRule have no field {sorted(unknown)} to override"
+        )
     saved = dict(_overrides)
     _overrides.update(changes)
     try:

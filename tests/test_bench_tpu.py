@@ -2,7 +2,8 @@
 backend (int4 x int4 on a TPU only) and reports finite ratios; the chip's
 figures are what the benchmark measures there, not asserted here.
 
-Covers: benchmarks/bench_tpu.py"""
+Covers: benchmarks/bench_tpu.py, benchmarks/tpu_kernels.py,
+benchmarks/tpu_kernels_host.py"""
 
 import json
 import math
@@ -25,3 +26,44 @@ def test_every_row_reports_its_time_and_ratios(tmp_path):
         assert row["vs_bf16"]["bf16"] == row["vs_f32"]["f32"] == 1.0
         for ratios in (row["vs_bf16"], row["vs_f32"]):
             assert all(math.isfinite(r) and r > 0 for r in ratios.values())
+
+
+def test_the_kernel_sweep_records_each_variant(tmp_path):
+    """benchmarks.tpu_kernels through its host runner (qarray's package root
+    stubbed, as under a host's older JAX), in a process of its own: every
+    variant of a family reports its time and its error against float32, or
+    the error that refused it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "sweep.json"
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.tpu_kernels_host",
+        "--k",
+        "256",
+        "--n",
+        "256",
+        "--calls",
+        "1",
+        "--repeats",
+        "1",
+        "--only",
+        "vjp",
+        "--out",
+        str(out),
+    ]
+    subprocess.run(
+        command,
+        check=True,
+        cwd=Path(__file__).parents[1],
+        timeout=600,
+        capture_output=True,
+    )
+    report = json.loads(out.read_text())
+    assert len(report["variants"]) == 4
+    for entry in report["variants"]:
+        assert "error" not in entry, entry
+        assert entry["rel_err"] < 2.0**-8 and math.isfinite(entry["vs_bf16"])

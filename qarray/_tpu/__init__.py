@@ -2,5 +2,8 @@
 CPUs): each runs compiled on a TPU and in Pallas' interpreter elsewhere (the
 tests, on CPU)."""
 
-from ._weight_only import parts_for as parts_for
-from ._weight_only import weight_only_product as weight_only_product
+from ._available import available as available
+from ._int4 import int4_product as int4_product
+from ._int8 import int8_product as int8_product
+from ._parts import INT8_PARTS as INT8_PARTS
+from ._parts import parts_for as parts_for

@@ -101,11 +101,24 @@ def int4_reference(x, w, group_size, activations):
 
 
 @pytest.mark.parametrize("activations", ["float32", "int8"])
-@pytest.mark.parametrize("strategy", [None, "dequantize", "kernel"])
+@pytest.mark.parametrize(
+    "strategy", [None, "dequantize", "kernel", "pallas_groups", "pallas_tile"]
+)
 @pytest.mark.parametrize("m", [1, 5, 33])
 def test_linear_q_int4_matches_numpy(rng, strategy, m, activations):
+    """Every strategy; the TPU's kernels (qarray/_tpu, interpreted off a TPU)
+    are weight-only and refuse int8 activations."""
     if strategy == "kernel" and not _ffi.available():
         pytest.skip(f"CPU kernels: {_ffi.status()}")
+    if strategy and strategy.startswith("pallas") and activations == "int8":
+        packed, scale = qa.unpack(
+            qa.quantize(jnp.ones((8, 128)), bits=4, group_size=64)
+        )
+        with pytest.raises(ValueError, match="weight-only"):
+            _formulations.linear_int4(
+                jnp.ones((m, 128)), packed, scale, activations, strategy
+            )
+        return
     k, n = 256, 48
     x, w = normal(rng, (m, k)), normal(rng, (n, k))
     q = qa.quantize(jnp.asarray(w), bits=4, group_size=64)

@@ -1,9 +1,16 @@
-"""qarray's Pallas kernel (qarray/_tpu) against the NumPy reference: compiled
-on a TPU, in Pallas' interpreter elsewhere (CI's CPU). Its precision is a
-number of bf16 parts of x: one part is x rounded to bf16 (2**-9 an entry),
-two ~2**-17, three float32's.
+"""qarray's Pallas kernels (qarray/_tpu) against NumPy references in float64:
+compiled on a TPU, in Pallas' interpreter elsewhere (CI's CPU).
 
-Covers: qarray/_tpu/__init__.py, qarray/_tpu/_weight_only.py"""
+Their precision is a number of parts of x: bf16 parts (one is x rounded to
+bf16, 2**-9 an entry; two ~2**-17; three float32's) or int8 parts (each
+quantizes per row what the last left: ~(1/254)**parts of the row's largest
+entry). One int8 part is the int8-activation product, exact in its integer
+sums.
+
+Covers: qarray/_tpu/__init__.py, qarray/_tpu/_int8.py, qarray/_tpu/_int4.py,
+qarray/_tpu/_layout.py, qarray/_tpu/_parts.py, qarray/_tpu/_available.py"""
+
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -11,11 +18,16 @@ import numpy as np
 import pytest
 from jax import lax
 
-from qarray import _tpu
+from qarray import _formulations, _rules, _tpu
+from qarray._numerics import quantize_groups_np, quantize_rows_np
+from qarray._tpu import _available
 
-INTERPRET = jax.default_backend() != "tpu"
-# relative error (Frobenius) of the product for x in 1, 2, 3 bf16 parts
-PARTS_TOLERANCE = {1: 2.0**-8, 2: 2.0**-15, 3: 1e-6}
+# interpreted wherever they do not compile (off a TPU, or a TPU whose libtpu
+# refuses this JAX's Mosaic modules: there the strategies take XLA's too)
+INTERPRET = not _tpu.available()
+# relative error (Frobenius) of a product, by x's parts
+BF16_TOLERANCE = {1: 2.0**-8, 2: 2.0**-15, 3: 1e-6}
+INT8_TOLERANCE = {2: 1e-4, 3: 1e-6}
 
 
 def rel_err(got, want):
@@ -23,38 +35,176 @@ def rel_err(got, want):
     return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
 
 
-@pytest.mark.parametrize("parts", [1, 2, 3])
+def int8_weights(rng, n, k):
+    return rng.integers(-127, 128, (n, k)).astype(np.int8), rng.random(n).astype(
+        np.float32
+    )
+
+
+@pytest.mark.parametrize(
+    "mxu,parts", [("bf16", 1), ("bf16", 2), ("bf16", 3), ("int8", 2), ("int8", 3)]
+)
 @pytest.mark.parametrize("nk", [True, False], ids=["nk", "kn"])
-@pytest.mark.parametrize("shape", [(1, 256, 128), (5, 300, 130), (16, 2100, 600)])
-def test_matches_numpy(rng, shape, nk, parts):
-    """Both layouts, padded tails on every axis, several blocks of K and N."""
+@pytest.mark.parametrize("shape", [(1, 256, 128), (5, 300, 130), (40, 2100, 600)])
+def test_int8_weights_match_numpy(rng, shape, nk, mxu, parts):
+    """Both layouts, padded tails on every axis, several blocks of K and N
+    (and of rows: ``blocks`` caps them small)."""
     m, k, n = shape
     x = rng.standard_normal((m, k)).astype(np.float32)
-    w = rng.integers(-127, 128, (n, k)).astype(np.int8)
-    scale = rng.random(n).astype(np.float32)
+    w, scale = int8_weights(rng, n, k)
     stored = w if nk else np.ascontiguousarray(w.T)
-    got = _tpu.weight_only_product(
-        jnp.asarray(x), stored, scale, nk=nk, parts=parts, interpret=INTERPRET
+    got = _tpu.int8_product(
+        jnp.asarray(x),
+        stored,
+        scale,
+        nk=nk,
+        mxu=mxu,
+        parts=parts,
+        blocks=(32, 256, 1024),
+        interpret=INTERPRET,
     )
     want = (x.astype(np.float64) @ w.T.astype(np.float64)) * scale
     assert got.shape == (m, n) and got.dtype == jnp.float32
-    assert rel_err(got, want) <= PARTS_TOLERANCE[parts]
-    if parts == 1:  # exactly the product of x rounded to bf16
+    tolerance = (BF16_TOLERANCE if mxu == "bf16" else INT8_TOLERANCE)[parts]
+    assert rel_err(got, want) <= tolerance
+    if (mxu, parts) == ("bf16", 1):  # exactly the product of x rounded to bf16
         x16 = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)
         assert rel_err(got, (x16 @ w.T.astype(np.float64)) * scale) <= 1e-6
 
 
+@pytest.mark.parametrize("nk", [True, False], ids=["nk", "kn"])
+def test_one_int8_part_is_the_int8_activation_product(rng, nk):
+    """x quantized per row as quantize_rows does, integer sums exact: the
+    product of W8A8 to float32's rounding."""
+    m, k, n = 12, 520, 260
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w, scale = int8_weights(rng, n, k)
+    stored = w if nk else np.ascontiguousarray(w.T)
+    got = _tpu.int8_product(
+        jnp.asarray(x), stored, scale, nk=nk, mxu="int8", parts=1, interpret=INTERPRET
+    )
+    xq, xs = quantize_rows_np(x)
+    sums = xq.astype(np.int64) @ w.T.astype(np.int64)  # exact
+    want = sums * xs.astype(np.float64)[:, None] * scale
+    assert rel_err(got, want) <= 1e-6
+
+
+@pytest.mark.parametrize("mxu,parts", [("bf16", 1), ("bf16", 3), ("int8", 3)])
+def test_int8_weights_as_the_streamed_operand(rng, mxu, parts):
+    """orient="columns": (weights . rows) transposed, the same product."""
+    m, k, n = 3, 700, 390
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w, scale = int8_weights(rng, n, k)
+    got = _tpu.int8_product(
+        jnp.asarray(x),
+        w,
+        scale,
+        nk=True,
+        mxu=mxu,
+        parts=parts,
+        blocks=(512, 128, 256),
+        orient="columns",
+        interpret=INTERPRET,
+    )
+    want = (x.astype(np.float64) @ w.T.astype(np.float64)) * scale
+    tolerance = (BF16_TOLERANCE if mxu == "bf16" else INT8_TOLERANCE)[parts]
+    assert rel_err(got, want) <= tolerance
+
+
+def dequantized_int4(packed, scale, group_size):
+    low = (packed & 0xF).astype(np.int16)
+    high = (packed >> 4).astype(np.int16)
+    values = np.stack(
+        [np.where(low > 7, low - 16, low), np.where(high > 7, high - 16, high)], -1
+    )
+    values = values.reshape(packed.shape[0], -1).astype(np.float64)
+    groups = (
+        values.reshape(*scale.shape, group_size) * scale.astype(np.float64)[..., None]
+    )
+    return groups.reshape(packed.shape[0], -1)
+
+
+@pytest.mark.parametrize(
+    "mode,mxu,parts",
+    [
+        ("groups", "bf16", 1),
+        ("groups", "bf16", 3),
+        ("groups", "int8", 2),
+        ("groups", "int8", 3),
+        ("tile", "bf16", 1),
+        ("tile", "bf16", 3),
+    ],
+)
+@pytest.mark.parametrize("group_size", [32, 128, 256])
+@pytest.mark.parametrize("shape", [(1, 512, 128), (9, 1024, 300)])
+def test_int4_weights_match_numpy(rng, shape, group_size, mode, mxu, parts):
+    """Groups several to a 128-byte chunk (G 32, 128) and a chunk to a group
+    (256); padded rows and columns; blocks of K (packed bk 256 for G < 256)."""
+    m, k, n = shape
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    packed, scale = quantize_groups_np(rng.standard_normal((n, k)), group_size)
+    got = _tpu.int4_product(
+        jnp.asarray(x),
+        packed,
+        scale,
+        group_size=group_size,
+        mode=mode,
+        mxu=mxu,
+        parts=parts,
+        blocks=(32, 256, 256),
+        interpret=INTERPRET,
+    )
+    w = dequantized_int4(packed, scale, group_size)
+    want = x.astype(np.float64) @ w.T
+    assert got.shape == (m, n) and got.dtype == jnp.float32
+    tolerance = (BF16_TOLERANCE if mxu == "bf16" else INT8_TOLERANCE)[parts]
+    if mode == "tile" and parts == 1:  # the weights rounded to bf16 as well
+        tolerance = 2.0**-7
+    assert rel_err(got, want) <= tolerance
+
+
 def test_empty_axes_give_zeros():
-    for m, k, n in [(0, 16, 8), (2, 0, 3), (2, 8, 0)]:
-        got = _tpu.weight_only_product(
+    for m, k, n in [(0, 256, 8), (2, 0, 3), (2, 256, 0)]:
+        got = _tpu.int8_product(
             jnp.ones((m, k)),
             jnp.ones((n, k), jnp.int8),
             jnp.ones(n),
             nk=True,
-            parts=1,
             interpret=INTERPRET,
         )
         assert got.shape == (m, n) and not np.asarray(got).any()
+        got = _tpu.int4_product(
+            jnp.ones((m, k)),
+            jnp.ones((n, k // 2), jnp.uint8),
+            jnp.ones((n, k // 128)),
+            group_size=128,
+            interpret=INTERPRET,
+        )
+        assert got.shape == (m, n) and not np.asarray(got).any()
+
+
+def test_bad_static_parameters_are_value_errors():
+    x, packed, scale = jnp.ones((2, 96)), jnp.ones((4, 48), jnp.uint8), jnp.ones((4, 1))
+    with pytest.raises(ValueError, match="group_size 96"):
+        _tpu.int4_product(x, packed, scale, group_size=96, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="int4 mode"):
+        _tpu.int4_product(
+            jnp.ones((2, 128)),
+            jnp.ones((4, 64), jnp.uint8),
+            jnp.ones((4, 1)),
+            group_size=128,
+            mode="rows",
+            interpret=INTERPRET,
+        )
+    with pytest.raises(ValueError, match="orient='columns'"):
+        _tpu.int8_product(
+            jnp.ones((2, 128)),
+            jnp.ones((128, 4), jnp.int8),
+            jnp.ones(4),
+            nk=False,
+            orient="columns",
+            interpret=INTERPRET,
+        )
 
 
 def test_parts_follow_the_precision_asked_for():
@@ -70,3 +220,67 @@ def test_parts_follow_the_precision_asked_for():
     if jax.config.jax_default_matmul_precision is None:
         # the platform's default: one pass on a TPU, float32 elsewhere
         assert (_tpu.parts_for(None, "tpu"), _tpu.parts_for(None, "cpu")) == (1, 3)
+    # int8 parts at least as fine as the bf16 parts they stand in for
+    assert [_tpu.INT8_PARTS[p] for p in (1, 2, 3)] == [2, 3, 3]
+
+
+def test_the_kernels_run_only_on_a_tpu_that_compiles_them(monkeypatch, caplog):
+    """Off a TPU, and under QARRAY_KERNELS=xla, never; on a TPU whose libtpu
+    refuses this JAX's Mosaic modules, a logged line and XLA's formulations
+    instead of a failure when the program compiles."""
+    probe = _available.available.__wrapped__  # uncached
+    if jax.default_backend() != "tpu":
+        assert not _tpu.available()
+    monkeypatch.setenv("QARRAY_KERNELS", "xla")
+    assert not probe()
+    monkeypatch.delenv("QARRAY_KERNELS")
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("Failed to parse the Mosaic module: unknown attribute code")
+
+    monkeypatch.setattr(_available, "int8_product", refused)
+    with caplog.at_level(logging.WARNING, logger="qarray"):
+        assert not probe()
+    assert "do not compile here (Failed to parse the Mosaic module" in caplog.text
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_a_tpu_takes_the_kernel_for_few_rows_of_weight_only_products(layout):
+    """By the TPU rule: weight-only up to int8_kernel_max_rows rows, XLA's
+    dequantized dot past them; int8 activations always XLA's int8 dot;
+    nothing of qarray's where its kernels do not compile."""
+    rows = _rules.for_tpu().int8_kernel_max_rows
+    choose = _formulations.choose_strategy
+    assert choose(1, 4096, 4096, "float32", "tpu", layout, kernels=True) == "pallas"
+    assert choose(rows, 4096, 4096, "float32", "tpu", layout, kernels=True) == "pallas"
+    assert (
+        choose(rows + 1, 4096, 4096, "float32", "tpu", layout, kernels=True)
+        == "dequantize"
+    )
+    assert choose(1, 4096, 4096, "int8", "tpu", layout, kernels=True) == "int8_dot"
+    assert (
+        choose(1, 4096, 4096, "float32", "tpu", layout, kernels=False) == "dequantize"
+    )
+    with _rules.overriding(int8_kernel_max_rows=rows + 1):
+        assert (
+            choose(rows + 1, 4096, 4096, "float32", "tpu", layout, kernels=True)
+            == "pallas"
+        )
+
+
+def test_the_int4_modes_follow_the_tpu_rule(monkeypatch):
+    rule = _rules.for_tpu()
+    monkeypatch.setattr(_formulations, "_tpu_available", lambda: True)
+    mode = _formulations.int4_tpu_mode
+    assert (
+        mode(1, 128, "float32")
+        == mode(rule.int4_groups_max_rows, 32, "float32")
+        == "pallas_groups"
+    )
+    assert mode(rule.int4_groups_max_rows + 1, 256, "float32") == "pallas_tile"
+    assert mode(rule.int4_tile_max_rows + 1, 128, "float32") is None
+    assert mode(1, 128, "int8") is None  # W4A8: XLA's
+    assert mode(1, 96, "float32") is None  # G / 2 neither divides 128 nor is a multiple
+    monkeypatch.setattr(_formulations, "_tpu_available", lambda: False)
+    assert mode(1, 128, "float32") is None

@@ -1,0 +1,183 @@
+"""qarray's Pallas kernels on the chip, each way and block size against
+bf16's dense product, device time inside one program (issue "TPU kernels"):
+the measurements behind ``qarray/_tpu``'s defaults and the TPU rule.
+
+    python -m benchmarks.tpu_kernels [--k 8192 --n 8192] [--calls 20]
+        [--repeats 3] [--budget 420] [--only int8,w8a8,int4,vjp]
+        [--out FILE.json]
+
+Each variant times ``--calls`` dependent products in one jitted
+``fori_loop`` (``benchmarks.bench_tpu.device_ms``), with bf16's ``x @ W.T``
+timed in the same run as the baseline, and its relative error against
+float32 ``x @ W.T`` at the highest precision (the weights' dequantized
+values). A variant Mosaic refuses is recorded with its error, not fatal;
+results are written after every variant, and no new variant starts after
+``--budget`` seconds (the chip's calls are time-limited).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import time
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from benchmarks.bench_tpu import device_ms, weights
+from qarray import _tpu
+
+# Pallas' interpreter off the chip: a check that every variant runs
+INTERPRET = jax.default_backend() != "tpu"
+FEW = (1, 8, 64)
+MANY = (512, 4096)
+
+
+def _int8(x, w, **options):
+    """linear_q's product on the int8 weights (N, K): layout nk."""
+    return _tpu.int8_product(x, *w["q8"], nk=True, interpret=INTERPRET, **options)
+
+
+def _vjp(x, w, **options):
+    """x-bar = y-bar @ W: the int8 weights (N, K) read as layout kn."""
+    return _tpu.int8_product(x, *w["q8"], nk=False, interpret=INTERPRET, **options)
+
+
+def _int4(x, w, **options):
+    group = min(128, w["q4"][0].shape[1] * 2)
+    return _tpu.int4_product(
+        x, *w["q4"], group_size=group, interpret=INTERPRET, **options
+    )
+
+
+def variants(k: int, n: int, only: set[str]):
+    """(family, name, rows, fn(x, w)) for every variant tried."""
+    few_blocks = [(512, 2048), (1024, 2048), (512, 4096), (2048, 1024)]
+    many_blocks = [
+        (512, 1024, 1024),
+        (512, 512, 1024),
+        (1024, 1024, 512),
+        (256, 512, 2048),
+        (512, 512, 2048),
+    ]
+    ways = [("bf16", 1), ("int8", 2)]  # x's parts: one bf16 pass, two int8
+    out = []
+    if "int8" in only:
+        for (bn, bk), (mxu, parts) in itertools.product(few_blocks, ways):
+            for orient in ("rows", "columns") if bn in (512, 2048) else ("rows",):
+                fn = functools.partial(
+                    _int8, mxu=mxu, parts=parts, blocks=(512, bn, bk), orient=orient
+                )
+                out.append(("int8", f"{mxu}x{parts} {orient} bn{bn} bk{bk}", FEW, fn))
+        for blocks, (mxu, parts) in itertools.product(many_blocks[:2], ways):
+            fn = functools.partial(_int8, mxu=mxu, parts=parts, blocks=blocks)
+            out.append(("int8", f"{mxu}x{parts} rows {blocks}", MANY, fn))
+    if "w8a8" in only:
+        for blocks in many_blocks:
+            fn = functools.partial(_int8, mxu="int8", parts=1, blocks=blocks)
+            out.append(("w8a8", f"int8x1 rows {blocks}", MANY, fn))
+    if "int4" in only:
+        int4_blocks = [(512, 1024), (1024, 1024), (512, 2048)]
+        for (bn, bk2), (mxu, parts) in itertools.product(int4_blocks, ways[::-1]):
+            fn = functools.partial(
+                _int4, mode="groups", mxu=mxu, parts=parts, blocks=(512, bn, bk2)
+            )
+            name = f"groups {mxu}x{parts} bn{bn} bk2 {bk2}"
+            out.append(("int4", name, FEW + MANY[:1], fn))
+        for blocks in [(512, 512, 512), (512, 1024, 512), (256, 512, 1024)]:
+            fn = functools.partial(_int4, mode="tile", parts=1, blocks=blocks)
+            out.append(("int4", f"tile bf16x1 {blocks}", MANY, fn))
+    if "vjp" in only:
+        for (bn, bk), (mxu, parts) in itertools.product(few_blocks[:2], ways):
+            fn = functools.partial(_vjp, mxu=mxu, parts=parts, blocks=(512, bn, bk))
+            out.append(("vjp", f"kn {mxu}x{parts} bn{bn} bk{bk}", (64,), fn))
+    return out
+
+
+def reference(family: str, x, w):
+    """float32 x @ W.T (or x @ W for the VJP) at the highest precision."""
+    hi = lax.Precision.HIGHEST
+    if family == "int4":
+        return jnp.dot(x, w["q4_dense"].T, precision=hi)
+    dense = w["q8"][0].astype(jnp.float32)
+    if family == "vjp":  # (N, K) read as (k, n): scales on K's columns
+        return jnp.dot(x, dense * w["q8"][1][None, :], precision=hi)
+    return jnp.dot(x, (dense * w["q8"][1][:, None]).T, precision=hi)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--k", type=int, default=8192)
+    parser.add_argument("--n", type=int, default=8192)
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--budget", type=float, default=420.0)
+    parser.add_argument("--only", default="int8,w8a8,int4,vjp")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    k, n = args.k, args.n
+    w = weights(k, n)
+    w["q4_dense"] = _dense_int4(w["q4"], min(128, k))
+    rng = np.random.default_rng(1)
+    xs = {m: jnp.asarray(rng.standard_normal((m, k)), jnp.float32) for m in FEW + MANY}
+    baseline = lambda x, w: lax.dot_general(  # noqa: E731
+        x, w["bf16"], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+    )
+    report = {
+        "device": str(jax.devices()[0]),
+        "jax": jax.__version__,
+        "k": k,
+        "n": n,
+        "calls": args.calls,
+        "repeats": args.repeats,
+        "bf16_ms": {},
+        "variants": [],
+    }
+    for m, x in xs.items():
+        report["bf16_ms"][m] = device_ms(
+            baseline, x.astype(jnp.bfloat16), w, k, args.calls, args.repeats
+        )
+    for family, name, rows, fn in variants(k, n, set(args.only.split(","))):
+        for m in rows:
+            if time.perf_counter() - start > args.budget:
+                report["stopped"] = f"budget {args.budget} s"
+                break
+            entry = {"family": family, "name": name, "m": m}
+            try:
+                x = xs[m]
+                got = jax.jit(fn)(x, w)
+                want = reference(family, x, w)
+                entry["rel_err"] = float(
+                    jnp.linalg.norm(got - want) / jnp.linalg.norm(want)
+                )
+                entry["ms"] = device_ms(fn, x, w, k, args.calls, args.repeats)
+                entry["vs_bf16"] = report["bf16_ms"][m] / entry["ms"]
+            except Exception as error:
+                entry["error"] = "".join(traceback.format_exception_only(error))[-600:]
+            report["variants"].append(entry)
+            print(json.dumps(entry), flush=True)
+            if args.out:
+                args.out.write_text(json.dumps(report, indent=1))
+    report["seconds"] = time.perf_counter() - start
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+    return report
+
+
+def _dense_int4(q4, group: int):
+    """The int4 weights' dequantized (N, K) float32 values."""
+    packed, scale = q4
+    from qarray._numerics import dequantize_groups
+
+    return dequantize_groups(packed, scale)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""Whether qarray/_tpu's kernels compile here: on a TPU whose libtpu takes
+the Mosaic modules this JAX writes, and unless ``QARRAY_KERNELS=xla`` asks
+for XLA's formulations only.
+
+A libtpu older than its JAX (a host's own libtpu under a newer jax) refuses
+every Pallas kernel when the program compiles, long after the strategy was
+chosen; one small kernel compiled once per process finds that out first, so
+that products fall back to XLA's formulations with one logged line instead
+of failing.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from .._rules import xla_only
+from ._int8 import int8_product
+
+_log = logging.getLogger("qarray")
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the TPU kernels run in this process (cached: one probe)."""
+    if xla_only():
+        return False
+    if jax.default_backend() != "tpu":
+        return False
+    probe = jax.jit(functools.partial(int8_product, nk=True, mxu="int8", parts=2))
+    try:
+        probe.lower(
+            jax.ShapeDtypeStruct((8, 256), jnp.float32),
+            jax.ShapeDtypeStruct((256, 256), jnp.int8),
+            jax.ShapeDtypeStruct((256,), jnp.float32),
+        ).compile()
+    except Exception as error:
+        _log.warning(
+            "qarray: the TPU kernels do not compile here (%s); "
+            "XLA's formulations run instead",
+            str(error).splitlines()[0][:200],
+        )
+        return False
+    return True

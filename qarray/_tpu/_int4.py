@@ -1,0 +1,242 @@
+"""Products with int4 weights (qarray's layout: two nibbles a byte along K,
+the low one the even entry; one float32 scale per group of G entries of a
+row) as Pallas kernels, layout nk: x (m, k) times packed (n, k / 2).
+
+The packed bytes stream from device memory a block at a time and their
+nibbles are unpacked in VMEM (integer shifts), never in HBM. x is split
+into its even and odd entries (``xe``, ``xo``) so that the low nibbles meet
+``xe`` and the high ones ``xo``, each a contraction over the packed axis.
+Two ways to apply the group scales (``mode``):
+
+- ``"groups"`` (few rows): the nibbles go to the MXU as they are (bf16 or
+  int8, exact) and each group's partial sums are scaled on their way into
+  the float32 sums. A 128-byte chunk of packed weights holds several groups
+  when G < 256, so x's rows come in copies, each zeroed outside one group's
+  lanes: one product per chunk gives every group's partial sums, and each
+  weight enters the MXU once.
+- ``"tile"`` (many rows): each block of weights is dequantized in VMEM
+  (transposed so that a group's scale is a row broadcast) to float32, split
+  into bf16 parts, and multiplied with x's bf16 parts: XLA's dequantized
+  product, the weights never written back.
+
+Which mode and blocks win at which rows: ``benchmarks/tpu_kernels.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ._int8 import MXU, vmem_limit
+from ._layout import (
+    LANES,
+    combine_parts,
+    divisor_block,
+    padded,
+    row_blocks,
+    stack_parts,
+)
+
+_NT = (((1,), (1,)), ((), ()))  # contract the last axes: a (r, c) . b (s, c)
+_NN = (((1,), (0,)), ((), ()))
+
+
+def default_blocks(rows: int) -> tuple[int, int, int]:
+    """(bm, bn, packed bk) for ``rows`` stacked rows of x."""
+    if rows <= 512:
+        return 512, 512, 1024
+    return 512, 512, 512
+
+
+def _unpack(packed):
+    """uint8 (a, b) -> (low, high) int32 (a, b), each nibble as 4-bit two's
+    complement."""
+    v = packed.astype(jnp.int32)
+    return (v << 28) >> 28, (v << 24) >> 28
+
+
+def _mxu_nibbles(v, mxu: str):
+    return (
+        v.astype(jnp.float32).astype(jnp.bfloat16)
+        if mxu == "bf16"
+        else v.astype(jnp.int8)
+    )
+
+
+def _groups_kernel(
+    e_ref, o_ref, w_ref, s_ref, xs_ref, out_ref, acc_ref, *, parts, mxu, half
+):
+    kk = pl.program_id(2)
+
+    @pl.when(kk == 0)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    low, high = _unpack(w_ref[...])
+    low, high = _mxu_nibbles(low, mxu), _mxu_nibbles(high, mxu)
+    e, o, scales = e_ref[...], o_ref[...], s_ref[...]
+    copies = max(1, LANES // half)  # groups in a 128-byte chunk
+    r = e.shape[0] // copies
+    acc = acc_ref[...]
+    for c in range(w_ref.shape[1] // LANES):
+        cols = slice(c * LANES, (c + 1) * LANES)
+        sums = lax.dot_general(
+            e[:, cols], low[:, cols], _NT, preferred_element_type=MXU[mxu][1]
+        )
+        sums += lax.dot_general(
+            o[:, cols], high[:, cols], _NT, preferred_element_type=MXU[mxu][1]
+        )
+        for s in range(copies):
+            g = (c * LANES + s * half) // half  # the group, within the block
+            acc += sums[s * r : (s + 1) * r].astype(jnp.float32) * scales[g : g + 1]
+    acc_ref[...] = acc
+
+    @pl.when(kk == pl.num_programs(2) - 1)
+    def _():
+        out_ref[...] = combine_parts(acc_ref[...], xs_ref[...], parts, out_ref.shape[0])
+
+
+def _tile_kernel(e_ref, o_ref, w_ref, s_ref, out_ref, acc_ref, *, parts, half):
+    kk = pl.program_id(2)
+
+    @pl.when(kk == 0)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    low, high = _unpack(w_ref[...])  # (bn, bk2)
+    scales = s_ref[...]  # (bk2 / half, bn)
+    groups, bn = scales.shape
+    by_row = jnp.broadcast_to(scales[:, None, :], (groups, half, bn)).reshape(
+        groups * half, bn
+    )
+    e, o = e_ref[...], o_ref[...]
+    bm = out_ref.shape[0]
+    acc = acc_ref[...]
+    for nibbles, xs in ((low, e), (high, o)):
+        w = nibbles.T.astype(jnp.float32) * by_row  # (bk2, bn) dequantized
+        for j in range(parts):  # x's parts i < parts - j meet w's part j
+            part = w.astype(jnp.bfloat16)
+            acc += (
+                lax.dot_general(
+                    xs[: (parts - j) * bm],
+                    part,
+                    _NN,
+                    preferred_element_type=jnp.float32,
+                )
+                .reshape(parts - j, bm, bn)
+                .sum(0)
+            )
+            w = w - part.astype(jnp.float32)
+    acc_ref[...] = acc
+
+    @pl.when(kk == pl.num_programs(2) - 1)
+    def _():
+        out_ref[...] = acc_ref[...]
+
+
+def _k_blocks(k2: int, half: int, largest: int) -> tuple[int, int]:
+    """(padded k / 2, packed bk): whole groups a block; a block of several
+    holds a multiple of 8 groups (the scales' block tiles by 8 rows)."""
+    kp2 = padded(k2, math.lcm(LANES, half))
+    if kp2 <= largest:
+        return kp2, kp2
+    unit = math.lcm(LANES, 8 * half)
+    kp2 = padded(k2, unit)
+    return kp2, divisor_block(kp2, max(largest, unit), unit)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("group_size", "mode", "mxu", "parts", "blocks", "interpret"),
+)
+def int4_product(
+    x,
+    packed,
+    scale,
+    *,
+    group_size: int,
+    mode: str = "groups",
+    mxu: str = "bf16",
+    parts: int = 1,
+    blocks: tuple[int, int, int] | None = None,
+    interpret: bool = False,
+):
+    """x f32 (m, k) times int4 weights -> f32 (m, n): ``packed`` uint8
+    (n, k / 2), ``scale`` f32 (n, k / G) (qarray's layout, module doc).
+
+    ``mode``: ``"groups"`` or ``"tile"`` (module doc); ``mxu`` (groups):
+    ``"bf16"`` or ``"int8"``; ``parts``: x's parts of that kind (``_parts``;
+    in mode tile the weights' bf16 parts too). ``blocks``: (bm, bn, packed
+    bk) upper bounds."""
+    m, k = x.shape
+    n = packed.shape[0]
+    if 0 in (m, k, n):
+        return jnp.zeros((m, n), jnp.float32)
+    half = group_size // 2
+    if group_size % 2 or (LANES % half and half % LANES):
+        raise ValueError(
+            f"group_size {group_size}: G / 2 must divide 128 or be a multiple of it"
+        )
+    split, _ = MXU["bf16" if mode == "tile" else mxu]
+    xparts, xscales = split(x, parts)
+    bm, bn, bk2 = blocks or default_blocks(parts * m)
+    kp2, bk2 = _k_blocks(k // 2, half, bk2)
+    mp, bm = row_blocks(m, xparts.dtype, bm)
+    np_ = padded(n, LANES)
+    bn = divisor_block(np_, bn)
+    copies = max(1, LANES // half) if mode == "groups" else 1
+    stacked = []
+    for start in (0, 1):  # x's even entries, then its odd ones
+        rows, row_scales = stack_parts(xparts[..., start::2], xscales, mp, bm, kp2)
+        if copies > 1:  # one copy per group of a chunk, zero elsewhere
+            lane_group = (jnp.arange(kp2) % LANES) // half
+            rows = rows.reshape(mp // bm, 1, parts * bm, kp2)
+            rows = jnp.where(lane_group == jnp.arange(copies)[:, None, None], rows, 0)
+            rows = rows.reshape(-1, kp2)
+        stacked.append(rows)
+    w = jnp.pad(packed, ((0, np_ - n), (0, kp2 - k // 2)))
+    groups_t = jnp.pad(
+        scale.astype(jnp.float32), ((0, np_ - n), (0, kp2 // half - scale.shape[1]))
+    ).T
+    r = copies * parts * bm
+    x_spec = pl.BlockSpec((r, bk2), lambda i, j, kk: (i, kk))
+    in_specs = [
+        x_spec,
+        x_spec,
+        pl.BlockSpec((bn, bk2), lambda i, j, kk: (j, kk)),
+        pl.BlockSpec((bk2 // half, bn), lambda i, j, kk: (kk, j)),
+    ]
+    args = [*stacked, w, groups_t]
+    if mode == "groups":
+        kernel = functools.partial(_groups_kernel, parts=parts, mxu=mxu, half=half)
+        in_specs.append(pl.BlockSpec((parts * bm, 1), lambda i, j, kk: (i, 0)))
+        args.append(row_scales)
+        acc_rows = parts * bm
+    elif mode == "tile":
+        kernel = functools.partial(_tile_kernel, parts=parts, half=half)
+        acc_rows = bm
+    else:
+        raise ValueError(f"unknown int4 mode {mode!r}")
+    limit = vmem_limit(
+        2 * r * bk2 * stacked[0].dtype.itemsize, 9 * bn * bk2, 3 * r * bn * 4
+    )
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((mp, np_), jnp.float32),
+        grid=(mp // bm, np_ // bn, kp2 // bk2),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
+        scratch_shapes=[pltpu.VMEM((acc_rows, bn), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=limit,
+        ),
+        interpret=interpret,
+    )(*args)
+    return out[:m, :n]

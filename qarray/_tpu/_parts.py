@@ -1,0 +1,64 @@
+"""x as a sum of parts the MXU takes: bf16 parts, or int8 parts with a scale
+per row. The number of parts is the precision a product asks for.
+
+One bf16 part is x rounded to bf16 (2**-9 of each entry, a TPU's default
+pass); each further part represents what the previous ones left over, so
+three carry float32's 24 bits. An int8 part quantizes, per row, what the
+previous parts left over (``split_int8`` on CPU): two reach ~(1/254)**2 of
+each row's largest entry, finer than one bf16 pass for all but rows whose
+entries span more than ~100x; three reach float32's precision at the scale
+of the row.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .._numerics import dequantize_rows, quantize_rows
+
+# int8 parts standing in for the bf16 parts of each precision: one int8
+# part is coarser than one bf16 pass (module doc), so the default takes two
+INT8_PARTS = {1: 2, 2: 3, 3: 3}
+
+
+def parts_for(precision, platform: str) -> int:
+    """bf16 parts of x a product at ``precision`` takes (JAX's meaning):
+    "highest" 3, "high" 2, "default" 1; None reads
+    ``jax.default_matmul_precision``, and with that unset is the platform's
+    default (one pass on a TPU, float32 elsewhere, as CPU dots are)."""
+    if isinstance(precision, tuple):
+        precision = precision[0]  # x's
+    if precision is None:
+        default = jax.config.jax_default_matmul_precision
+        if default is None:
+            return 1 if platform == "tpu" else 3
+        try:
+            precision = lax.Precision(default)
+        except ValueError:
+            return 3
+    return {lax.Precision.DEFAULT: 1, lax.Precision.HIGH: 2}.get(precision, 3)
+
+
+def bf16_parts(x, count: int):
+    """x f32 (m, k) -> (parts bf16 (count, m, k), scales f32 (count, m) = 1)."""
+    parts, rest = [], x.astype(jnp.float32)
+    for _ in range(count):
+        part = rest.astype(jnp.bfloat16)
+        parts.append(part)
+        rest = rest - part.astype(jnp.float32)
+    return jnp.stack(parts), jnp.ones((count, x.shape[0]), jnp.float32)
+
+
+def int8_parts(x, count: int):
+    """x f32 (m, k) -> (parts int8 (count, m, k), scales f32 (count, m)):
+    x ~ sum_i parts[i] * scales[i][:, None]. One part is ``quantize_rows(x)``,
+    the int8-activation product's quantization."""
+    parts, scales, rest = [], [], x.astype(jnp.float32)
+    for _ in range(count):
+        q, s = quantize_rows(rest)
+        parts.append(q)
+        scales.append(s)
+        rest = rest - dequantize_rows(q, s)
+    return jnp.stack(parts), jnp.stack(scales)
