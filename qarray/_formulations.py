@@ -268,16 +268,13 @@ def linear_int4(
                 )
             _, group = kind_of_parts(packed, scale)
             tpu = _tpu_module()
-            rule = _rules.for_tpu()
-            mode = strategy.removeprefix("pallas_")
             return tpu.int4_product(
                 x2,
                 packed,
                 scale,
                 group_size=group,
-                mode=mode,
+                mode=strategy.removeprefix("pallas_"),
                 parts=tpu.parts_for(precision, jax.default_backend()),
-                blocks=getattr(rule, f"int4_{mode}_blocks"),
                 interpret=not _on_tpu(),
             )
         if strategy == "dequantize":
@@ -401,7 +398,6 @@ def _weight_only(v, qvalue, strategy, dims=_ROWS_BY_COLS, precision=None):
             nk=nk,
             mxu="int8",
             parts=tpu.INT8_PARTS[parts],
-            blocks=_rules.for_tpu().int8_blocks,
             interpret=not _on_tpu(),
         )
     raise ValueError(f"unknown weight-only strategy {strategy!r}")

@@ -33,6 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from .._rules import for_tpu
 from ._int8 import MXU, vmem_limit
 from ._layout import (
     LANES,
@@ -45,13 +46,6 @@ from ._layout import (
 
 _NT = (((1,), (1,)), ((), ()))  # contract the last axes: a (r, c) . b (s, c)
 _NN = (((1,), (0,)), ((), ()))
-
-
-def default_blocks(rows: int) -> tuple[int, int, int]:
-    """(bm, bn, packed bk) for ``rows`` stacked rows of x."""
-    if rows <= 512:
-        return 512, 512, 1024
-    return 512, 512, 512
 
 
 def _unpack(packed):
@@ -178,6 +172,8 @@ def int4_product(
     n = packed.shape[0]
     if 0 in (m, k, n):
         return jnp.zeros((m, n), jnp.float32)
+    if mode not in ("groups", "tile"):
+        raise ValueError(f"unknown int4 mode {mode!r}: 'groups' or 'tile'")
     half = group_size // 2
     if group_size % 2 or (LANES % half and half % LANES):
         raise ValueError(
@@ -185,7 +181,7 @@ def int4_product(
         )
     split, _ = MXU["bf16" if mode == "tile" else mxu]
     xparts, xscales = split(x, parts)
-    bm, bn, bk2 = blocks or default_blocks(parts * m)
+    bm, bn, bk2 = blocks or getattr(for_tpu(), f"int4_{mode}_blocks")
     kp2, bk2 = _k_blocks(k // 2, half, bk2)
     mp, bm = row_blocks(m, xparts.dtype, bm)
     np_ = padded(n, LANES)
@@ -218,11 +214,9 @@ def int4_product(
         in_specs.append(pl.BlockSpec((parts * bm, 1), lambda i, j, kk: (i, 0)))
         args.append(row_scales)
         acc_rows = parts * bm
-    elif mode == "tile":
+    else:
         kernel = functools.partial(_tile_kernel, parts=parts, half=half)
         acc_rows = bm
-    else:
-        raise ValueError(f"unknown int4 mode {mode!r}")
     limit = vmem_limit(
         2 * r * bk2 * stacked[0].dtype.itemsize, 9 * bn * bk2, 3 * r * bn * 4
     )

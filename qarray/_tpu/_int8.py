@@ -26,6 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from .._rules import for_tpu
 from ._layout import (
     LANES,
     combine_parts,
@@ -38,14 +39,6 @@ from ._parts import bf16_parts, int8_parts
 
 # what each way feeds the MXU and sums in
 MXU = {"bf16": (bf16_parts, jnp.float32), "int8": (int8_parts, jnp.int32)}
-
-
-def default_blocks(rows: int) -> tuple[int, int, int]:
-    """(bm, bn, bk) for ``rows`` stacked rows of x: few rows stream the
-    weights in large blocks with x whole; many rows tile all three axes."""
-    if rows <= 512:
-        return 512, 512, 2048
-    return 512, 1024, 1024
 
 
 def vmem_limit(*block_bytes: int) -> int:
@@ -118,7 +111,8 @@ def int8_product(
     ``nk``: ``qvalue (n, k)``, else ``(k, n)``; ``scale (n,)`` multiplies
     output column j (``linear_q``: ``(x @ qvalue.T) * scale``). ``mxu``:
     ``"bf16"`` or ``"int8"`` (module doc); ``parts``: x's parts of that kind
-    (``_parts``). ``blocks``: (bm, bn, bk) upper bounds (``default_blocks``).
+    (``_parts``). ``blocks``: (bm, bn, bk) upper bounds (default: the TPU
+    rule's ``int8_blocks``).
     ``orient="columns"`` (layout nk, one block of rows) streams the weights
     as the MXU's left operand. Every axis is padded with zeros to its block."""
     m, k = x.shape
@@ -127,7 +121,7 @@ def int8_product(
         return jnp.zeros((m, n), jnp.float32)
     split, acc_dtype = MXU[mxu]
     xparts, xscales = split(x, parts)
-    bm, bn, bk = blocks or default_blocks(parts * m)
+    bm, bn, bk = blocks or for_tpu().int8_blocks
     mp, bm = row_blocks(m, xparts.dtype, bm)
     kp, np_ = padded(k, LANES), padded(n, LANES)
     bk, bn = divisor_block(kp, bk), divisor_block(np_, bn)
