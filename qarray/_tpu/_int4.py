@@ -34,15 +34,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .._rules import for_tpu
+from . import _layout
 from ._int8 import MXU, vmem_limit
-from ._layout import (
-    LANES,
-    combine_parts,
-    divisor_block,
-    padded,
-    row_blocks,
-    stack_parts,
-)
 
 _NT = (((1,), (1,)), ((), ()))  # contract the last axes: a (r, c) . b (s, c)
 _NN = (((1,), (0,)), ((), ()))
@@ -75,11 +68,11 @@ def _groups_kernel(
     low, high = _unpack(w_ref[...])
     low, high = _mxu_nibbles(low, mxu), _mxu_nibbles(high, mxu)
     e, o, scales = e_ref[...], o_ref[...], s_ref[...]
-    copies = max(1, LANES // half)  # groups in a 128-byte chunk
+    copies = max(1, _layout.LANES // half)  # groups in a 128-byte chunk
     r = e.shape[0] // copies
     acc = acc_ref[...]
-    for c in range(w_ref.shape[1] // LANES):
-        cols = slice(c * LANES, (c + 1) * LANES)
+    for c in range(w_ref.shape[1] // _layout.LANES):
+        cols = slice(c * _layout.LANES, (c + 1) * _layout.LANES)
         sums = lax.dot_general(
             e[:, cols], low[:, cols], _NT, preferred_element_type=MXU[mxu][1]
         )
@@ -87,13 +80,15 @@ def _groups_kernel(
             o[:, cols], high[:, cols], _NT, preferred_element_type=MXU[mxu][1]
         )
         for s in range(copies):
-            g = (c * LANES + s * half) // half  # the group, within the block
+            g = (c * _layout.LANES + s * half) // half  # the group, within the block
             acc += sums[s * r : (s + 1) * r].astype(jnp.float32) * scales[g : g + 1]
     acc_ref[...] = acc
 
     @pl.when(kk == pl.num_programs(2) - 1)
     def _():
-        out_ref[...] = combine_parts(acc_ref[...], xs_ref[...], parts, out_ref.shape[0])
+        out_ref[...] = _layout.combine_parts(
+            acc_ref[...], xs_ref[...], parts, out_ref.shape[0]
+        )
 
 
 def _tile_kernel(e_ref, o_ref, w_ref, s_ref, out_ref, acc_ref, *, parts, half):
@@ -135,21 +130,17 @@ def _tile_kernel(e_ref, o_ref, w_ref, s_ref, out_ref, acc_ref, *, parts, half):
 
 
 def _k_blocks(k2: int, half: int, largest: int) -> tuple[int, int]:
-    """(padded k / 2, packed bk): whole groups a block; a block of several
+    """(_layout.padded k / 2, packed bk): whole groups a block; a block of several
     holds a multiple of 8 groups (the scales' block tiles by 8 rows)."""
-    kp2 = padded(k2, math.lcm(LANES, half))
+    kp2 = _layout.padded(k2, math.lcm(_layout.LANES, half))
     if kp2 <= largest:
         return kp2, kp2
-    unit = math.lcm(LANES, 8 * half)
-    kp2 = padded(k2, unit)
-    return kp2, divisor_block(kp2, max(largest, unit), unit)
+    unit = math.lcm(_layout.LANES, 8 * half)
+    kp2 = _layout.padded(k2, unit)
+    return kp2, _layout.divisor_block(kp2, max(largest, unit), unit)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("group_size", "mode", "mxu", "parts", "blocks", "interpret"),
-)
-def int4_product(
+def _int4_product(
     x,
     packed,
     scale,
@@ -175,7 +166,7 @@ def int4_product(
     if mode not in ("groups", "tile"):
         raise ValueError(f"unknown int4 mode {mode!r}: 'groups' or 'tile'")
     half = group_size // 2
-    if group_size % 2 or (LANES % half and half % LANES):
+    if group_size % 2 or (_layout.LANES % half and half % _layout.LANES):
         raise ValueError(
             f"group_size {group_size}: G / 2 must divide 128 or be a multiple of it"
         )
@@ -183,15 +174,17 @@ def int4_product(
     xparts, xscales = split(x, parts)
     bm, bn, bk2 = blocks or getattr(for_tpu(), f"int4_{mode}_blocks")
     kp2, bk2 = _k_blocks(k // 2, half, bk2)
-    mp, bm = row_blocks(m, xparts.dtype, bm)
-    np_ = padded(n, LANES)
-    bn = divisor_block(np_, bn)
-    copies = max(1, LANES // half) if mode == "groups" else 1
+    mp, bm = _layout.row_blocks(m, xparts.dtype, bm)
+    np_ = _layout.padded(n, _layout.LANES)
+    bn = _layout.divisor_block(np_, bn)
+    copies = max(1, _layout.LANES // half) if mode == "groups" else 1
     stacked = []
     for start in (0, 1):  # x's even entries, then its odd ones
-        rows, row_scales = stack_parts(xparts[..., start::2], xscales, mp, bm, kp2)
+        rows, row_scales = _layout.stack_parts(
+            xparts[..., start::2], xscales, mp, bm, kp2
+        )
         if copies > 1:  # one copy per group of a chunk, zero elsewhere
-            lane_group = (jnp.arange(kp2) % LANES) // half
+            lane_group = (jnp.arange(kp2) % _layout.LANES) // half
             rows = rows.reshape(mp // bm, 1, parts * bm, kp2)
             rows = jnp.where(lane_group == jnp.arange(copies)[:, None, None], rows, 0)
             rows = rows.reshape(-1, kp2)
@@ -234,3 +227,10 @@ def int4_product(
         interpret=interpret,
     )(*args)
     return out[:m, :n]
+
+
+# static: every argument but the arrays (each combination compiles once)
+int4_product = jax.jit(
+    _int4_product,
+    static_argnames=("group_size", "mode", "mxu", "parts", "blocks", "interpret"),
+)

@@ -90,11 +90,7 @@ def _columns_kernel(w_ref, x_ref, ws_ref, o_ref, acc_ref, *, mxu):
         o_ref[...] = acc_ref[...].astype(jnp.float32) * ws_ref[...]
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("nk", "mxu", "parts", "blocks", "orient", "interpret"),
-)
-def int8_product(
+def _int8_product(
     x,
     qvalue,
     scale,
@@ -176,3 +172,10 @@ def int8_product(
         interpret=interpret,
     )(rows, w, row_scales, scale.reshape(1, np_))
     return out[:m, :n]
+
+
+# static: every argument but the arrays (each combination compiles once)
+int8_product = jax.jit(
+    _int8_product,
+    static_argnames=("nk", "mxu", "parts", "blocks", "orient", "interpret"),
+)
