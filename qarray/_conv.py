@@ -29,19 +29,7 @@ from jax.experimental.hijax import (
     linearize_from_jvp,
 )
 
-from . import _ffi, _formulations, _numerics
-from ._ops import (
-    ProductVJP,
-    check_activations,
-    check_precision,
-    explicit_spec,
-    product_rule,
-    require_float,
-    require_qarray,
-    sum_to_type,
-    type_str,
-    union_mat,
-)
+from . import _ffi, _formulations, _numerics, _ops
 from ._primitives import dequantize
 from ._qarray import FLOAT32, full_spec, with_spec
 
@@ -110,7 +98,7 @@ def _dimension_numbers(nsp: int):
     return ("NC" + space, "OI" + space, "NC" + space)
 
 
-class ConvQ(ProductVJP, HiPrim):
+class ConvQ(_ops.ProductVJP, HiPrim):
     """``x (B?, C, *spatial)`` (float32, bfloat16 or float16) convolved with q8
     (or q4) ``qw (out, C/groups * prod(kernel_size))`` -> ``(B?, out,
     *out_spatial)`` in x's dtype, computed in float32 at ``precision``.
@@ -152,11 +140,11 @@ class ConvQ(ProductVJP, HiPrim):
             "lhs_dilation", 1 if lhs_dilation is None else lhs_dilation, nsp
         )
         (groups,) = _positive_ints("feature_group_count", feature_group_count, 1)
-        check_activations("conv_q", activations)
-        precision = check_precision("conv_q", precision)
-        require_float("conv_q", "x", x_aval, min_rank=1)
-        require_qarray("conv_q", "qw", qw_aval)
-        operands = f"x: {type_str(x_aval)}, qw: {type_str(qw_aval)}"
+        _ops.check_activations("conv_q", activations)
+        precision = _ops.check_precision("conv_q", precision)
+        _ops.require_float("conv_q", "x", x_aval, min_rank=1)
+        _ops.require_qarray("conv_q", "qw", qw_aval)
+        operands = f"x: {_ops.type_str(x_aval)}, qw: {_ops.type_str(qw_aval)}"
         if qw_aval.bits == 4 and activations != "float32":
             raise TypeError(
                 "conv_q with int4 weights is weight-only (activations='float32'), "
@@ -220,7 +208,7 @@ class ConvQ(ProductVJP, HiPrim):
             (*x_aval.shape[: len(batch_spec)], out_channels, *out_spatial),
             x_aval.dtype,
             sharding=with_spec(sharding, out_spec),
-            manual_axis_type=union_mat(x_aval.manual_axis_type, qw_aval.mat),
+            manual_axis_type=_ops.union_mat(x_aval.manual_axis_type, qw_aval.mat),
         )
         self.params = {
             "kernel_size": ks,
@@ -246,7 +234,9 @@ class ConvQ(ProductVJP, HiPrim):
         precision; ``explicit``: give the output sharding of explicit mode
         (False inside ``auto_axes``)."""
         batched = x.ndim == len(self.kernel_size) + 2
-        out_sharding = explicit_spec(self.out_aval) if batched and explicit else None
+        out_sharding = (
+            _ops.explicit_spec(self.out_aval) if batched and explicit else None
+        )
         out = lax.conv_general_dilated(
             x if batched else x[None],
             w,
@@ -349,7 +339,7 @@ class ConvQ(ProductVJP, HiPrim):
     def jvp(self, primals, tangents):
         (x, qw), (tx, tw) = primals, tangents
         dtype = self.out_aval.dtype
-        return self(x, qw), product_rule(
+        return self(x, qw), _ops.product_rule(
             self.out_aval,
             (tx, lambda t: conv_q(t, qw, **self._static)),
             (
@@ -372,7 +362,7 @@ class ConvQ(ProductVJP, HiPrim):
         )
         conv = lambda t: self._conv(t, w)  # noqa: E731
         (ct_x,) = jax.linear_transpose(conv, like)(g.astype(FLOAT32))
-        return sum_to_type(ct_x.astype(x_aval.dtype), x_aval)
+        return _ops.sum_to_type(ct_x.astype(x_aval.dtype), x_aval)
 
     def _ct_w(self, x, g):
         """``g`` pulled back to the weights, laid out (and typed) like qw."""
@@ -385,14 +375,14 @@ class ConvQ(ProductVJP, HiPrim):
             (ct_w,) = jax.linear_transpose(conv, like)(g)
             return ct_w.reshape(w_aval.shape)
 
-        if explicit_spec(self.in_avals[0]) is None:
-            return sum_to_type(pull(x, g), w_aval)
+        if _ops.explicit_spec(self.in_avals[0]) is None:
+            return _ops.sum_to_type(pull(x, g), w_aval)
         # a sum over x's sharded batch axis, whose result sharding explicit
         # mode cannot infer (lax's transpose rule takes no out_sharding): let
         # the partitioner place it, then as the weights are
         return jax.sharding.auto_axes(
             lambda x, g: pull(x, g, explicit=False),
-            out_sharding=explicit_spec(w_aval),
+            out_sharding=_ops.explicit_spec(w_aval),
         )(x, g)
 
     def batch(self, axis_data, args, dims):
