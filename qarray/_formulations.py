@@ -275,7 +275,7 @@ def linear_int4(
                 group_size=group,
                 mode=strategy.removeprefix("pallas_"),
                 parts=tpu.parts_for(precision, jax.default_backend()),
-                interpret=not _on_tpu(),
+                interpret=not _tpu_available(),  # forced where none compile
             )
         if strategy == "dequantize":
             v = x2
@@ -398,7 +398,7 @@ def _weight_only(v, qvalue, strategy, dims=_ROWS_BY_COLS, precision=None):
             nk=nk,
             mxu="int8",
             parts=tpu.INT8_PARTS[parts],
-            interpret=not _on_tpu(),
+            interpret=not _tpu_available(),  # forced where none compile
         )
     raise ValueError(f"unknown weight-only strategy {strategy!r}")
 
