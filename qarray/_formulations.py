@@ -153,7 +153,7 @@ def choose_strategy(
     on CPU, ``_tpu``'s on a TPU)."""
     if platform == "tpu":
         if kernels is None:
-            kernels = _tpu_available()
+            kernels = _tpu_available() and not _partitioned()
         few = m <= _rules.for_tpu().int8_kernel_max_rows
         if kernels and activations == "float32" and few:
             return "pallas"
@@ -316,7 +316,9 @@ def int4_tpu_mode(m: int, group: int, activations: str) -> str | None:
     rule = _rules.for_tpu()
     half = group // 2
     fits = group % 2 == 0 and (128 % half == 0 or half % 128 == 0)
-    if activations != "float32" or not fits or not _tpu_available():
+    if activations != "float32" or not fits:
+        return None
+    if not _tpu_available() or _partitioned():
         return None
     if m <= rule.int4_groups_max_rows:
         return "pallas_groups"
@@ -355,6 +357,23 @@ def _tpu_module():
 def _tpu_available() -> bool:
     """Whether qarray/_tpu's kernels compile here (never off a TPU)."""
     return _on_tpu() and _tpu_module().available()
+
+
+def _partitioned() -> bool:
+    """Whether the computation being traced is partitioned over devices by
+    XLA (a mesh in context with an axis of more than one device that is not
+    shard_map's manual one). A Pallas kernel is one program on one device:
+    XLA would gather its operands, the weights included, to every device,
+    so partitioned programs keep XLA's formulations; inside shard_map each
+    device runs the kernel on its own block."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return False
+    manual = jax.sharding.AxisType.Manual
+    return any(
+        size > 1 and kind != manual
+        for size, kind in zip(mesh.axis_sizes, mesh.axis_types, strict=True)
+    )
 
 
 def _explicitly_sharded(a) -> bool:

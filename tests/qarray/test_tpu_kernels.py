@@ -284,3 +284,34 @@ def test_the_int4_modes_follow_the_tpu_rule(monkeypatch):
     assert mode(1, 96, "float32") is None  # G / 2 neither divides 128 nor is a multiple
     monkeypatch.setattr(_formulations, "_tpu_available", lambda: False)
     assert mode(1, 128, "float32") is None
+
+
+def test_partitioned_programs_keep_xlas_formulations(monkeypatch):
+    """A Pallas kernel is one device's program: under a mesh that XLA
+    partitions (an axis of more than one device), the weights would be
+    gathered to every device, so the TPU keeps XLA's formulations there;
+    inside shard_map each device runs the kernel on its own block."""
+    monkeypatch.setattr(_formulations, "_tpu_available", lambda: True)
+
+    def chosen():
+        return (
+            _formulations.choose_strategy(8, 1024, 1024, "float32", "tpu", "nk"),
+            _formulations.int4_tpu_mode(8, 128, "float32"),
+        )
+
+    assert chosen() == ("pallas", "pallas_groups")
+    size = min(2, len(jax.devices()))
+    mesh = jax.make_mesh((size,), ("i",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        assert chosen() == (
+            ("pallas", "pallas_groups") if size == 1 else ("dequantize", None)
+        )
+        seen = []
+
+        def per_device(x):
+            seen.append(chosen())
+            return x
+
+        x = jax.reshard(jnp.ones((size, 4)), jax.P("i"))
+        jax.shard_map(per_device, in_specs=jax.P("i"), out_specs=jax.P("i"))(x)
+        assert seen == [("pallas", "pallas_groups")]
