@@ -315,7 +315,7 @@ def int4_tpu_mode(m: int, group: int, activations: str) -> str | None:
     / ``"pallas_tile"``, by the TPU rule), or None: XLA's ``dequantize``."""
     rule = _rules.for_tpu()
     half = group // 2
-    fits = group % 2 == 0 and (128 % half == 0 or half % 128 == 0)
+    fits = half > 0 and group % 2 == 0 and (128 % half == 0 or half % 128 == 0)
     if activations != "float32" or not fits:
         return None
     if not _tpu_available() or _partitioned():
@@ -360,17 +360,17 @@ def _tpu_available() -> bool:
 
 
 def _partitioned() -> bool:
-    """Whether the computation being traced is partitioned over devices by
-    XLA (a mesh in context with an axis of more than one device that is not
-    shard_map's manual one). A Pallas kernel is one program on one device:
-    XLA would gather its operands, the weights included, to every device,
-    so partitioned programs keep XLA's formulations; inside shard_map each
-    device runs the kernel on its own block."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    """Whether the computation being traced may be partitioned over several
+    devices by XLA: more than one device in the process, outside shard_map
+    (inside it, each device runs the kernel on its own block). A Pallas
+    kernel is one device's program: XLA would gather its operands, the
+    weights included, to every device. jit's ``in_shardings`` are not seen
+    at trace time, so any second device counts."""
+    if jax.device_count() == 1:
         return False
+    mesh = jax.sharding.get_abstract_mesh()
     manual = jax.sharding.AxisType.Manual
-    return any(
+    return mesh.empty or any(
         size > 1 and kind != manual
         for size, kind in zip(mesh.axis_sizes, mesh.axis_types, strict=True)
     )

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from .._rules import xla_only
+from ._int4 import int4_product
 from ._int8 import int8_product
 
 _log = logging.getLogger("qarray")
@@ -30,13 +31,25 @@ def available() -> bool:
         return False
     if jax.default_backend() != "tpu":
         return False
-    probe = jax.jit(functools.partial(int8_product, nk=True, mxu="int8", parts=2))
+    x = jax.ShapeDtypeStruct((8, 256), jnp.float32)
+    int8 = jax.ShapeDtypeStruct((256, 256), jnp.int8)
+    ones = jax.ShapeDtypeStruct((256,), jnp.float32)
+    packed = jax.ShapeDtypeStruct((256, 128), jnp.uint8)
+    groups = jax.ShapeDtypeStruct((256, 2), jnp.float32)
+    # one of every kernel the strategies pick: a libtpu may take some only
+    probes = [
+        (functools.partial(int8_product, nk=nk, mxu="int8", parts=2), (x, int8, ones))
+        for nk in (True, False)
+    ] + [
+        (
+            functools.partial(int4_product, group_size=128, mode=mode),
+            (x, packed, groups),
+        )
+        for mode in ("groups", "tile")
+    ]
     try:
-        probe.lower(
-            jax.ShapeDtypeStruct((8, 256), jnp.float32),
-            jax.ShapeDtypeStruct((256, 256), jnp.int8),
-            jax.ShapeDtypeStruct((256,), jnp.float32),
-        ).compile()
+        for kernel, shapes in probes:
+            jax.jit(kernel).lower(*shapes).compile()
     except Exception as error:
         _log.warning(
             "qarray: the TPU kernels do not compile here (%s); "

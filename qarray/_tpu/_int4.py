@@ -172,7 +172,7 @@ def _int4_product(
         )
     split, _ = MXU["bf16" if mode == "tile" else mxu]
     xparts, xscales = split(x, parts)
-    bm, bn, bk2 = blocks or getattr(for_tpu(), f"int4_{mode}_blocks")
+    bm, bn, bk2 = blocks
     kp2, bk2 = _k_blocks(k // 2, half, bk2)
     mp, bm = _layout.row_blocks(m, xparts.dtype, bm)
     np_ = _layout.padded(n, _layout.LANES)
@@ -229,8 +229,35 @@ def _int4_product(
     return out[:m, :n]
 
 
-# static: every argument but the arrays (each combination compiles once)
-int4_product = jax.jit(
+_jitted = jax.jit(
     _int4_product,
     static_argnames=("group_size", "mode", "mxu", "parts", "blocks", "interpret"),
 )
+
+
+def int4_product(x, packed, scale, *, group_size: int, **options):
+    """``_int4_product`` (its doc: the arguments), compiled once per
+    combination of the static options, the blocks resolved from the TPU rule
+    before the cache is asked; TypeError where the operands' shapes do not
+    agree, ValueError for a group size the kernels do not take."""
+    if group_size <= 0 or group_size % 2:
+        raise ValueError(f"group_size {group_size}: a positive even number")
+    k, n = x.shape[-1], packed.shape[0]
+    agree = (
+        packed.ndim == 2
+        and packed.dtype == jnp.uint8
+        and 2 * packed.shape[1] == k
+        and k % group_size == 0
+        and scale.shape == (n, k // group_size)
+    )
+    if not agree:
+        raise TypeError(
+            f"int4_product: x {x.shape}, packed {packed.dtype}{packed.shape} and "
+            f"scale {scale.shape} do not agree for group_size {group_size} "
+            "(packed uint8 (n, k / 2), scale (n, k / group_size))"
+        )
+    mode = options.get("mode", "groups")
+    options["blocks"] = options.get("blocks") or getattr(
+        for_tpu(), f"int4_{mode}_blocks", None
+    )
+    return _jitted(x, packed, scale, group_size=group_size, **options)

@@ -37,7 +37,9 @@ from ._layout import (
 )
 from ._parts import bf16_parts, int8_parts
 
-# what each way feeds the MXU and sums in
+# what each way feeds the MXU and what one block's sums come out in: int8
+# sums are exact in int32 for one block of K (127 * 127 * bk < 2**31), and
+# the blocks meet in float32, so no K overflows them
 MXU = {"bf16": (bf16_parts, jnp.float32), "int8": (int8_parts, jnp.int32)}
 
 
@@ -61,9 +63,8 @@ def _rows_kernel(x_ref, w_ref, xs_ref, ws_ref, o_ref, acc_ref, *, parts, nk, mxu
 
     dims = (((1,), (1,)) if nk else ((1,), (0,)), ((), ()))
     w = _mxu_weights(w_ref[...], mxu)
-    acc_ref[...] += lax.dot_general(
-        x_ref[...], w, dims, preferred_element_type=acc_ref.dtype
-    )
+    sums = lax.dot_general(x_ref[...], w, dims, preferred_element_type=MXU[mxu][1])
+    acc_ref[...] += sums.astype(jnp.float32)
 
     @pl.when(kk == pl.num_programs(2) - 1)
     def _():
@@ -81,9 +82,10 @@ def _columns_kernel(w_ref, x_ref, ws_ref, o_ref, acc_ref, *, mxu):
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
     w = _mxu_weights(w_ref[...], mxu)
-    acc_ref[...] += lax.dot_general(
-        w, x_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=acc_ref.dtype
+    sums = lax.dot_general(
+        w, x_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=MXU[mxu][1]
     )
+    acc_ref[...] += sums.astype(jnp.float32)
 
     @pl.when(kk == pl.num_programs(1) - 1)
     def _():
@@ -115,9 +117,9 @@ def _int8_product(
     n = qvalue.shape[0] if nk else qvalue.shape[1]
     if 0 in (m, k, n):  # nothing to read (an empty contraction sums to 0)
         return jnp.zeros((m, n), jnp.float32)
-    split, acc_dtype = MXU[mxu]
+    split = MXU[mxu][0]
     xparts, xscales = split(x, parts)
-    bm, bn, bk = blocks or for_tpu().int8_blocks
+    bm, bn, bk = blocks
     mp, bm = row_blocks(m, xparts.dtype, bm)
     kp, np_ = padded(k, LANES), padded(n, LANES)
     bk, bn = divisor_block(kp, bk), divisor_block(np_, bn)
@@ -140,7 +142,7 @@ def _int8_product(
                 pl.BlockSpec((bn, 1), lambda j, kk: (j, 0)),
             ],
             out_specs=pl.BlockSpec((bn, r), lambda j, kk: (j, 0)),
-            scratch_shapes=[pltpu.VMEM((bn, r), acc_dtype)],
+            scratch_shapes=[pltpu.VMEM((bn, r), jnp.float32)],
             compiler_params=pltpu.CompilerParams(
                 dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=limit
             ),
@@ -164,7 +166,7 @@ def _int8_product(
             pl.BlockSpec((1, bn), lambda i, j, kk: (0, j)),
         ],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
-        scratch_shapes=[pltpu.VMEM((r, bn), acc_dtype)],
+        scratch_shapes=[pltpu.VMEM((r, bn), jnp.float32)],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=limit,
@@ -174,8 +176,28 @@ def _int8_product(
     return out[:m, :n]
 
 
-# static: every argument but the arrays (each combination compiles once)
-int8_product = jax.jit(
+_jitted = jax.jit(
     _int8_product,
     static_argnames=("nk", "mxu", "parts", "blocks", "orient", "interpret"),
 )
+
+
+def int8_product(x, qvalue, scale, *, nk: bool, **options):
+    """``_int8_product`` (its doc: the arguments), compiled once per
+    combination of the static options, the blocks resolved from the TPU rule
+    before the cache is asked (an ``overriding`` in force is a new entry);
+    TypeError where the operands' shapes do not agree."""
+    if x.ndim != 2 or qvalue.ndim != 2 or qvalue.dtype != jnp.int8:
+        raise TypeError(
+            f"int8_product takes x (m, k) and int8 weights (2-D), got x {x.shape} "
+            f"and {qvalue.dtype}{qvalue.shape}"
+        )
+    k, n = (qvalue.shape[1], qvalue.shape[0]) if nk else qvalue.shape
+    if x.shape[1] != k or scale.shape != (n,):
+        layout = "(n, k)" if nk else "(k, n)"
+        raise TypeError(
+            f"int8_product: x {x.shape}, weights {layout} {qvalue.shape} and "
+            f"scale {scale.shape} do not agree (scale (n,))"
+        )
+    options["blocks"] = options.get("blocks") or for_tpu().int8_blocks
+    return _jitted(x, qvalue, scale, nk=nk, **options)

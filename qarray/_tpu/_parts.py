@@ -23,17 +23,35 @@ from .._numerics import dequantize_rows, quantize_rows
 INT8_PARTS = {1: 2, 2: 3, 3: 3}
 
 
+# JAX's dot algorithms by name (jax.default_matmul_precision takes them):
+# the bf16 parts that carry at least the precision each asks for
+ALGORITHM_PARTS = {
+    "BF16_BF16_BF16": 1,
+    "BF16_BF16_F32": 1,
+    "ANY_F8_ANY_F8_F32": 1,
+    "ANY_F8_ANY_F8_ANY": 1,
+    "BF16_BF16_F32_X3": 2,
+    "F16_F16_F16": 2,  # 11 bits: two bf16 parts carry 16
+    "F16_F16_F32": 2,
+    "TF32_TF32_F32": 2,
+}
+
+
 def parts_for(precision, platform: str) -> int:
     """bf16 parts of x a product at ``precision`` takes (JAX's meaning):
     "highest" 3, "high" 2, "default" 1; None reads
-    ``jax.default_matmul_precision``, and with that unset is the platform's
-    default (one pass on a TPU, float32 elsewhere, as CPU dots are)."""
+    ``jax.default_matmul_precision`` (a precision or a dot algorithm's name:
+    ``ALGORITHM_PARTS``, float32's three for any other), and with that unset
+    is the platform's default (one pass on a TPU, float32 elsewhere, as CPU
+    dots are)."""
     if isinstance(precision, tuple):
         precision = precision[0]  # x's
     if precision is None:
         default = jax.config.jax_default_matmul_precision
         if default is None:
             return 1 if platform == "tpu" else 3
+        if default.upper() in ALGORITHM_PARTS:
+            return ALGORITHM_PARTS[default.upper()]
         try:
             precision = lax.Precision(default)
         except ValueError:

@@ -272,6 +272,7 @@ def test_a_tpu_takes_the_kernel_for_few_rows_of_weight_only_products(layout):
 def test_the_int4_modes_follow_the_tpu_rule(monkeypatch):
     rule = _rules.for_tpu()
     monkeypatch.setattr(_formulations, "_tpu_available", lambda: True)
+    monkeypatch.setattr(_formulations, "_partitioned", lambda: False)
     mode = _formulations.int4_tpu_mode
     assert (
         mode(1, 128, "float32")
@@ -282,16 +283,19 @@ def test_the_int4_modes_follow_the_tpu_rule(monkeypatch):
     assert mode(rule.int4_tile_max_rows + 1, 128, "float32") is None
     assert mode(1, 128, "int8") is None  # W4A8: XLA's
     assert mode(1, 96, "float32") is None  # G / 2 neither divides 128 nor is a multiple
+    assert mode(1, 0, "float32") is None  # k = 0: no groups
     monkeypatch.setattr(_formulations, "_tpu_available", lambda: False)
     assert mode(1, 128, "float32") is None
 
 
 def test_partitioned_programs_keep_xlas_formulations(monkeypatch):
-    """A Pallas kernel is one device's program: under a mesh that XLA
-    partitions (an axis of more than one device), the weights would be
-    gathered to every device, so the TPU keeps XLA's formulations there;
-    inside shard_map each device runs the kernel on its own block."""
+    """A Pallas kernel is one device's program: where XLA may partition the
+    computation over several devices (any second device: jit's in_shardings
+    are not seen at trace time), the weights would be gathered to every
+    device, so the TPU keeps XLA's formulations there; inside shard_map each
+    device runs the kernel on its own block."""
     monkeypatch.setattr(_formulations, "_tpu_available", lambda: True)
+    kernels = ("pallas", "pallas_groups")
 
     def chosen():
         return (
@@ -299,13 +303,12 @@ def test_partitioned_programs_keep_xlas_formulations(monkeypatch):
             _formulations.int4_tpu_mode(8, 128, "float32"),
         )
 
-    assert chosen() == ("pallas", "pallas_groups")
-    size = min(2, len(jax.devices()))
+    one_device = jax.device_count() == 1
+    assert chosen() == (kernels if one_device else ("dequantize", None))
+    size = min(2, jax.device_count())
     mesh = jax.make_mesh((size,), ("i",), axis_types=(jax.sharding.AxisType.Explicit,))
     with jax.set_mesh(mesh):
-        assert chosen() == (
-            ("pallas", "pallas_groups") if size == 1 else ("dequantize", None)
-        )
+        assert chosen() == (kernels if size == 1 else ("dequantize", None))
         seen = []
 
         def per_device(x):
@@ -314,4 +317,110 @@ def test_partitioned_programs_keep_xlas_formulations(monkeypatch):
 
         x = jax.reshard(jnp.ones((size, 4)), jax.P("i"))
         jax.shard_map(per_device, in_specs=jax.P("i"), out_specs=jax.P("i"))(x)
-        assert seen == [("pallas", "pallas_groups")]
+        assert seen == [kernels]
+
+
+def test_int8_sums_do_not_overflow_over_a_long_k():
+    """Each block of K sums in int32 (exact), the blocks in float32: K far
+    past 2**31 / 127**2 (an LM head's vocabulary, in its VJP) stays right."""
+    k, n = 2048 * 70, 128
+    x = jnp.ones((1, k), jnp.float32)
+    w = jnp.full((n, k), 127, jnp.int8)
+    scale = jnp.full((n,), 1 / 127, jnp.float32)
+    for nk in (True, False):
+        got = _tpu.int8_product(
+            x, w if nk else w.T, scale, nk=nk, mxu="int8", parts=2, interpret=INTERPRET
+        )
+        np.testing.assert_allclose(np.asarray(got), k, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["groups", "tile"])
+@pytest.mark.parametrize("group_size", [64, 512])
+def test_int4_over_several_row_blocks(rng, mode, group_size):
+    """m = 70 rows in blocks of 32 (parts stacked per block), G 64 and 512,
+    K / 2 not a multiple of 128 for G = 64."""
+    m, k, n = 70, 1024 + (0 if group_size == 512 else 192), 130
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    packed, scale = quantize_groups_np(rng.standard_normal((n, k)), group_size)
+    got = _tpu.int4_product(
+        jnp.asarray(x),
+        packed,
+        scale,
+        group_size=group_size,
+        mode=mode,
+        parts=3,
+        blocks=(32, 128, 256),
+        interpret=INTERPRET,
+    )
+    want = x.astype(np.float64) @ dequantized_int4(packed, scale, group_size).T
+    assert rel_err(got, want) <= BF16_TOLERANCE[3]
+
+
+def test_the_rules_blocks_are_read_at_each_call(monkeypatch):
+    """The default blocks come from the TPU rule before the compiled
+    function's cache is asked: an ``overriding`` in force after a first call
+    reaches the kernel (what a block sweep through the rule relies on)."""
+    from qarray._tpu import _int4, _int8
+
+    seen = []
+    for module in (_int8, _int4):
+        original = module._jitted
+        monkeypatch.setattr(
+            module,
+            "_jitted",
+            lambda *a, original=original, **kw: (
+                seen.append(kw["blocks"]) or original(*a, **kw)
+            ),
+        )
+    x, w, s = jnp.ones((2, 256)), jnp.ones((128, 256), jnp.int8), jnp.ones(128)
+    packed, groups = jnp.ones((128, 128), jnp.uint8), jnp.ones((128, 2))
+    for override in ((32, 128, 128), None):
+        with _rules.overriding(
+            **(
+                {"int8_blocks": override, "int4_groups_blocks": override}
+                if override
+                else {}
+            )
+        ):
+            _tpu.int8_product(x, w, s, nk=True, interpret=INTERPRET)
+            _tpu.int4_product(x, packed, groups, group_size=128, interpret=INTERPRET)
+    rule = _rules.for_tpu()
+    assert seen == [(32, 128, 128)] * 2 + [rule.int8_blocks, rule.int4_groups_blocks]
+
+
+def test_operands_that_do_not_agree_are_type_errors():
+    x = jnp.ones((2, 300))
+    with pytest.raises(TypeError, match=r"x \(2, 300\), weights \(n, k\) \(4, 256\)"):
+        _tpu.int8_product(x, jnp.ones((4, 256), jnp.int8), jnp.ones(4), nk=True)
+    with pytest.raises(TypeError, match="int8 weights"):
+        _tpu.int8_product(x, jnp.ones((4, 300)), jnp.ones(4), nk=True)
+    with pytest.raises(TypeError, match="do not agree for group_size 64"):
+        _tpu.int4_product(
+            jnp.ones((2, 256)),
+            jnp.ones((4, 128), jnp.uint8),
+            jnp.ones((4, 2)),
+            group_size=64,
+        )
+    with pytest.raises(ValueError, match="group_size 0"):
+        _tpu.int4_product(
+            jnp.ones((2, 256)),
+            jnp.ones((4, 128), jnp.uint8),
+            jnp.ones((4, 2)),
+            group_size=0,
+        )
+
+
+def test_dot_algorithm_names_give_their_parts():
+    """jax.default_matmul_precision also takes JAX's dot algorithms by name:
+    each gets the bf16 parts that carry its precision."""
+    for name, parts in [
+        ("BF16_BF16_F32", 1),
+        ("BF16_BF16_F32_X3", 2),
+        ("BF16_BF16_F32_X6", 3),
+        ("TF32_TF32_F32", 2),
+        ("F32_F32_F32", 3),
+        ("bfloat16", 1),
+        ("float32", 3),
+    ]:
+        with jax.default_matmul_precision(name):
+            assert _tpu.parts_for(None, "tpu") == parts, name
