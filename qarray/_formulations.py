@@ -88,7 +88,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _ffi, _rules
-from ._numerics import dequantize_groups, dequantize_rows, quantize_rows
+from ._numerics import (
+    INT32_EXACT_TERMS,
+    dequantize_groups,
+    dequantize_rows,
+    quantize_rows,
+)
 from ._qarray import kind_of_parts
 
 # lhs[m, k] . rhs[k, n]: contract lhs's columns with rhs's rows (matmul_q)
@@ -428,7 +433,7 @@ def _int8_activations(xq, xscale, qvalue, strategy, dims=_ROWS_BY_COLS):
         # integer sums, in f32
         acc = _weight_only(xq.astype(jnp.float32), qvalue, strategy, dims)
     elif strategy == "int8_dot":
-        acc = _int8_dot(xq, qvalue, dims).astype(jnp.float32)
+        acc = _int8_dot(xq, qvalue, dims)
     else:
         raise ValueError(f"unknown int8-activation strategy {strategy!r}")
     return acc * xscale[:, None]
@@ -442,12 +447,23 @@ def _dot(lhs, rhs, preferred_element_type=None):
 
 
 def _int8_dot(lhs_q, qvalue, dims=_ROWS_BY_COLS):
-    """int8[m, c] . int8 payload -> int32[m, ...], rows padded to a multiple of 8
-    (XLA:CPU's int8 kernel is slow for a single row and for odd counts)."""
-    m = lhs_q.shape[0]
+    """int8[m, c] . int8 payload -> f32[m, ...]: int32 sums (exact) over
+    blocks of at most ``INT32_EXACT_TERMS`` of c, the blocks added in
+    float32 (an LM head's vocabulary can pass it); rows padded to a multiple
+    of 8 (XLA:CPU's int8 kernel is slow for a single row and for odd
+    counts)."""
+    m, c = lhs_q.shape
     padded = jnp.pad(lhs_q, ((0, -m % 8), (0, 0)))
-    acc = lax.dot_general(padded, qvalue, dims, preferred_element_type=jnp.int32)
-    return acc[:m]
+    w_axis = dims[0][1][0]
+    starts = range(0, c, INT32_EXACT_TERMS) if c > INT32_EXACT_TERMS else [0]
+    total = 0.0
+    for start in starts:
+        stop = start + INT32_EXACT_TERMS if c > INT32_EXACT_TERMS else c
+        lhs = padded[:, start:stop]  # the whole of c in one block: no slice
+        rhs = lax.slice_in_dim(qvalue, start, min(stop, c), axis=w_axis)
+        sums = lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.int32)
+        total = total + sums.astype(jnp.float32)
+    return total[:m]
 
 
 def _split_product(v, qvalue, dims, levels):
@@ -464,7 +480,7 @@ def _split_product(v, qvalue, dims, levels):
         parts.append(q)
         scales.append(a)
         rest = rest - dequantize_rows(q, a)
-    acc = _int8_dot(jnp.concatenate(parts), qvalue, dims).astype(jnp.float32)
+    acc = _int8_dot(jnp.concatenate(parts), qvalue, dims)
     return sum(acc[i * m : (i + 1) * m] * a[:, None] for i, a in enumerate(scales))
 
 

@@ -23,6 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 QMAX = 127.0  # int8 values in [-QMAX, QMAX]
+# terms of int8 x int8 products whose sum int32 holds exactly, whatever
+# their signs: QMAX * QMAX each
+INT32_EXACT_TERMS = int((2**31 - 1) // (QMAX * QMAX))
 QMAX4 = 7.0  # int4 values in [-QMAX4, QMAX4]
 NUMPY_ROWS = 256  # NumPy quantizers: rows at a time (temporaries stay small)
 

@@ -341,3 +341,22 @@ def test_backward_for_x_is_float32_exact(rng, shape, activations):
         got = ct_x(x, g, qvalue, scale)
         assert got.shape == (m, k)
         assert rel_err(got, g.astype(np.float64) @ w_kn.T) <= TOLERANCE["split_int8"]
+
+
+@pytest.mark.parametrize(
+    "product,layout", [(_formulations.linear, "nk"), (_formulations.matmul, "kn")]
+)
+@pytest.mark.parametrize(
+    "activations,strategy", [("int8", "int8_dot"), ("float32", "split_int8")]
+)
+def test_int8_sums_past_int32s_range_stay_exact(product, layout, activations, strategy):
+    """int8 x int8 sums of K past 2**31 / 127**2 terms (an LM head's
+    vocabulary, contracted in its VJP) of one sign: int32 sums a block of K
+    at a time, the blocks added in float32, not one int32 that wraps."""
+    k, n = 140_000, 8
+    x = jnp.ones((2, k), jnp.float32)
+    shape = (n, k) if layout == "nk" else (k, n)
+    qvalue = jnp.full(shape, 127, jnp.int8)
+    scale = jnp.full(n if layout == "nk" else k, 1 / 127, jnp.float32)
+    got = jax.jit(lambda x: product(x, qvalue, scale, activations, strategy))(x)
+    np.testing.assert_allclose(np.asarray(got), k, rtol=1e-6)
