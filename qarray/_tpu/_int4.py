@@ -35,7 +35,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .._rules import for_tpu
 from . import _layout
-from ._int8 import MXU, vmem_limit
+from ._int8 import MXU
 
 _NT = (((1,), (1,)), ((), ()))  # contract the last axes: a (r, c) . b (s, c)
 _NN = (((1,), (0,)), ((), ()))
@@ -210,7 +210,7 @@ def _int4_product(
     else:
         kernel = functools.partial(_tile_kernel, parts=parts, half=half)
         acc_rows = bm
-    limit = vmem_limit(
+    params = _layout.compiler_params(
         2 * r * bk2 * stacked[0].dtype.itemsize, 9 * bn * bk2, 3 * r * bn * 4
     )
     out = pl.pallas_call(
@@ -220,10 +220,7 @@ def _int4_product(
         in_specs=in_specs,
         out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
         scratch_shapes=[pltpu.VMEM((acc_rows, bn), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary"),
-            vmem_limit_bytes=limit,
-        ),
+        compiler_params=params,
         interpret=interpret,
     )(*args)
     return out[:m, :n]

@@ -30,6 +30,7 @@ from .._rules import for_tpu
 from ._layout import (
     LANES,
     combine_parts,
+    compiler_params,
     divisor_block,
     padded,
     row_blocks,
@@ -41,12 +42,6 @@ from ._parts import bf16_parts, int8_parts
 # sums are exact in int32 for one block of K (127 * 127 * bk < 2**31), and
 # the blocks meet in float32, so no K overflows them
 MXU = {"bf16": (bf16_parts, jnp.float32), "int8": (int8_parts, jnp.int32)}
-
-
-def vmem_limit(*block_bytes: int) -> int:
-    """Scoped VMEM for double-buffered blocks, with room for the compiler's
-    own temporaries (a TPU core has 128 MiB; the default scope is 16)."""
-    return min(2 * sum(block_bytes) + (16 << 20), 100 << 20)
 
 
 def _mxu_weights(w, mxu: str):
@@ -128,7 +123,7 @@ def _int8_product(
     w = jnp.pad(qvalue, w_pad)
     scale = jnp.pad(scale.astype(jnp.float32), (0, np_ - n))
     r = parts * bm  # stacked rows a block
-    limit = vmem_limit(r * bk * rows.dtype.itemsize, bn * bk, 3 * r * bn * 4)
+    block_bytes = (r * bk * rows.dtype.itemsize, bn * bk, 3 * r * bn * 4)
     if orient == "columns":
         if not nk or mp != bm:
             raise ValueError("orient='columns' takes layout nk and one block of rows")
@@ -143,9 +138,7 @@ def _int8_product(
             ],
             out_specs=pl.BlockSpec((bn, r), lambda j, kk: (j, 0)),
             scratch_shapes=[pltpu.VMEM((bn, r), jnp.float32)],
-            compiler_params=pltpu.CompilerParams(
-                dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=limit
-            ),
+            compiler_params=compiler_params(*block_bytes, grid_rank=2),
             interpret=interpret,
         )(w, rows, scale.reshape(np_, 1))
         out = combine_parts(acc.T, row_scales, parts, bm)
@@ -167,10 +160,7 @@ def _int8_product(
         ],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
         scratch_shapes=[pltpu.VMEM((r, bn), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary"),
-            vmem_limit_bytes=limit,
-        ),
+        compiler_params=compiler_params(*block_bytes),
         interpret=interpret,
     )(rows, w, row_scales, scale.reshape(1, np_))
     return out[:m, :n]

@@ -6,6 +6,7 @@ parts."""
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
 
 LANES = 128
 # rows of a block of x: int8 operands tile by (32, 128) on a TPU, 32-bit and
@@ -56,3 +57,16 @@ def combine_parts(acc, row_scales, parts: int, bm: int):
         rows = slice(i * bm, (i + 1) * bm)
         total += acc[rows].astype(jnp.float32) * row_scales[rows]
     return total
+
+
+def compiler_params(*block_bytes: int, grid_rank: int = 3):
+    """Mosaic's parameters for a grid whose last axis is K (the sums carry
+    across it: "arbitrary") and whose others are independent ("parallel"),
+    with scoped VMEM for the double-buffered blocks of ``block_bytes`` and
+    room for the compiler's own temporaries (a TPU core has 128 MiB; the
+    default scope is 16)."""
+    limit = min(2 * sum(block_bytes) + (16 << 20), 100 << 20)
+    return pltpu.CompilerParams(
+        dimension_semantics=("parallel",) * (grid_rank - 1) + ("arbitrary",),
+        vmem_limit_bytes=limit,
+    )

@@ -111,6 +111,23 @@ def test_int8_weights_as_the_streamed_operand(rng, mxu, parts):
     assert rel_err(got, want) <= tolerance
 
 
+def int4_case(rng, m, k, n, group_size, **options):
+    """(the kernel's product of random x and int4 weights, x @ W.T in
+    float64 from the dequantized weights)."""
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    packed, scale = quantize_groups_np(rng.standard_normal((n, k)), group_size)
+    got = _tpu.int4_product(
+        jnp.asarray(x),
+        packed,
+        scale,
+        group_size=group_size,
+        interpret=INTERPRET,
+        **options,
+    )
+    want = x.astype(np.float64) @ dequantized_int4(packed, scale, group_size).T
+    return got, want
+
+
 def dequantized_int4(packed, scale, group_size):
     low = (packed & 0xF).astype(np.int16)
     high = (packed >> 4).astype(np.int16)
@@ -141,21 +158,8 @@ def test_int4_weights_match_numpy(rng, shape, group_size, mode, mxu, parts):
     """Groups several to a 128-byte chunk (G 32, 128) and a chunk to a group
     (256); padded rows and columns; blocks of K (packed bk 256 for G < 256)."""
     m, k, n = shape
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    packed, scale = quantize_groups_np(rng.standard_normal((n, k)), group_size)
-    got = _tpu.int4_product(
-        jnp.asarray(x),
-        packed,
-        scale,
-        group_size=group_size,
-        mode=mode,
-        mxu=mxu,
-        parts=parts,
-        blocks=(32, 256, 256),
-        interpret=INTERPRET,
-    )
-    w = dequantized_int4(packed, scale, group_size)
-    want = x.astype(np.float64) @ w.T
+    options = dict(mode=mode, mxu=mxu, parts=parts, blocks=(32, 256, 256))
+    got, want = int4_case(rng, m, k, n, group_size, **options)
     assert got.shape == (m, n) and got.dtype == jnp.float32
     tolerance = (BF16_TOLERANCE if mxu == "bf16" else INT8_TOLERANCE)[parts]
     if mode == "tile" and parts == 1:  # the weights rounded to bf16 as well
@@ -339,20 +343,9 @@ def test_int8_sums_do_not_overflow_over_a_long_k():
 def test_int4_over_several_row_blocks(rng, mode, group_size):
     """m = 70 rows in blocks of 32 (parts stacked per block), G 64 and 512,
     K / 2 not a multiple of 128 for G = 64."""
-    m, k, n = 70, 1024 + (0 if group_size == 512 else 192), 130
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    packed, scale = quantize_groups_np(rng.standard_normal((n, k)), group_size)
-    got = _tpu.int4_product(
-        jnp.asarray(x),
-        packed,
-        scale,
-        group_size=group_size,
-        mode=mode,
-        parts=3,
-        blocks=(32, 128, 256),
-        interpret=INTERPRET,
-    )
-    want = x.astype(np.float64) @ dequantized_int4(packed, scale, group_size).T
+    k = 1024 + (0 if group_size == 512 else 192)
+    options = dict(mode=mode, parts=3, blocks=(32, 128, 256))
+    got, want = int4_case(rng, 70, k, 130, group_size, **options)
     assert rel_err(got, want) <= BF16_TOLERANCE[3]
 
 
