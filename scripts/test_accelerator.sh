@@ -23,11 +23,9 @@ files=(
   tests/tesseract/test_precision.py
   tests/tesseract/test_lora_served.py
   tests/tesseract/test_network.py
-  tests/tesseract/test_request_jit.py
+  tests/tesseract/test_request.py
+  tests/tesseract/test_cache_device.py
 )
-for extra in tests/tesseract/test_cache_device.py; do
-  [ -f "$extra" ] && files+=("$extra")
-done
 # the host's transparent-hugepages warning at JAX's start is no test failure
 exec env QARRAY_TEST_PLATFORM="$platform" "$python" -m pytest -p no:xdist \
   -W "ignore:Transparent hugepages" "${files[@]}" "$@"

@@ -1,6 +1,8 @@
 """The project's install metadata stays consistent."""
 
 import pathlib
+import subprocess
+import sys
 import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -61,3 +63,17 @@ def test_the_server_parses_http_with_httptools():
     from qarray.tesseract._workarounds import OneWriteHTTPProtocol
 
     assert issubclass(OneWriteHTTPProtocol, HttpToolsProtocol)
+
+
+def test_the_accelerator_suite_collects():
+    """``make test-accelerator``'s file list names files that exist (a test
+    file renamed elsewhere would stop the chip's run before its first test)."""
+    done = subprocess.run(
+        ["bash", "scripts/test_accelerator.sh", sys.executable, "cpu", "--collect-only", "-q"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "tests collected" in done.stdout
