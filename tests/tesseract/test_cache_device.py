@@ -18,6 +18,7 @@ from tesseract_core import Tesseract
 
 from qarray.checkpoint import save_model
 from support import network as net
+from support.devices import caller_device
 from support.server import ROOT
 
 RTOL = ATOL = 2e-4
@@ -184,3 +185,53 @@ def test_a_vjp_placed_on_another_device_misses(served, cache):
     with jax.default_device(other):
         _vjp(served, x, g)
     assert _counts(cache) == (hits + 1, misses + 1)
+
+
+@pytest.fixture(scope="module")
+def request_network():
+    """tesseract_api.py in process without a resident model: the network,
+    its float weights, comes with each request (QAT)."""
+    with in_process(ROOT / "tesseract_api.py", {"QARRAY_MODEL": ""}) as (tess, module):
+        yield tess, module
+
+
+def test_a_qat_loop_through_tesseract_jax(request_network):
+    """Three SGD steps of quantization-aware training through tesseract-jax
+    (apply_tesseract under jax.grad): each step's gradient is the NumPy
+    straight-through reference's, its VJP served by the pullback its apply
+    kept on the device (a cache hit), and the loss falls."""
+    from tesseract_jax import apply_tesseract
+
+    tess, module = request_network
+    cache = module.RUNTIME.cache
+    rng = np.random.default_rng(4)
+    layers = [
+        net.make_layer(rng, 8, 8, "nk", "w", True, "relu"),
+        net.make_layer(rng, 8, 4, "nk", "w", True, "none"),
+    ]
+    x, target = net.normal(rng, (6, 8)), net.normal(rng, (6, 4))
+
+    def loss(weights):
+        request = {"x": x, "layers": [{**l, **w} for l, w in zip(layers, weights)]}
+        y = apply_tesseract(tess, request)["y"]
+        return jax.numpy.sum((y - target) ** 2)
+
+    weights = [{"w": l["w"], "bias": l["bias"]} for l in layers]
+    losses = []
+    with caller_device():
+        for _ in range(3):
+            inputs = {"x": x, "layers": [{**l, **w} for l, w in zip(layers, weights)]}
+            y = net.forward(inputs)
+            want = net.vjp(inputs, 2 * (y - target))
+            hits = cache.hits
+            value, grads = jax.value_and_grad(loss)(weights)
+            assert cache.hits == hits + 1  # the VJP read apply's pullback
+            np.testing.assert_allclose(value, np.sum((y - target) ** 2), rtol=RTOL)
+            for i, grad in enumerate(grads):
+                for name in ("w", "bias"):
+                    np.testing.assert_allclose(
+                        grad[name], want[f"layers.[{i}].{name}"], rtol=RTOL, atol=ATOL
+                    )
+            losses.append(float(value))
+            weights = jax.tree.map(lambda w, g: np.asarray(w - 0.01 * g), weights, grads)
+    assert losses[2] < losses[0], losses
