@@ -24,7 +24,9 @@ relative difference is ``|loss - float32's| / float32's``. Seconds per step:
 the median after the first (compiling) step. The defaults are small (half a
 minute on a 2-core CPU, where the FNO is still in its steep descent and a
 few steps' drift moves the final loss by percents); on an accelerator, train
-further: ``--steps 1000 --fno-steps 1000 --fno-fields 512``.
+the FNO further (``--fno-steps 200 --fno-fields 128``); the digits classifier's
+300 steps are its example's (by 1000 it has memorised its training set, and a
+near-zero loss moves by percents with a few steps' drift).
 
     python -m benchmarks.bf16_training [--steps N] [--fno-steps N]
         [--fno-fields N] [--out FILE.json]
