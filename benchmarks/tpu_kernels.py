@@ -58,7 +58,10 @@ def _int4(x, w, **options):
 
 def variants(k: int, n: int, only: set[str]):
     """(family, name, rows, fn(x, w)) for every variant tried."""
-    few_blocks = [(512, 2048), (1024, 2048), (512, 4096), (2048, 1024)]
+    # larger blocks first: fewer grid steps, each step's fixed cost a smaller
+    # share of its weights' read
+    few_blocks = [(1024, 4096), (2048, 4096), (4096, 2048), (2048, 8192)]
+    few_blocks += [(512, 2048), (1024, 2048), (512, 4096), (2048, 1024)]
     many_blocks = [
         (512, 1024, 1024),
         (512, 512, 1024),
@@ -70,7 +73,9 @@ def variants(k: int, n: int, only: set[str]):
     out = []
     if "int8" in only:
         for (bn, bk), (mxu, parts) in itertools.product(few_blocks, ways):
-            for orient in ("rows", "columns") if bn in (512, 2048) else ("rows",):
+            for orient in (
+                ("rows", "columns") if bn in (512, 2048) and bk < 8192 else ("rows",)
+            ):
                 fn = functools.partial(
                     _int8, mxu=mxu, parts=parts, blocks=(512, bn, bk), orient=orient
                 )

@@ -69,7 +69,14 @@ def test_the_accelerator_suite_collects():
     """``make test-accelerator``'s file list names files that exist (a test
     file renamed elsewhere would stop the chip's run before its first test)."""
     done = subprocess.run(
-        ["bash", "scripts/test_accelerator.sh", sys.executable, "cpu", "--collect-only", "-q"],
+        [
+            "bash",
+            "scripts/test_accelerator.sh",
+            sys.executable,
+            "cpu",
+            "--collect-only",
+            "-q",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -212,15 +212,25 @@ def test_a_qat_loop_through_tesseract_jax(request_network):
     x, target = net.normal(rng, (6, 8)), net.normal(rng, (6, 4))
 
     def loss(weights):
-        request = {"x": x, "layers": [{**l, **w} for l, w in zip(layers, weights)]}
+        request = {
+            "x": x,
+            "layers": [
+                {**layer, **w} for layer, w in zip(layers, weights, strict=True)
+            ],
+        }
         y = apply_tesseract(tess, request)["y"]
         return jax.numpy.sum((y - target) ** 2)
 
-    weights = [{"w": l["w"], "bias": l["bias"]} for l in layers]
+    weights = [{"w": layer["w"], "bias": layer["bias"]} for layer in layers]
     losses = []
     with caller_device():
         for _ in range(3):
-            inputs = {"x": x, "layers": [{**l, **w} for l, w in zip(layers, weights)]}
+            inputs = {
+                "x": x,
+                "layers": [
+                    {**layer, **w} for layer, w in zip(layers, weights, strict=True)
+                ],
+            }
             y = net.forward(inputs)
             want = net.vjp(inputs, 2 * (y - target))
             hits = cache.hits
@@ -233,5 +243,7 @@ def test_a_qat_loop_through_tesseract_jax(request_network):
                         grad[name], want[f"layers.[{i}].{name}"], rtol=RTOL, atol=ATOL
                     )
             losses.append(float(value))
-            weights = jax.tree.map(lambda w, g: np.asarray(w - 0.01 * g), weights, grads)
+            weights = jax.tree.map(
+                lambda w, g: np.asarray(w - 0.01 * g), weights, grads
+            )
     assert losses[2] < losses[0], losses

@@ -147,7 +147,9 @@ def test_vector_jacobian_product(tess, inputs, rng):
     assert set(out) == set(paths)
     tol = accuracy.for_network(inputs, RTOL)
     for path in paths:
-        np.testing.assert_allclose(out[path], want[path], rtol=tol, atol=tol, err_msg=path)
+        np.testing.assert_allclose(
+            out[path], want[path], rtol=tol, atol=tol, err_msg=path
+        )
 
 
 def test_jacobian_vector_product_and_jacobian_agree_with_reference(tess, inputs, rng):
