@@ -20,6 +20,52 @@ pytestmark = pytest.mark.formulations
 RTOL = ATOL = 2e-4
 P = jax.P
 
+# Compiled once per shape and shared by the tests (each eager op is an XLA
+# program of its own, ~0.1-0.2 s on a TPU). The eager paths stay covered:
+# int4 quantize in test_nibble_order_and_sign, pack and dequantize in
+# test_pack_round_trip_and_scale_gradient, a scan of linear_q in
+# test_vmap_and_scan_over_stacked_int4_weights (and the transform table).
+quantize = jax.jit(qa.quantize, static_argnames=("bits", "group_size"))
+dequantize = jax.jit(qa.dequantize)
+linear_q = jax.jit(qa.linear_q, static_argnums=2)
+
+
+@jax.jit
+def unpacked(q):
+    """The packed nibbles and scales of q, as arrays."""
+    return qa.unpack(q)
+
+
+@jax.jit
+def _quantize_stack(ws):
+    return jax.vmap(
+        lambda w: qa.quantize(w, bits=4, group_size=8), out_axes=qa.QArraySpec()
+    )(ws)
+
+
+@jax.jit
+def _linear_stack(x, qws):
+    return jax.vmap(lambda q: qa.linear_q(x, q), in_axes=qa.QArraySpec(), axis_size=3)(
+        qws
+    )
+
+
+@jax.jit
+def _scale_grad(packed, scale, x, g):
+    """d/dscale of sum(g * linear_q(x, pack(packed, scale, 4, 8)))."""
+    return jax.grad(lambda s: jnp.sum(qa.linear_q(x, qa.pack(packed, s, 4, 8)) * g))(
+        scale
+    )
+
+
+@jax.jit
+def _x_grads(x, q, g):
+    """d/dx of sum(g * linear_q(x, q, a)) for a in float32, int8."""
+    return [
+        jax.grad(lambda x, a=a: jnp.sum(qa.linear_q(x, q, a) * g))(x)
+        for a in ("float32", "int8")
+    ]
+
 
 def normal(rng, shape):
     return rng.standard_normal(shape).astype(np.float32)
@@ -29,7 +75,7 @@ def normal(rng, shape):
 def test_quantize_packs_like_numpy(rng, group_size):
     x = normal(rng, (3, 256))
     x[1, :group_size] = 0  # an all-zero group: scale 0, values 0
-    q = jax.jit(lambda x: qa.quantize(x, bits=4, group_size=group_size))(x)
+    q = quantize(x, bits=4, group_size=group_size)
     assert str(jax.typeof(q)) == "q4[3,256]"
     values, scale = ref.quantize4(x, group_size)
     packed, got_scale = qa.unpack(q)
@@ -38,9 +84,7 @@ def test_quantize_packs_like_numpy(rng, group_size):
     np.testing.assert_array_equal(packed, ref.pack4(values))
     np.testing.assert_allclose(got_scale, scale, rtol=1e-6)
     assert np.all(np.abs(values) <= 7) and scale[1, 0] == 0
-    np.testing.assert_allclose(
-        qa.dequantize(q), ref.dequantize4(values, scale), rtol=1e-6
-    )
+    np.testing.assert_allclose(dequantize(q), ref.dequantize4(values, scale), rtol=1e-6)
     # the bytes: half of int8's payload
     assert packed.nbytes == x.size // 2
 
@@ -52,18 +96,19 @@ def test_the_kind_is_read_back_from_the_parts(rng, group_size):
     from qarray._qarray import kind_of_parts
 
     x = normal(rng, (2, 3, 256))
-    q4 = qa.quantize(x, bits=4, group_size=group_size)
+    q4 = quantize(x, bits=4, group_size=group_size)
     assert kind_of_parts(q4.qvalue, q4.scale) == (4, group_size)
     assert kind_of_parts(np.asarray(q4.qvalue), np.asarray(q4.scale)) == (
         4,
         group_size,
     )
     assert (jax.typeof(q4).bits, jax.typeof(q4).group_size) == (4, group_size)
-    q8 = qa.quantize(x)
+    q8 = quantize(x)
     assert kind_of_parts(q8.qvalue, q8.scale) == (8, None)
 
 
 def test_nibble_order_and_sign():
+    # eager on purpose: the one un-jitted int4 quantize of this file
     # [-7, 7, 0.7, -0.35] in groups of 2 (scales 1 and 0.1): values -7, 7,
     # 7 and -4 (-0.35 / 0.1 is -3.5 in float32, and rounds half to even)
     x = np.array([[-7.0, 7.0, 0.7, -0.35]], np.float32)
@@ -78,17 +123,17 @@ def test_nibble_order_and_sign():
 
 def test_pack_round_trip_and_scale_gradient(rng):
     x = normal(rng, (4, 64))
-    packed, scale = qa.unpack(qa.quantize(x, bits=4, group_size=16))
-    q = qa.pack(packed, scale, bits=4, group_size=16)
+    packed, scale = unpacked(quantize(x, bits=4, group_size=16))
+    q = qa.pack(packed, scale, bits=4, group_size=16)  # eager on purpose
     assert str(jax.typeof(q)) == "q4[4,64]"
     values = ref.quantize4(x, 16)[0]
     np.testing.assert_allclose(
         qa.dequantize(q), ref.dequantize4(values, scale), rtol=1e-6
     )
     g = normal(rng, (4, 64))
-    grad = jax.grad(lambda s: jnp.sum(qa.dequantize(qa.pack(packed, s, 4, 16)) * g))(
-        scale
-    )
+    grad = jax.jit(
+        jax.grad(lambda s: jnp.sum(qa.dequantize(qa.pack(packed, s, 4, 16)) * g))
+    )(scale)
     want = (g * values).reshape(4, 4, 16).sum(-1)
     np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-5)
 
@@ -111,22 +156,22 @@ def test_linear_q_int4_matches_numpy(rng, strategy, m, activations):
     if strategy == "kernel" and not _ffi.available():
         pytest.skip(f"CPU kernels: {_ffi.status()}")
     if strategy and strategy.startswith("pallas") and activations == "int8":
-        packed, scale = qa.unpack(
-            qa.quantize(jnp.ones((8, 128)), bits=4, group_size=64)
+        packed, scale = unpacked(
+            quantize(np.ones((8, 128), np.float32), bits=4, group_size=64)
         )
         with pytest.raises(ValueError, match="weight-only"):
             _formulations.linear_int4(
-                jnp.ones((m, 128)), packed, scale, activations, strategy
+                np.ones((m, 128), np.float32), packed, scale, activations, strategy
             )
         return
     k, n = 256, 48
     x, w = normal(rng, (m, k)), normal(rng, (n, k))
-    q = qa.quantize(jnp.asarray(w), bits=4, group_size=64)
+    q = quantize(w, bits=4, group_size=64)
     want = int4_reference(x, w, 64, activations)
     if strategy is None:
-        got = jax.jit(qa.linear_q, static_argnums=2)(x, q, activations)
+        got = linear_q(x, q, activations)
     else:
-        packed, scale = qa.unpack(q)
+        packed, scale = unpacked(q)
         product = lambda *a: _formulations.linear_int4(*a, activations, strategy)  # noqa: E731
         got = jax.jit(product)(x, packed, scale)
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL * np.abs(want).max())
@@ -138,8 +183,8 @@ def test_w4a8_error_bound(rng, m):
     int8 grid: |y_a8 - y_w4| <= (max|x_row| / 254) * sum_k |W4[n, k]|."""
     k, n = 256, 40
     x, w = normal(rng, (m, k)), normal(rng, (n, k))
-    q = qa.quantize(jnp.asarray(w), bits=4, group_size=128)
-    product = jax.jit(qa.linear_q, static_argnums=2)
+    q = quantize(w, bits=4, group_size=128)
+    product = linear_q
     gap = np.abs(
         np.asarray(product(x, q, "int8")) - np.asarray(product(x, q, "float32"))
     )
@@ -149,30 +194,21 @@ def test_w4a8_error_bound(rng, m):
     assert gap.max() > 0  # the mode does quantize x
     # gradients are those of the weight-only product (straight-through in x)
     g = normal(rng, (m, n))
-    grads = [
-        jax.grad(lambda x, a=a: jnp.sum(qa.linear_q(x, q, a) * g))(x)
-        for a in ("float32", "int8")
-    ]
+    grads = _x_grads(x, q, g)
     np.testing.assert_allclose(grads[1], grads[0], rtol=1e-6)
 
 
 def test_vmap_and_scan_over_stacked_int4_weights(rng):
     ws = normal(rng, (3, 6, 32))
-    qws = jax.vmap(
-        lambda w: qa.quantize(w, bits=4, group_size=8), out_axes=qa.QArraySpec()
-    )(jnp.asarray(ws))
+    qws = _quantize_stack(ws)
     assert str(jax.typeof(qws)) == "q4[3,6,32]"
     x = normal(rng, (2, 32))
-    got = jax.vmap(lambda q: qa.linear_q(x, q), in_axes=qa.QArraySpec(), axis_size=3)(
-        qws
-    )
+    got = _linear_stack(x, qws)
     want = np.stack([x @ ref.roundtrip4(w, 8).T for w in ws])
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
     # scan: three same-shape int4 layers (32 -> 32)
     ws = normal(rng, (3, 32, 32)) * 0.3
-    qws = jax.vmap(
-        lambda w: qa.quantize(w, bits=4, group_size=8), out_axes=qa.QArraySpec()
-    )(jnp.asarray(ws))
+    qws = _quantize_stack(ws)
 
     def run(x, qws):
         h, _ = jax.lax.scan(
@@ -183,22 +219,20 @@ def test_vmap_and_scan_over_stacked_int4_weights(rng):
     h = x.astype(np.float64)
     for w in ws:
         h = np.tanh(h @ ref.roundtrip4(w, 8).T)
-    for fn in (run, jax.jit(run)):
+    for fn in (run, jax.jit(run)):  # run: an eager scan, on purpose
         np.testing.assert_allclose(fn(x, qws), h, rtol=RTOL, atol=ATOL)
 
 
 def test_grad_with_respect_to_stored_int4_scales(rng):
     x, w = normal(rng, (3, 32)), normal(rng, (4, 32))
-    packed, scale = qa.unpack(qa.quantize(jnp.asarray(w), bits=4, group_size=8))
+    packed, scale = unpacked(quantize(w, bits=4, group_size=8))
     g = normal(rng, (3, 4))
-
-    def loss(scale):
-        return jnp.sum(qa.linear_q(x, qa.pack(packed, scale, 4, 8)) * g)
-
     values = ref.quantize4(w, 8)[0].astype(np.float64)
     # d/ds[n, j] of sum g[m, n] x[m, k] v[n, k] s[n, k // 8]
     want = np.einsum("mn,mk,nk->nk", g, x, values).reshape(4, 4, 8).sum(-1)
-    np.testing.assert_allclose(jax.grad(loss)(scale), want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        _scale_grad(packed, scale, x, g), want, rtol=1e-4, atol=1e-4
+    )
 
 
 @pytest.mark.parametrize("n", [300, 1024])
@@ -208,22 +242,25 @@ def test_the_x_cotangent_of_int4_weights_holds_no_float_copy(rng, n):
     compiled VJP whose temporaries are far below the float32 weights'."""
     k = 4096
     w = normal(rng, (n, k))
-    q = qa.quantize(jnp.asarray(w), bits=4, group_size=128)
+    q = quantize(w, bits=4, group_size=128)
     x, g = normal(rng, (8, k)), normal(rng, (8, n))
 
     def ct_x(x, q, g):
         return jax.vjp(lambda x: qa.linear_q(x, q), x)[1](g)[0]
 
     # against the weights q holds (the quantizer's own rounding is tested above)
-    values = ref.unpack4(np.asarray(qa.unpack(q)[0]))
-    dense = ref.dequantize4(values, np.asarray(qa.unpack(q)[1]))
+    packed, scale = unpacked(q)
+    values = ref.unpack4(np.asarray(packed))
+    dense = ref.dequantize4(values, np.asarray(scale))
     want = g.astype(np.float64) @ dense.astype(np.float64)
     np.testing.assert_allclose(jax.jit(ct_x)(x, q, g), want, rtol=1e-4, atol=1e-3)
     # the blocked rule under vmap and differentiated again (its scan of
     # primitives transforms like any other)
-    batched = jax.vmap(ct_x, in_axes=(None, None, 0))(x, q, np.stack([g, 2 * g]))
+    batched = jax.jit(jax.vmap(ct_x, in_axes=(None, None, 0)))(
+        x, q, np.stack([g, 2 * g])
+    )
     np.testing.assert_allclose(batched[1], 2 * want, rtol=1e-4, atol=2e-3)
-    second = jax.grad(lambda g: jnp.sum(ct_x(x, q, g) ** 2))(g)
+    second = jax.jit(jax.grad(lambda g, x, q: jnp.sum(ct_x(x, q, g) ** 2)))(g, x, q)
     np.testing.assert_allclose(
         second, 2 * want @ dense.T.astype(np.float64), rtol=1e-3, atol=5e-2
     )
@@ -234,8 +271,8 @@ def test_the_x_cotangent_of_int4_weights_holds_no_float_copy(rng, n):
 
 def test_output_channels_sharded(mesh, rng):
     x, w = normal(rng, (3, 32)), normal(rng, (8, 32))
-    ws = jax.device_put(jnp.asarray(w), P("i"))
-    q = qa.quantize(ws, bits=4, group_size=8)
+    ws = jax.device_put(w, P("i"))
+    q = quantize(ws, bits=4, group_size=8)
     assert str(jax.typeof(q)) == "q4[8@i,32]"
     y = jax.jit(qa.linear_q)(x, q)
     assert str(jax.typeof(y)) == "float32[3,8@i]"
@@ -259,7 +296,7 @@ def test_shard_map_in_and_out(mesh, rng):
 
     q = quantize_shards(jax.device_put(w, P("i")))
     assert str(jax.typeof(q)) == "q4[8@i,32]"
-    np.testing.assert_allclose(qa.dequantize(q), ref.roundtrip4(w, 8), rtol=1e-6)
+    np.testing.assert_allclose(dequantize(q), ref.roundtrip4(w, 8), rtol=1e-6)
 
     @jax.jit
     @jax.shard_map(in_specs=qa.QArrayP(P("i")), out_specs=P("i"))
@@ -273,42 +310,49 @@ def test_shard_map_in_and_out(mesh, rng):
     "fn, error, match",
     [
         (
-            lambda: qa.quantize(jnp.ones((2, 12)), bits=4, group_size=8),
+            lambda: qa.quantize(np.ones((2, 12), np.float32), bits=4, group_size=8),
             TypeError,
             "multiple of group_size=8",
         ),
         (
-            lambda: qa.quantize(jnp.ones((2, 12)), bits=4, group_size=3),
+            lambda: qa.quantize(np.ones((2, 12), np.float32), bits=4, group_size=3),
             ValueError,
             "positive even int",
         ),
         (
-            lambda: qa.quantize(jnp.ones((2, 12)), bits=2),
+            lambda: qa.quantize(np.ones((2, 12), np.float32), bits=2),
             ValueError,
             r"bits in \(8, 4\)",
         ),
         (
-            lambda: qa.quantize(jnp.ones((2, 12)), group_size=4),
+            lambda: qa.quantize(np.ones((2, 12), np.float32), group_size=4),
             ValueError,
             "group_size is for bits=4",
         ),
         (
             lambda: qa.matmul_q(
-                jnp.ones((2, 8)), qa.quantize(jnp.ones((8, 8)), bits=4, group_size=4)
+                np.ones((2, 8), np.float32),
+                quantize(np.ones((8, 8), np.float32), bits=4, group_size=4),
             ),
             TypeError,
             'layout "nk"',
         ),
         (
             lambda: qa.pack(
-                jnp.zeros((2, 4), jnp.int8), jnp.ones((2, 1)), bits=4, group_size=8
+                np.zeros((2, 4), np.int8),
+                np.ones((2, 1), np.float32),
+                bits=4,
+                group_size=8,
             ),
             TypeError,
             "uint8",
         ),
         (
             lambda: qa.pack(
-                jnp.zeros((2, 4), jnp.uint8), jnp.ones((2, 2)), bits=4, group_size=8
+                np.zeros((2, 4), np.uint8),
+                np.ones((2, 2), np.float32),
+                bits=4,
+                group_size=8,
             ),
             TypeError,
             r"scale of shape \(2, 1\)",
@@ -326,9 +370,10 @@ def test_w4a8_linear_layer(rng):
     from qarray import nn as qnn
 
     x, w, b = normal(rng, (6, 128)), normal(rng, (24, 128)), normal(rng, (24,))
+    # eager (from_float records the weight error as a Python float)
     layer = qnn.Linear.from_float(
-        jnp.asarray(w),
-        jnp.asarray(b),
+        w,
+        b,
         precision="int4",
         group_size=32,
         activations="int8",
@@ -336,7 +381,7 @@ def test_w4a8_linear_layer(rng):
     want = int4_reference(x, w, 32, "int8") + b
     got = eqx.filter_jit(lambda m, x: m(x))(layer, x)
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL * np.abs(want).max())
-    g = jax.grad(lambda x: jnp.sum(layer(x)))(x)
+    g = eqx.filter_jit(jax.grad(lambda x, m: jnp.sum(m(x)), argnums=0))(x, layer)
     np.testing.assert_allclose(
         g, np.ones((6, 24)) @ ref.roundtrip4(w, 32), rtol=1e-5, atol=1e-5
     )

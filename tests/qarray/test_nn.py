@@ -25,6 +25,26 @@ pytestmark = pytest.mark.formulations
 RTOL, ATOL = 2e-5, 2e-5
 
 
+# Models are called through these (one XLA program per model structure and
+# shape, cached across tests) rather than eagerly, op by op (a program per op;
+# ~0.1-0.2 s each on a TPU). Eager calls stay where they are the point:
+# test_linear_values_match_numpy and test_linear_int8_activations_match_numpy
+# (Linear), test_a_module_under_jit_carries_no_qarray (its jaxpr).
+@eqx.filter_jit
+def call(model, *args, **kwargs):
+    return model(*args, **kwargs)
+
+
+@eqx.filter_jit
+def vcall(model, xs):
+    return jax.vmap(model)(xs)
+
+
+@eqx.filter_jit
+def filter_vcall(model, xs):
+    return eqx.filter_vmap(model)(xs)
+
+
 def normal(rng, *shape):
     return rng.standard_normal(shape).astype(np.float32)
 
@@ -50,7 +70,7 @@ def test_linear_values_match_numpy(rng, layout, trainable):
     assert layer.trainable == trainable
     assert (layer.in_features, layer.out_features) == (k, n)
     want = x.astype(np.float64) @ dense(w, layout) + bias
-    np.testing.assert_allclose(layer(x), want, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(layer(x), want, rtol=RTOL, atol=ATOL)  # eager
     jitted = jax.jit(lambda m, x: m(x))(layer, x)  # the module as an argument
     np.testing.assert_allclose(jitted, want, rtol=RTOL, atol=ATOL)
     # the recorded (stored) or computed (trainable) relative weight error
@@ -77,12 +97,12 @@ def test_trainable_gradients_are_straight_through(rng, layout):
     k, n = 6, 5
     w = normal(rng, *((k, n) if layout == "kn" else (n, k)))
     bias, x, g = normal(rng, n), normal(rng, 4, k), normal(rng, 4, n)
-    layer = qnn.Linear(jnp.asarray(w), jnp.asarray(bias), layout=layout)
+    layer = qnn.Linear(w, bias, layout=layout)
 
-    def loss(layer, x):
+    def loss(layer, x, g):
         return jnp.sum(g * layer(x))
 
-    grads, gx = jax.grad(loss, argnums=(0, 1))(layer, x)
+    grads, gx = eqx.filter_jit(jax.grad(loss, argnums=(0, 1)))(layer, x, g)
     gx_want, gw_kn = ref.dense_vjp(x, dense(w, layout), g)
     gw_want = gw_kn if layout == "kn" else gw_kn.T
     np.testing.assert_allclose(grads.weight, gw_want, rtol=RTOL, atol=ATOL)
@@ -96,7 +116,9 @@ def test_stored_gradient_with_respect_to_the_scales_is_exact(rng, layout):
     x, g = normal(rng, 4, k), normal(rng, 4, n)
     layer = qnn.Linear.from_float(w, layout=layout)
     q = np.asarray(layer.qvalue, np.float64)
-    grads = eqx.filter_grad(lambda m: jnp.sum(g * m(x)))(layer)
+    grads = eqx.filter_jit(eqx.filter_grad(lambda m, x, g: jnp.sum(g * m(x))))(
+        layer, x, g
+    )
     assert grads.qvalue is None  # int8 carries no gradient
     if layout == "nk":  # y[m, n] = s[n] * (x @ q.T)[m, n]
         want = np.sum(g * (x @ q.T), axis=0)
@@ -117,9 +139,11 @@ def test_a_module_under_jit_carries_no_qarray(rng):
 def test_linear_under_vmap_and_grad_of_vmap(rng):
     layer = qnn.Linear.from_float(normal(rng, 5, 6), normal(rng, 5), trainable=True)
     xs = normal(rng, 7, 6)
-    np.testing.assert_allclose(jax.vmap(layer)(xs), layer(xs), rtol=RTOL, atol=ATOL)
-    grads = jax.grad(lambda m: jnp.sum(jax.vmap(m)(xs) ** 2))(layer)
-    want = jax.grad(lambda m: jnp.sum(m(xs) ** 2))(layer)
+    np.testing.assert_allclose(vcall(layer, xs), call(layer, xs), rtol=RTOL, atol=ATOL)
+    grads = eqx.filter_jit(jax.grad(lambda m, xs: jnp.sum(jax.vmap(m)(xs) ** 2)))(
+        layer, xs
+    )
+    want = eqx.filter_jit(jax.grad(lambda m, xs: jnp.sum(m(xs) ** 2)))(layer, xs)
     np.testing.assert_allclose(grads.weight, want.weight, rtol=1e-4, atol=1e-4)
 
 
@@ -188,7 +212,7 @@ def test_quantized_mlp_matches_numpy_and_stays_near_the_float_model(rng):
     assert all(isinstance(layer, qnn.Linear) for layer in quantized.layers)
     assert all(layer.qvalue.dtype == jnp.int8 for layer in quantized.layers)
     xs = normal(rng, 32, 8)
-    got = jax.vmap(quantized)(xs)
+    got = vcall(quantized, xs)
     want = numpy_mlp(model, xs, quantized=lambda i: True)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     # within the quantization bound of the float model: a few 1e-3 relative
@@ -207,15 +231,15 @@ def test_where_keeps_chosen_layers_float(rng):
     assert kinds == [eqx.nn.Linear, qnn.Linear, qnn.Linear, eqx.nn.Linear]
     xs = normal(rng, 16, 8)
     want = numpy_mlp(model, xs, quantized=lambda i: i in (1, 2))
-    np.testing.assert_allclose(jax.vmap(quantized)(xs), want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(vcall(quantized, xs), want, rtol=1e-4, atol=1e-5)
 
 
 def test_quantize_with_int8_activations(rng):
     quantized = qnn.quantize(mlp(), activations="int8")
     assert {layer.activations for layer in quantized.layers} == {"int8"}
     xs = normal(rng, 8, 8)
-    weight_only = jax.vmap(qnn.quantize(mlp()))(xs)
-    got = jax.vmap(quantized)(xs)
+    weight_only = vcall(qnn.quantize(mlp()), xs)
+    got = vcall(quantized, xs)
     assert not np.allclose(got, weight_only, rtol=0, atol=1e-6)
     np.testing.assert_allclose(got, weight_only, rtol=0.05, atol=0.02)
 
@@ -225,32 +249,33 @@ def test_qat_trains_with_optax_and_the_int8_export_scores_the_same(rng):
     stored int8 layers with the QAT model's outputs."""
     teacher = mlp(key=1)
     xs = normal(rng, 256, 8)
-    ys = jax.vmap(teacher)(xs)
+    ys = np.asarray(vcall(teacher, xs))
     model = qnn.quantize(mlp(key=2), trainable=True)
     optimizer = optax.adam(1e-2)
     state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
 
-    def loss(model):
+    def loss(model, xs, ys):
         return jnp.mean((jax.vmap(model)(xs) - ys) ** 2)
 
     @eqx.filter_jit
     def step(model, state):
-        value, grads = eqx.filter_value_and_grad(loss)(model)
+        value, grads = eqx.filter_value_and_grad(loss)(model, xs, ys)
         updates, state = optimizer.update(grads, state)
         return eqx.apply_updates(model, updates), state, value
 
-    first = float(loss(model))
+    score = eqx.filter_jit(loss)
+    first = float(score(model, xs, ys))
     for _ in range(150):
         model, state, _ = step(model, state)
-    last = float(loss(model))
+    last = float(score(model, xs, ys))
     assert last < 0.2 * first, (first, last)
     exported = qnn.freeze(model)
     assert all(not layer.trainable for layer in exported.layers)
     assert all(layer.qvalue.dtype == jnp.int8 for layer in exported.layers)
     np.testing.assert_allclose(
-        jax.vmap(exported)(xs), jax.vmap(model)(xs), rtol=1e-5, atol=1e-6
+        vcall(exported, xs), vcall(model, xs), rtol=1e-5, atol=1e-6
     )
-    np.testing.assert_allclose(float(loss(exported)), last, rtol=1e-4)
+    np.testing.assert_allclose(float(score(exported, xs, ys)), last, rtol=1e-4)
 
 
 def test_scalar_layers_stay_float():
@@ -258,7 +283,8 @@ def test_scalar_layers_stay_float():
     quantized = qnn.quantize(model)
     kinds = [type(layer) for layer in quantized.layers]
     assert kinds == [eqx.nn.Linear, qnn.Linear, eqx.nn.Linear]
-    np.testing.assert_allclose(quantized(1.5), model(1.5), rtol=0.05, atol=1e-3)
+    x = np.float32(1.5)
+    np.testing.assert_allclose(call(quantized, x), call(model, x), rtol=0.05, atol=1e-3)
 
 
 def test_the_library_imports_no_server():
@@ -298,7 +324,9 @@ def test_a_sequential_runs_quantized_with_a_key(rng, trainable):
     )
     quantized = qnn.quantize(seq, trainable=trainable)
     x = normal(rng, 3, 8)
-    got = jax.vmap(lambda x: quantized(x, key=k3))(x)
+    got = eqx.filter_jit(lambda m, x, k: jax.vmap(lambda x: m(x, key=k))(x))(
+        quantized, x, k3
+    )
     first, last = seq.layers[0], seq.layers[2]
     h = x @ dense(np.asarray(first.weight), "nk") + np.asarray(first.bias)
     want = np.maximum(h, 0) @ dense(np.asarray(last.weight), "nk") + np.asarray(
@@ -317,7 +345,7 @@ def test_a_sequential_of_convolutions_and_a_stateful_one_take_a_key(rng):
         ]
     )
     x = normal(rng, 3, 12, 12)
-    got, want = qnn.quantize(convs)(x, key=k3), convs(x)
+    got, want = call(qnn.quantize(convs), x, key=k3), call(convs, x)
     assert np.linalg.norm(got - want) <= 2e-2 * np.linalg.norm(want)
     model, state = eqx.nn.make_with_state(eqx.nn.Sequential)(
         [
@@ -333,6 +361,7 @@ def test_a_sequential_of_convolutions_and_a_stateful_one_take_a_key(rng):
         out_axes=(0, None),
     )
     xs = normal(rng, 5, 8)
+    batch = eqx.filter_jit(batch)
     (got, _), (want, _) = batch(qnn.quantize(model), xs, state), batch(model, xs, state)
     assert np.linalg.norm(got - want) <= 5e-2 * np.linalg.norm(want)
 
@@ -344,19 +373,21 @@ def test_equinox_tools_work_on_a_quantized_model(rng, tmp_path):
     mlp = eqx.nn.MLP(6, 3, 8, 2, key=k1)
     stored, trainable = qnn.quantize(mlp), qnn.quantize(mlp, trainable=True)
     x = normal(rng, 4, 6)
-    y = eqx.filter_vmap(stored)(x)
-    np.testing.assert_allclose(y, jax.vmap(stored)(x), rtol=1e-6, atol=1e-6)
+    y = filter_vcall(stored, x)
+    np.testing.assert_allclose(y, vcall(stored, x), rtol=1e-6, atol=1e-6)
     path = tmp_path / "model.eqx"
     eqx.tree_serialise_leaves(path, stored)
     like = qnn.quantize(eqx.nn.MLP(6, 3, 8, 2, key=k2))  # other weights, same tree
     loaded = eqx.tree_deserialise_leaves(path, like)
-    np.testing.assert_array_equal(eqx.filter_vmap(loaded)(x), y)
+    np.testing.assert_array_equal(filter_vcall(loaded, x), y)
 
-    def loss(model):
+    @eqx.filter_jit
+    @eqx.filter_grad
+    def grad(model, x):
         return jnp.sum(eqx.filter_vmap(model)(x) ** 2)
 
-    grads = eqx.filter_grad(loss)(trainable)
-    float_grads = eqx.filter_grad(loss)(mlp)
+    grads = grad(trainable, x)
+    float_grads = grad(mlp, x)
     for got, want in zip(
         jax.tree.leaves(eqx.filter(grads, eqx.is_inexact_array)),
         jax.tree.leaves(eqx.filter(float_grads, eqx.is_inexact_array)),
@@ -366,5 +397,5 @@ def test_equinox_tools_work_on_a_quantized_model(rng, tmp_path):
         assert np.linalg.norm(got - want) <= 0.1 * np.linalg.norm(want) + 1e-6
     params, static = eqx.partition(trainable, eqx.is_inexact_array)
     np.testing.assert_array_equal(
-        eqx.filter_vmap(eqx.combine(params, static))(x), eqx.filter_vmap(trainable)(x)
+        filter_vcall(eqx.combine(params, static), x), filter_vcall(trainable, x)
     )

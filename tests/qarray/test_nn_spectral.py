@@ -20,6 +20,21 @@ GEOMETRIES = [  # (in, out, modes, x shape)
 IDS = ["1d", "2d", "3d", "2d-batched-all-modes"]
 
 
+# Models are called through these (one XLA program per model structure and
+# shape) rather than eagerly, op by op (a program per op; ~0.1-0.2 s each on
+# a TPU); one eager call of a stored SpectralConv stays, in
+# test_freeze_model_files_and_equinox_tools.
+@eqx.filter_jit
+def call(model, *args):
+    return model(*args)
+
+
+@eqx.filter_jit
+def weight_at_scale(model, scale):
+    """The complex weight model stores with its scales replaced by scale."""
+    return eqx.tree_at(lambda m: m.scale, model, scale).spectral_weight()
+
+
 def as_complex(parts):
     return parts[..., 0] + 1j * parts[..., 1]
 
@@ -50,7 +65,7 @@ def test_gradients_match_numpy(rng, precision):
     w = ref.spectral_roundtrip(np.asarray(layer.weight), precision, 2)
     stored = qnn.quantize(layer, precision=precision, group_size=2)
     jx = ref.linear_jacobian(lambda v: ref.spectral_conv(v, w, modes), x)
-    gx = jax.grad(lambda x: jnp.sum(stored(x) * g))(x)
+    gx = eqx.filter_jit(jax.grad(lambda x, m, g: jnp.sum(m(x) * g)))(x, stored, g)
     np.testing.assert_allclose(gx, np.tensordot(g, jx, g.ndim), rtol=1e-4, atol=1e-5)
     # stored scales: the output is linear in them
     scale = np.asarray(stored.scale)
@@ -58,22 +73,22 @@ def test_gradients_match_numpy(rng, precision):
     def with_scale(s):
         return ref.spectral_conv(
             x,
-            np.asarray(
-                eqx.tree_at(
-                    lambda m: m.scale, stored, jnp.asarray(s, jnp.float32)
-                ).spectral_weight()
-            ),
+            np.asarray(weight_at_scale(stored, np.asarray(s, np.float32))),
             modes,
         )
 
     js = ref.linear_jacobian(with_scale, scale)
-    gs = jax.grad(lambda s: jnp.sum(eqx.tree_at(lambda m: m.scale, stored, s)(x) * g))(
-        jnp.asarray(scale)
-    )
+    gs = eqx.filter_jit(
+        jax.grad(
+            lambda s, m, x, g: jnp.sum(eqx.tree_at(lambda m: m.scale, m, s)(x) * g)
+        )
+    )(scale, stored, x, g)
     np.testing.assert_allclose(gs, np.tensordot(g, js, g.ndim), rtol=1e-4, atol=1e-5)
     # trainable: straight-through, the float layer's gradient at W
     trainable = qnn.quantize(layer, precision=precision, group_size=2, trainable=True)
-    grads = eqx.filter_grad(lambda m: jnp.sum(m(x) * g))(trainable)
+    grads = eqx.filter_jit(eqx.filter_grad(lambda m, x, g: jnp.sum(m(x) * g)))(
+        trainable, x, g
+    )
 
     def of_parts(parts):
         return ref.spectral_conv(x, parts[..., 0] + 1j * parts[..., 1], modes)
@@ -105,17 +120,22 @@ def test_freeze_model_files_and_equinox_tools(rng, tmp_path):
     assert (
         exported.spectral.qvalue.dtype == np.int8 and exported.spectral.weight is None
     )
-    np.testing.assert_allclose(exported(x), qat(x), rtol=1e-5, atol=1e-6)
+    # eager on purpose: the stored spectral layer op by op, against the jitted
+    exported_x = exported(x)
+    np.testing.assert_allclose(exported_x, call(qat, x), rtol=1e-5, atol=1e-6)
     assert 0 < exported.spectral.stored_error < 0.02
     file = tmp_path / "fno.safetensors"
     save_tree(file, exported)
     loaded = load_quantized(file, FNOBlock(jax.random.key(9)))
-    np.testing.assert_array_equal(loaded(x), exported(x))
+    exported_x = call(exported, x)
+    np.testing.assert_array_equal(call(loaded, x), exported_x)
     # float32 and quantized models share the tree tools
     params, static = eqx.partition(exported, eqx.is_inexact_array)
-    np.testing.assert_array_equal(eqx.combine(params, static)(x), exported(x))
-    batched = eqx.filter_vmap(exported)(np.stack([x, x]))
-    np.testing.assert_allclose(batched[1], exported(x), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(call(eqx.combine(params, static), x), exported_x)
+    batched = eqx.filter_jit(lambda m, xs: eqx.filter_vmap(m)(xs))(
+        exported, np.stack([x, x])
+    )
+    np.testing.assert_allclose(batched[1], exported_x, rtol=1e-6, atol=1e-6)
 
 
 def test_errors_name_the_shapes():
@@ -123,13 +143,13 @@ def test_errors_name_the_shapes():
         qnn.SpectralConv(2, 2, (1, 2, 3, 4), key=jax.random.key(0))
     layer = qnn.SpectralConv(2, 3, (5, 4), key=jax.random.key(0))
     with pytest.raises(TypeError, match=r"requires x of shape \(\.\.\., 2"):
-        layer(jnp.ones((3, 8, 8)))
+        layer(np.ones((3, 8, 8), np.float32))
     with pytest.raises(TypeError, match="exceed the frequencies"):
-        layer(jnp.ones((2, 4, 8)))
+        layer(np.ones((2, 4, 8), np.float32))
     with pytest.raises(ValueError, match="group_size"):
         qnn.SpectralConv(3, 2, 2, key=jax.random.key(0), precision="int4", group_size=4)
     with pytest.raises(TypeError, match=r"float16 \(in, out, \*modes, 2\)"):
-        qnn.SpectralConv(2, 3, 2, weight=jnp.ones((2, 3, 2)))
+        qnn.SpectralConv(2, 3, 2, weight=np.ones((2, 3, 2), np.float32))
 
 
 def test_evaluate_and_plan_cover_spectral_layers(rng):
