@@ -18,6 +18,45 @@ def normal(rng, shape, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
+# The models under test run through module-level jitted helpers: each
+# compiles once per model structure and shapes, cached across tests (run
+# eagerly, every jnp op of a layer is an XLA compile of its own, ~0.1-0.2 s
+# each on a TPU, where the suite runs in one process). Kept eager on
+# purpose, a call of each kind: test_linear_adapter_values_and_gradients
+# [jit=False] (LoRA on Linear: values and gradients), test_conv_adapter_
+# against_numpy (LoRA on Conv and its base), test_spectral_adapter's and
+# test_every_kind_starts_as_the_base_and_trains_only_its_adapters's exact
+# "starts as the base" checks (LoRA on SpectralConv; on ConvTranspose,
+# Embedding, GRUCell and SpectralConv, and those bases).
+
+
+@eqx.filter_jit
+def call(model, *args):
+    return model(*args)
+
+
+@eqx.filter_jit
+def batched(model, x):
+    return jax.vmap(model)(x)
+
+
+@eqx.filter_jit
+def update_of(adapter, x):
+    """An adapter's low-rank term alone."""
+    return adapter.update(x)
+
+
+@eqx.filter_jit
+def lookup(model, index):
+    """An embedding's rows at ``index`` (one lookup per entry)."""
+    return jax.vmap(lambda m, i: m(i), in_axes=(None, 0))(model, index)
+
+
+def rel_err(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
 def dense(layer_w, precision, layout):
     """The (N, K) matrix a stored layer of float weights multiplies by."""
     w = np.asarray(layer_w)
@@ -35,22 +74,24 @@ def test_linear_adapter_values_and_gradients(rng, precision, layout, jit):
     w = normal(rng, (n, k) if layout == "nk" else (k, n))
     bias = normal(rng, (n,))
     base = qnn.Linear.from_float(
-        jnp.asarray(w), jnp.asarray(bias), layout=layout, precision=precision,
+        jax.device_put(w), jax.device_put(bias), layout=layout, precision=precision,
         group_size=16 if precision == "int4" else None,
     )  # fmt: skip
     adapted = qnn.lora(base, rank, alpha=alpha, key=jax.random.key(0))
     assert isinstance(adapted, qnn.LoRA) and adapted.a.shape == (rank, k)
     x = normal(rng, (5, k))
+    run = call if jit else (lambda m, x: m(x))  # jit=False: eager, on purpose
     # b starts at zero: the adapted layer is the base
-    np.testing.assert_array_equal(adapted(x), base(x))
-    adapted = eqx.tree_at(lambda m: m.b, adapted, jnp.asarray(normal(rng, (n, rank))))
+    np.testing.assert_array_equal(run(adapted, x), run(base, x))
+    adapted = eqx.tree_at(
+        lambda m: m.b, adapted, jax.device_put(normal(rng, (n, rank)))
+    )
     a, b = np.asarray(adapted.a, np.float64), np.asarray(adapted.b, np.float64)
     wd = dense(w, precision, layout).astype(np.float64)
     scale = alpha / rank
     u = x @ a.T
     want = x @ wd.T + bias + scale * u @ b.T
-    call = eqx.filter_jit(lambda m, x: m(x)) if jit else (lambda m, x: m(x))
-    np.testing.assert_allclose(call(adapted, x), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(run(adapted, x), want, rtol=1e-5, atol=1e-5)
     g = normal(rng, (5, n))
 
     def loss(pair):
@@ -58,7 +99,7 @@ def test_linear_adapter_values_and_gradients(rng, precision, layout, jit):
         return jnp.sum(m(x) * g)
 
     grad = eqx.filter_grad(loss)
-    gm, gx = (eqx.filter_jit(grad) if jit else grad)((adapted, jnp.asarray(x)))
+    gm, gx = (eqx.filter_jit(grad) if jit else grad)((adapted, jax.device_put(x)))
     du = scale * g @ b
     np.testing.assert_allclose(gm.a, du.T @ x, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(gm.b, scale * g.T @ u, rtol=1e-4, atol=1e-5)
@@ -73,11 +114,12 @@ def test_conv_adapter_against_numpy(rng):
     )
     adapted = qnn.lora(base, 2, key=jax.random.key(2))
     assert adapted.a.shape == (2, 3, 3, 3)
-    adapted = eqx.tree_at(lambda m: m.b, adapted, jnp.asarray(normal(rng, (6, 2))))
+    adapted = eqx.tree_at(lambda m: m.b, adapted, jax.device_put(normal(rng, (6, 2))))
     x = normal(rng, (3, 9, 9))
     geometry = ((2, 2), ((1, 1), (1, 1)), (1, 1))
     low = ref.conv(x, np.asarray(adapted.a), *geometry)
     update = np.einsum("nr,r...->n...", np.asarray(adapted.b, np.float64), low)
+    # eager, on purpose: this file's eager call of a Conv and its adapter
     np.testing.assert_allclose(
         adapted(x), np.asarray(base(x)) + update, rtol=1e-4, atol=1e-4
     )
@@ -120,8 +162,8 @@ def test_partition_trains_only_the_adapters_and_merge_folds_them(rng):
     merged = qnn.merge(trained)
     assert isinstance(merged.layers[0], qnn.Linear) and merged.layers[0].trainable
     # float weights W + (alpha / r) b a, re-quantized every call: near the adapted model
-    ya, ym = jax.vmap(trained)(x), jax.vmap(merged)(x)
-    assert float(jnp.linalg.norm(ya - ym) / jnp.linalg.norm(ya)) < 0.15
+    ya, ym = batched(trained, x), batched(merged, x)
+    assert rel_err(ym, ya) < 0.15
     assert qnn.freeze(merged).layers[0].qvalue.dtype == np.uint8
 
 
@@ -147,26 +189,32 @@ def test_where_and_errors():
 def with_b(adapted, rng, scale=0.5):
     """The adapter with a nonzero b (lora starts it at zero)."""
     b = normal(rng, adapted.b.shape, scale)
-    return eqx.tree_at(lambda m: m.b, adapted, jnp.asarray(b))
+    return eqx.tree_at(lambda m: m.b, adapted, jax.device_put(b))
 
 
+@eqx.filter_jit
 def grads_ab(fn, adapted, g):
-    """d sum(fn(adapted) * g) / d (a, b)."""
+    """d sum(fn(adapted) * g) / d (a, b) (jitted: ``fn`` is static)."""
     grads = eqx.filter_grad(lambda ab: jnp.sum(fn(eqx.tree_at(
         lambda m: (m.a, m.b), adapted, ab)) * g))((adapted.a, adapted.b))  # fmt: skip
     return grads
+
+
+@eqx.filter_jit
+def float_grads(float_fn, a, b, g):
+    """d sum(float_fn(a, b) * g) / d (a, b) (jitted: ``float_fn`` is static)."""
+    return jax.grad(lambda a, b: jnp.sum(float_fn(a, b) * g), argnums=(0, 1))(a, b)
 
 
 def check_grads(fn, float_fn, adapted, g):
     """Gradients w.r.t. a and b of the adapted layer against those of
     ``float_fn(a, b)``, the float reference (plain jnp)."""
     got = grads_ab(fn, adapted, g)
-    want = jax.grad(lambda a, b: jnp.sum(float_fn(a, b) * g), argnums=(0, 1))(
-        adapted.a, adapted.b
-    )
+    want = float_grads(float_fn, adapted.a, adapted.b, g)
     for x, y in zip(got, want, strict=True):
-        assert float(jnp.abs(y).max()) > 0
-        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4 * float(jnp.abs(y).max()))
+        top = float(np.abs(np.asarray(y)).max())
+        assert top > 0
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4 * top)
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
@@ -182,7 +230,7 @@ def test_conv_transpose_adapter(rng, precision):
     assert qnn.adapter_shapes(base, rank) == [((2, 4, 3, 3), (6, 2))]
     adapted = qnn.lora(base, rank, alpha=alpha, key=jax.random.key(6))
     x = normal(rng, (4, 5, 5))
-    np.testing.assert_array_equal(adapted(x), base(x))
+    np.testing.assert_array_equal(call(adapted, x), call(base, x))
     adapted = with_b(adapted, rng)
     w = np.asarray(layer.weight)
     flat = w.reshape(6, -1)
@@ -193,7 +241,7 @@ def test_conv_transpose_adapter(rng, precision):
     update = np.einsum("nr,r...->n...", np.asarray(adapted.b, np.float64), low)
     want = conv_transpose(x, deq, *geometry) + np.asarray(layer.bias).reshape(6, 1, 1)
     want = want + (alpha / rank) * update
-    got = adapted(x)
+    got = call(adapted, x)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
     def float_fn(a, b):
@@ -210,20 +258,21 @@ def test_conv_transpose_adapter(rng, precision):
         deq + (alpha / rank) * np.einsum("nr,r...->n...", adapted.b, adapted.a),
         rtol=1e-5, atol=1e-6,
     )  # fmt: skip
-    assert float(jnp.linalg.norm(merged(x) - got) / jnp.linalg.norm(got)) < 0.1
+    assert rel_err(call(merged, x), got) < 0.1
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
 def test_embedding_adapter(rng, precision):
     table = normal(rng, (12, 8))
     base = qnn.quantize(
-        eqx.nn.Embedding(weight=jnp.asarray(table)), precision=precision, group_size=4
+        eqx.nn.Embedding(weight=jax.device_put(table)),
+        precision=precision,
+        group_size=4,
     )
     rank, alpha = 3, 6.0
     assert qnn.adapter_shapes(base, rank) == [((3, 12), (8, 3))]
     adapted = qnn.lora(base, rank, alpha=alpha, key=jax.random.key(7))
-    index = jnp.asarray([0, 5, 11, 5])
-    lookup = jax.vmap(lambda m, i: m(i), in_axes=(None, 0))
+    index = np.asarray([0, 5, 11, 5])
     np.testing.assert_array_equal(lookup(adapted, index), lookup(base, index))
     adapted = with_b(adapted, rng)
     deq = ref.roundtrip4(table, 4) if precision == "int4" else ref.roundtrip(table)
@@ -232,7 +281,7 @@ def test_embedding_adapter(rng, precision):
     want = deq[index] + (alpha / rank) * a.T[index] @ b.T
     got = lookup(adapted, index)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(adapted(7), want[0] * 0 + deq[7] + (alpha / rank)
+    np.testing.assert_allclose(call(adapted, 7), want[0] * 0 + deq[7] + (alpha / rank)
                                * a.T[7] @ b.T, rtol=1e-5, atol=1e-5)  # fmt: skip
 
     def float_fn(a, b):
@@ -245,8 +294,7 @@ def test_embedding_adapter(rng, precision):
     np.testing.assert_allclose(
         merged.weight, deq + (alpha / rank) * (b @ a).T, rtol=1e-5, atol=1e-6
     )
-    assert float(jnp.linalg.norm(lookup(merged, index) - got)
-                 / jnp.linalg.norm(got)) < 0.1  # fmt: skip
+    assert rel_err(lookup(merged, index), got) < 0.1
 
 
 def _sigmoid(z):
@@ -271,13 +319,13 @@ def test_recurrent_cell_adapters(rng, cell):
     x, h, c = normal(rng, (size,)), normal(rng, (hidden,)), normal(rng, (hidden,))
     state = h if cell == "gru" else (h, c)
     np.testing.assert_array_equal(
-        jax.tree.leaves(adapted(x, state)), jax.tree.leaves(base(x, state))
+        jax.tree.leaves(call(adapted, x, state)), jax.tree.leaves(call(base, x, state))
     )
     adapted = eqx.tree_at(
         lambda m: (m.weight_ih.b, m.weight_hh.b),
         adapted,
-        (jnp.asarray(normal(rng, (gates * hidden, rank))),
-         jnp.asarray(normal(rng, (gates * hidden, rank)))),
+        (jax.device_put(normal(rng, (gates * hidden, rank))),
+         jax.device_put(normal(rng, (gates * hidden, rank)))),
     )  # fmt: skip
     ws = []
     for name in ("weight_ih", "weight_hh"):
@@ -299,12 +347,12 @@ def test_recurrent_cell_adapters(rng, cell):
         i, f, g, o = np.split(ws[0] @ x + ws[1] @ h + bias, 4)
         c_new = _sigmoid(f) * c + _sigmoid(i) * np.tanh(g)
         want = [_sigmoid(o) * np.tanh(c_new), c_new]
-    got = jax.tree.leaves(eqx.filter_jit(lambda m, x, s: m(x, s))(adapted, x, state))
+    got = jax.tree.leaves(call(adapted, x, state))
     for u, v in zip(got, want, strict=True):
         np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-5)
     # gradients w.r.t. the input adapter: the float cell with W_ih + (alpha / r) b a
-    hh = jnp.asarray(ws[1], jnp.float32)
-    deq_ih = jnp.asarray(ref.roundtrip(np.asarray(layer.weight_ih)))
+    hh = jax.device_put(ws[1].astype(np.float32))
+    deq_ih = jax.device_put(ref.roundtrip(np.asarray(layer.weight_ih)))
 
     def float_fn(a, b):
         dense = deq_ih + (alpha / rank) * b @ a
@@ -322,7 +370,7 @@ def test_recurrent_cell_adapters(rng, cell):
     merged = qnn.merge(adapted)
     assert isinstance(merged.weight_ih, qnn.Linear) and merged.weight_hh.trainable
     np.testing.assert_allclose(merged.weight_ih.weight, ws[0], rtol=1e-5, atol=1e-6)
-    for u, v in zip(jax.tree.leaves(merged(x, state)), got, strict=True):
+    for u, v in zip(jax.tree.leaves(call(merged, x, state)), got, strict=True):
         np.testing.assert_allclose(u, v, rtol=0.05, atol=0.05)
 
 
@@ -336,6 +384,8 @@ def test_spectral_adapter(rng, precision):
     assert qnn.adapter_shapes(base, rank) == [((2, 4, 3, 2, 2), (3, 2, 2))]
     adapted = qnn.lora(base, rank, alpha=alpha, key=jax.random.key(11))
     x = normal(rng, (2, c_in, 6, 5))  # a batch axis too
+    # eager, as the layers are used (and one program each: XLA's CPU FFTs
+    # jitted into different programs differ by an ulp)
     np.testing.assert_array_equal(adapted(x), base(x))
     adapted = with_b(adapted, rng, scale=0.3)
     a = np.asarray(adapted.a, np.float64)
@@ -348,12 +398,12 @@ def test_spectral_adapter(rng, precision):
     assert np.linalg.matrix_rank(low_rank[:, :, 1, 1]) == rank
     update = ref.spectral_conv(x, low_rank, modes)
     want = ref.spectral_conv(x, deq, modes) + (alpha / rank) * update
-    got = eqx.filter_jit(lambda m, x: m(x))(adapted, x)
+    got = call(adapted, x)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     folded = deq + (alpha / rank) * low_rank
-    np.testing.assert_allclose(adapted.update(x[0]), update[0], rtol=1e-4,
+    np.testing.assert_allclose(update_of(adapted, x[0]), update[0], rtol=1e-4,
                                atol=1e-4 * np.abs(update).max())  # fmt: skip
-    deq_parts = jnp.asarray(np.stack([deq.real, deq.imag], -1), jnp.float32)
+    deq_parts = jax.device_put(np.stack([deq.real, deq.imag], -1).astype(np.float32))
 
     def float_fn(a, b):
         ac, bc = (
@@ -372,7 +422,7 @@ def test_spectral_adapter(rng, precision):
         merged.weight[..., 0] + 1j * merged.weight[..., 1], folded,
         rtol=1e-5, atol=1e-6,
     )  # fmt: skip
-    assert float(jnp.linalg.norm(merged(x) - got) / jnp.linalg.norm(got)) < 0.1
+    assert rel_err(call(merged, x), got) < 0.1
 
 
 class _Every(eqx.Module):
@@ -400,6 +450,8 @@ def test_every_kind_starts_as_the_base_and_trains_only_its_adapters(rng):
     base = qnn.quantize(_Every(jax.random.key(12)), precision="int8")
     model = qnn.lora(base, 2, key=jax.random.key(13))
     x = normal(rng, (2, 8))
+    # eager, on purpose: this file's eager call of ConvTranspose, Embedding,
+    # GRUCell and SpectralConv, each with its adapter and as its base
     np.testing.assert_array_equal(model(x, 3), base(x, 3))
     params, frozen = eqx.partition(model, qnn.lora_spec(model))
     shapes = qnn.adapter_shapes(base, 2)
@@ -407,10 +459,12 @@ def test_every_kind_starts_as_the_base_and_trains_only_its_adapters(rng):
     assert [a.shape for a in jax.tree.leaves(params)] == [
         s for pair in shapes for s in pair
     ]
-    g = eqx.filter_grad(lambda p: jnp.sum(eqx.combine(p, frozen)(x, 3) ** 2))(params)
+    g = eqx.filter_jit(
+        eqx.filter_grad(lambda p: jnp.sum(eqx.combine(p, frozen)(x, 3) ** 2))
+    )(params)
     assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(g))
     # b starts at zero: only the b's move first
     nodes = jax.tree.leaves(g, is_leaf=lambda n: isinstance(n, qnn.LoRA))
     adapters = [n for n in nodes if isinstance(n, qnn.LoRA)]
     assert len(adapters) == 5  # the cell's two inside it
-    assert all(float(jnp.abs(n.b).max()) > 0 for n in adapters)
+    assert all(np.abs(np.asarray(n.b)).max() > 0 for n in adapters)

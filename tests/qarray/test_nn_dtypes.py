@@ -67,16 +67,78 @@ def f64(a) -> np.ndarray:
     return np.asarray(a, np.float64)
 
 
+@eqx.filter_jit
 def cast(model, dtype=BF16):
-    """Every float leaf of ``model`` in ``dtype`` (how a user casts one)."""
+    """Every float leaf of ``model`` in ``dtype`` (how a user casts one;
+    jitted: one compile per model rather than one per leaf)."""
     return jax.tree.map(
         lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, model
     )
 
 
-def narrow(rng, dtype, *shape):
-    """Normal values, exact in ``dtype``."""
-    return jnp.asarray(rng.standard_normal(shape), dtype)
+def narrow(rng, dtype, *shape, scale=1.0):
+    """Normal values (times ``scale``), exact in ``dtype``: rounded by NumPy
+    and put on the device as they are (``jnp.asarray`` of a NumPy array
+    compiles a program per shape)."""
+    return jax.device_put(np.asarray(rng.standard_normal(shape) * scale, dtype))
+
+
+# The layers under test run through these module-level jitted helpers: each
+# compiles once per model structure and shapes, cached across tests (run
+# eagerly, every jnp op of a layer, and of its backward pass, is an XLA
+# compile of its own, ~0.1-0.2 s each on a TPU, where the suite runs in one
+# process). Kept eager on purpose, a bfloat16 x through: a Linear and a Conv
+# (test_float32_layers_answer_in_x_dtype), an Embedding's and a GRUCell's
+# adapters (test_lora_embedding_and_cell), a frozen Linear
+# (test_lora_linear_against_numpy), merged and frozen Linear, Conv,
+# ConvTranspose and SpectralConv (test_lora_answers_in_x_dtype[*-bf16]).
+# tests/qarray/test_lora.py calls every kind with its adapter eagerly too.
+
+
+def apply(m, *args):
+    """A layer on its inputs (module level, as the functions below: a static
+    argument of the jitted helpers, the same one in every test)."""
+    return m(*args)
+
+
+call = eqx.filter_jit(apply)
+
+
+def lookups(m, index):
+    """An embedding's rows at ``index``."""
+    return jax.vmap(m)(index)
+
+
+def batched(m, x):
+    """A model on each row of x."""
+    return jax.vmap(m)(x)
+
+
+call_lookups, call_batched = eqx.filter_jit(lookups), eqx.filter_jit(batched)
+
+
+def combined(adapters, base, x):
+    """The model of its two partitions, on x."""
+    return eqx.combine(adapters, base)(x)
+
+
+@eqx.filter_jit
+def loss_grads(run, model, x, g):
+    """The gradients of ``loss_of(run, g)`` w.r.t. the model's and x's float
+    arrays (None for an integer x)."""
+    return eqx.filter_grad(lambda mx: loss_of(run, g)(*mx))((model, x))
+
+
+@eqx.filter_jit
+def sum_grads(run, power, model, *x):
+    """The gradients of ``sum(run(model, *x) ** power)`` (in float32) w.r.t.
+    the model's float arrays."""
+
+    def loss(m):
+        y = run(m, *x).astype(jnp.float32)
+        return jnp.sum(y if power == 1 else y**power)
+
+    return eqx.filter_grad(loss)(model)
 
 
 def dequantized(layer, rows) -> np.ndarray:
@@ -150,14 +212,13 @@ def test_linear(rng, dtype, trainable, layout):
     dense = dense.T if layout == "nk" else dense  # (K, N)
     product = f64(x) @ dense
     want = product + f64(bias)
-    got = eqx.filter_jit(lambda m, x: m(x))(layer, x)
+    got = call(layer, x)
     assert_rounded(got, want, dtype, product, want)
 
     g = narrow(rng, dtype, 3, n)
-    gx = jax.grad(lambda x: loss_of(lambda m, x: m(x), g)(layer, x))(x)
+    grads, gx = loss_grads(apply, layer, x, g)
     gx_want = f64(g) @ dense.T
     assert_rounded(gx, gx_want, dtype, gx_want)
-    grads = eqx.filter_grad(loss_of(lambda m, x: m(x), g))(layer, x)
     grad_dtypes_match(layer, grads)
     if trainable:  # straight-through: x^T g, laid out like the weights
         gw = f64(x).T @ f64(g)
@@ -177,6 +238,7 @@ def test_float32_layers_answer_in_x_dtype(rng, precision):
     dense = f64(w) if precision == "float32" else dequantized(layer, w)
     product = f64(x) @ dense.T
     want = product + f64(bias)
+    # eager, on purpose (as the Conv below): the module doc's eager calls
     assert_rounded(layer(x), want, BF16, product, bias, want)
     conv = qnn.quantize(eqx.nn.Conv1d(2, 3, 3, key=jax.random.key(0)))
     assert conv.bias.dtype == np.float32
@@ -193,18 +255,17 @@ def test_conv(rng, trainable):
     quantized = qnn.quantize(layer, trainable=trainable)
     assert isinstance(quantized, qnn.Conv)
     assert quantized.bias.dtype == BF16
-    w = layer.weight
+    w = np.asarray(layer.weight)
     dense = dequantized(quantized, w.reshape(4, -1)).reshape(w.shape)
     x = narrow(rng, BF16, 3, 6, 7)
     product = ref.conv(x, dense, (1, 1), [(1, 1), (1, 1)], (1, 2))
     want = product + f64(layer.bias).reshape(-1, 1, 1)
-    got = eqx.filter_jit(lambda m, x: m(x))(quantized, x)
+    got = call(quantized, x)
     assert_rounded(got, want, BF16, product, want)
     g = narrow(rng, BF16, *want.shape)
-    gx = jax.grad(lambda x: loss_of(lambda m, x: m(x), g)(quantized, x))(x)
+    grads, gx = loss_grads(apply, quantized, x, g)
     gx_want, _ = ref.conv_vjp(x, dense, g, (1, 1), [(1, 1), (1, 1)], (1, 2))
     assert_rounded(gx, gx_want, BF16, gx_want)
-    grads = eqx.filter_grad(loss_of(lambda m, x: m(x), g))(quantized, x)
     grad_dtypes_match(quantized, grads)
 
 
@@ -216,12 +277,12 @@ def test_conv_transpose(rng):
     )
     quantized = qnn.quantize(layer)
     assert isinstance(quantized, qnn.ConvTranspose)
-    w = layer.weight
+    w = np.asarray(layer.weight)
     dense = dequantized(quantized, w.reshape(3, -1)).reshape(w.shape)
     x = narrow(rng, BF16, 4, 4, 5)
     product = conv_transpose(x, dense, (2, 2), [(1, 1), (1, 1)], (1, 1), (1, 1))
     want = product + f64(layer.bias).reshape(-1, 1, 1)
-    got = eqx.filter_jit(lambda m, x: m(x))(quantized, x)
+    got = call(quantized, x)
     assert_rounded(got, want, BF16, product, want)
 
 
@@ -235,13 +296,13 @@ def test_embedding_answers_in_its_table_dtype(rng, trainable):
     layer = eqx.nn.Embedding(10, 6, key=jax.random.key(2), dtype=BF16)
     quantized = qnn.quantize(layer, trainable=trainable)
     assert quantized.dtype == "bfloat16"
-    index = jnp.asarray([3, 0, 3])
-    rows = dequantized(quantized, layer.weight)[np.asarray(index)]
-    got = eqx.filter_jit(lambda m, i: jax.vmap(m)(i))(quantized, index)
+    index = np.asarray([3, 0, 3])
+    rows = dequantized(quantized, layer.weight)[index]
+    got = call_lookups(quantized, index)
     assert_rounded(got, rows, BF16, rows)
     assert qnn.freeze(quantized).dtype == "bfloat16"
     g = narrow(rng, BF16, 3, 6)
-    grads = eqx.filter_grad(loss_of(lambda m, i: jax.vmap(m)(i), g))(quantized, index)
+    grads, _ = loss_grads(lookups, quantized, index, g)
     grad_dtypes_match(quantized, grads)
 
 
@@ -263,14 +324,14 @@ def test_recurrent_cells(rng, trainable):
     qgru = qnn.quantize(gru, trainable=trainable)
     qlstm = qnn.quantize(lstm, trainable=trainable)
     assert qgru.bias.dtype == BF16 and isinstance(qgru.weight_ih, qnn.Linear)
-    x, h, c = (jnp.asarray(rng.standard_normal(n) / 2, BF16) for n in (6, 8, 8))
-    got = eqx.filter_jit(lambda cell, x, h: cell(x, h))(qgru, x, h)
+    x, h, c = (narrow(rng, BF16, n, scale=0.5) for n in (6, 8, 8))
+    got = call(qgru, x, h)
     assert_path(got, numpy_gru(gru, f64(x), f64(h)), BF16, 14, 2.5)
-    got_h, got_c = eqx.filter_jit(lambda cell, x, hc: cell(x, hc))(qlstm, x, (h, c))
+    got_h, got_c = call(qlstm, x, (h, c))
     want_h, want_c = numpy_lstm(lstm, f64(x), f64(h), f64(c))
     assert_path(got_h, want_h, BF16, 13, 2.5)
     assert_path(got_c, want_c, BF16, 13, 2.5)
-    grads = eqx.filter_grad(lambda m: jnp.sum(m(x, h).astype(jnp.float32)))(qgru)
+    grads = sum_grads(apply, 1, qgru, x, h)
     grad_dtypes_match(qgru, grads)
 
 
@@ -283,8 +344,8 @@ def test_multihead_attention_through_its_linears(rng):
     mha = eqx.nn.MultiheadAttention(2, 16, key=jax.random.key(4), dtype=BF16)
     quantized = qnn.quantize(mha)
     assert isinstance(quantized.query_proj, qnn.Linear)
-    x = jnp.asarray(rng.standard_normal((5, 16)) / 2, BF16)
-    got = eqx.filter_jit(lambda m, x: m(x, x, x))(quantized, x)
+    x = narrow(rng, BF16, 5, 16, scale=0.5)
+    got = call(quantized, x, x, x)
     assert_path(got, numpy_attention(mha, f64(x)), BF16, 8, 2.0)
 
 
@@ -307,10 +368,10 @@ def test_spectral_conv(rng, precision):
     w = parts[..., 0] + 1j * parts[..., 1]
     x = narrow(rng, BF16, 3, 8, 6)
     want = ref.spectral_conv(f64(x), w, (4, 3))
-    got = eqx.filter_jit(lambda m, x: m(x))(quantized, x)
+    got = call(quantized, x)
     assert_rounded(got, want, BF16, want)
     trainable = qnn.quantize(layer, precision="int8", trainable=True)
-    grads = eqx.filter_grad(lambda m: jnp.sum(m(x).astype(jnp.float32)))(trainable)
+    grads = sum_grads(apply, 1, trainable, x)
     grad_dtypes_match(trainable, grads)
 
 
@@ -337,13 +398,13 @@ def test_lora_answers_in_x_dtype(rng, kind, adapter_dtype):
     model = qnn.lora(base, 2, key=jax.random.key(7), dtype=adapter_dtype)
     assert model.a.dtype == adapter_dtype
     x = narrow(rng, BF16, *shape)
-    assert eqx.filter_jit(lambda m, x: m(x))(model, x).dtype == BF16
+    assert call(model, x).dtype == BF16
     adapters, base = eqx.partition(model, qnn.lora_spec(model))
-    grads = eqx.filter_grad(
-        lambda a, b, x: jnp.sum(eqx.combine(a, b)(x).astype(jnp.float32))
-    )(adapters, base, x)
+    grads = sum_grads(combined, 1, adapters, base, x)
     assert grads.a.dtype == grads.b.dtype == adapter_dtype
-    assert qnn.freeze(qnn.merge(model))(x).dtype == BF16
+    # eager with bfloat16 adapters, on purpose (the module doc's eager calls)
+    run = apply if adapter_dtype == BF16 else call
+    assert run(qnn.freeze(qnn.merge(model)), x).dtype == BF16
 
 
 def test_lora_embedding_and_cell(rng):
@@ -364,14 +425,15 @@ def test_lora_linear_against_numpy(rng):
     term (one more); merged: ``W + (alpha / rank) b a``."""
     layer = eqx.nn.Linear(8, 4, key=jax.random.key(12), dtype=BF16)
     model = qnn.lora(qnn.quantize(layer), 2, alpha=3.0, key=jax.random.key(13))
-    model = eqx.tree_at(lambda m: m.b, model, jnp.asarray(rng.standard_normal((4, 2))))
+    b = np.asarray(rng.standard_normal((4, 2)), np.float32)
+    model = eqx.tree_at(lambda m: m.b, model, jax.device_put(b))
     x = narrow(rng, BF16, 3, 8)
     dense = dequantized(model.base, layer.weight)
     product = f64(x) @ dense.T
     base = product + f64(layer.bias)
     delta = 1.5 * f64(model.b) @ f64(model.a)
     want = base + f64(x) @ delta.T
-    got = eqx.filter_jit(lambda m, x: m(x))(model, x)
+    got = call(model, x)
     assert_rounded(got, want, BF16, product, base, want)
     merged = qnn.merge(model)
     np.testing.assert_allclose(merged.weight, dense + delta, rtol=1e-6, atol=1e-6)
@@ -380,7 +442,7 @@ def test_lora_linear_against_numpy(rng):
     dense = dequantized(frozen, merged.weight)
     product = f64(x) @ dense.T
     want = product + f64(layer.bias)
-    assert_rounded(frozen(x), want, BF16, product, want)
+    assert_rounded(frozen(x), want, BF16, product, want)  # eager, on purpose
 
 
 # ------------------------------------------------ a bfloat16 model, QAT
@@ -394,7 +456,7 @@ def test_quantize_a_bfloat16_model(rng):
     built = eqx.nn.MLP(8, 3, 16, 2, key=jax.random.key(14), dtype=BF16)
     casted = cast(eqx.nn.MLP(8, 3, 16, 2, key=jax.random.key(14)))
     x = narrow(rng, BF16, 4, 8)
-    run = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))
+    run = call_batched
     for model in (built, casted):
         stored = qnn.quantize(model)
         # the magnitudes rounded: each layer's product and bias sum
@@ -414,9 +476,7 @@ def test_quantize_a_bfloat16_model(rng):
 
         qat = qnn.quantize(model, trainable=True)
         assert all(layer.weight.dtype == BF16 for layer in qat.layers)
-        grads = eqx.filter_grad(lambda m: jnp.sum(run(m, x).astype(jnp.float32) ** 2))(
-            qat
-        )
+        grads = sum_grads(batched, 2, qat, x)
         grad_dtypes_match(qat, grads)
         assert all(np.all(np.isfinite(f64(g))) for g in jax.tree.leaves(grads))
         assert_rounded(run(qat, x), h, BF16, rounded)
@@ -519,7 +579,7 @@ def test_every_quantized_layer_carries_matmul_precision(rng):
     embedding take it from the config too."""
     config = qnn.QuantConfig(method="awq", matmul_precision="high")
     mlp = eqx.nn.MLP(8, 3, 16, 1, key=jax.random.key(16))
-    data = jnp.asarray(rng.standard_normal((32, 8)), jnp.float32)
+    data = jax.device_put(np.asarray(rng.standard_normal((32, 8)), np.float32))
     calibrated = qnn.quantize(mlp, config, data=data)
     assert all(layer.channel_scale is not None for layer in calibrated.layers)
     assert {layer.matmul_precision for layer in calibrated.layers} == {"high"}
