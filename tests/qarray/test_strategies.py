@@ -3,8 +3,9 @@ choice rules.
 
 Covers: qarray/_formulations.py"""
 
+from functools import partial
+
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -80,6 +81,17 @@ def data(rng, m, k, n):
     return x, qvalue, scale
 
 
+# a (2, 3, k) batch and a k-vector through one strategy under one jit: one
+# XLA compile for both, not one per op and shape as run eagerly (the
+# formulations' values are what these tests check)
+@partial(jax.jit, static_argnums=(0, 5))
+def leading_axes_and_vector(product, x, v, qvalue, scale, strategy):
+    return (
+        product(x, qvalue, scale, "float32", strategy),
+        product(v, qvalue, scale, "float32", strategy),
+    )
+
+
 def rel_err(got, want):
     scale = max(np.linalg.norm(want), 1e-30)
     return np.linalg.norm(np.asarray(got, np.float64) - want) / scale
@@ -116,12 +128,11 @@ def test_leading_axes_and_vectors(rng):
             strategy in CPU_STRATEGIES and jax.default_backend() != "cpu"
         ):
             continue
-        got = _formulations.matmul(jnp.asarray(x), qvalue, scale, "float32", strategy)
-        assert rel_err(got, ref.matmul_q(x, qvalue, scale)) <= TOLERANCE[strategy]
-        got = _formulations.matmul(
-            jnp.asarray(x[0, 0]), qvalue, scale, "float32", strategy
+        got, got_v = leading_axes_and_vector(
+            _formulations.matmul, x, x[0, 0], qvalue, scale, strategy
         )
-        assert got.shape == (16,)
+        assert rel_err(got, ref.matmul_q(x, qvalue, scale)) <= TOLERANCE[strategy]
+        assert got_v.shape == (16,)
 
 
 @pytest.mark.parametrize(
@@ -244,7 +255,11 @@ def test_matmul_q_runs_the_chosen_strategy_on_cpu(rng, m, activations):
 def test_unknown_strategy_is_refused():
     with pytest.raises(ValueError, match="unknown weight-only strategy 'fast'"):
         _formulations.matmul(
-            jnp.ones((2, 4)), jnp.ones((4, 3), jnp.int8), jnp.ones(4), "float32", "fast"
+            np.ones((2, 4), np.float32),
+            np.ones((4, 3), np.int8),
+            np.ones(4, np.float32),
+            "float32",
+            "fast",
         )
 
 
@@ -289,12 +304,11 @@ def test_linear_leading_axes_and_vectors(rng):
             strategy in CPU_STRATEGIES and jax.default_backend() != "cpu"
         ):
             continue
-        got = _formulations.linear(jnp.asarray(x), qvalue, scale, "float32", strategy)
-        assert rel_err(got, ref.linear_q(x, qvalue, scale)) <= TOLERANCE[strategy]
-        got = _formulations.linear(
-            jnp.asarray(x[0, 0]), qvalue, scale, "float32", strategy
+        got, got_v = leading_axes_and_vector(
+            _formulations.linear, x, x[0, 0], qvalue, scale, strategy
         )
-        assert got.shape == (16,)
+        assert rel_err(got, ref.linear_q(x, qvalue, scale)) <= TOLERANCE[strategy]
+        assert got_v.shape == (16,)
 
 
 @pytest.mark.cpu_only("the strategy the CPU chooses")
@@ -311,11 +325,17 @@ def test_linear_q_runs_the_chosen_strategy_on_cpu(rng, m, activations):
 
 
 def test_unknown_linear_strategy_is_refused():
-    args = (jnp.ones((2, 4)), jnp.ones((3, 4), jnp.int8), jnp.ones(3))
+    args = (
+        np.ones((2, 4), np.float32),
+        np.ones((3, 4), np.int8),
+        np.ones(3, np.float32),
+    )
+    # traced, not run op by op (the refusal comes before any compile)
+    linear = jax.jit(_formulations.linear, static_argnums=(3, 4))
     with pytest.raises(ValueError, match="unknown weight-only strategy 'int8_dot'"):
-        _formulations.linear(*args, "float32", "int8_dot")
+        linear(*args, "float32", "int8_dot")
     with pytest.raises(ValueError, match="unknown int8-activation strategy 'fast'"):
-        _formulations.linear(*args, "int8", "fast")
+        linear(*args, "int8", "fast")
 
 
 @pytest.mark.parametrize("shape", [(1, 64, 48), (5, 300, 7), (64, 96, 130), (0, 8, 4)])
@@ -354,9 +374,11 @@ def test_int8_sums_past_int32s_range_stay_exact(product, layout, activations, st
     vocabulary, contracted in its VJP) of one sign: int32 sums a block of K
     at a time, the blocks added in float32, not one int32 that wraps."""
     k, n = 140_000, 8
-    x = jnp.ones((2, k), jnp.float32)
+    x = np.ones((2, k), np.float32)
     shape = (n, k) if layout == "nk" else (k, n)
-    qvalue = jnp.full(shape, 127, jnp.int8)
-    scale = jnp.full(n if layout == "nk" else k, 1 / 127, jnp.float32)
-    got = jax.jit(lambda x: product(x, qvalue, scale, activations, strategy))(x)
+    qvalue = np.full(shape, 127, np.int8)
+    scale = np.full(n if layout == "nk" else k, 1 / 127, np.float32)
+    got = jax.jit(product, static_argnums=(3, 4))(
+        x, qvalue, scale, activations, strategy
+    )
     np.testing.assert_allclose(np.asarray(got), k, rtol=1e-6)

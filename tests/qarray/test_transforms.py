@@ -333,6 +333,30 @@ def argnums(case):
     return tuple(range(len(case.shapes)))
 
 
+# A transform applied outside jit runs every op on its own: one XLA compile
+# per op and shape (0.1-0.2 s each on a TPU, where the suite runs in one
+# process). test_eager_and_jit runs every case's F eagerly; each transform
+# below runs eagerly on the cases in EAGER (so the eager path of the hijax
+# primitives under that transform stays covered) and on every other case
+# under jit: jax.jit around the transform, or the transform of jax.jit(F).
+EAGER = ("matmul_q",)
+
+
+def eager(case):
+    return case.name in EAGER
+
+
+def sum_F(case):
+    return lambda *a: jnp.sum(case.F(*a))
+
+
+# setting up a test's QArrays (not what it tests: test_eager_and_jit runs
+# quantize eagerly): one compile per shape
+quantize = jax.jit(qa.quantize)
+quantize_stack = jax.jit(jax.vmap(qa.quantize, out_axes=qa.QArraySpec()))
+dequantize = jax.jit(qa.dequantize)
+
+
 def test_eager_and_jit(case, rng):
     args = case.args(rng)
     for F in (case.F, jax.jit(case.F)):
@@ -341,7 +365,9 @@ def test_eager_and_jit(case, rng):
 
 def test_grad(case, rng):
     args = case.args(rng)
-    grads = jax.grad(lambda *a: jnp.sum(case.F(*a)), argnums(case))(*args)
+    # eager, or the gradient of the jitted function (jit of grad: below)
+    f = sum_F(case) if eager(case) else jax.jit(sum_F(case))
+    grads = jax.grad(f, argnums(case))(*args)
     want = case.ref_vjp(args, np.ones(np.shape(case.ref_F(*args))))
     for got, expected in zip(grads, want, strict=True):
         np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
@@ -349,7 +375,7 @@ def test_grad(case, rng):
 
 def test_jit_of_grad(case, rng):
     args = case.args(rng)
-    grads = jax.jit(jax.grad(lambda *a: jnp.sum(case.F(*a)), argnums(case)))(*args)
+    grads = jax.jit(jax.grad(sum_F(case), argnums(case)))(*args)
     want = case.ref_vjp(args, np.ones(np.shape(case.ref_F(*args))))
     for got, expected in zip(grads, want, strict=True):
         np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
@@ -357,7 +383,7 @@ def test_jit_of_grad(case, rng):
 
 def test_vjp(case, rng):
     args = case.args(rng)
-    out, pullback = jax.vjp(case.F, *args)
+    out, pullback = jax.vjp(case.F if eager(case) else jax.jit(case.F), *args)
     g = normal(rng, out.shape)
     for got, expected in zip(pullback(g), case.ref_vjp(args, g), strict=True):
         np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
@@ -366,7 +392,8 @@ def test_vjp(case, rng):
 def test_jvp(case, rng):
     args = case.args(rng)
     tangents = case.args(rng)
-    out, tangent_out = jax.jvp(case.F, args, tangents)
+    jvp = jax.jvp if eager(case) else jax.jit(jax.jvp, static_argnums=0)
+    out, tangent_out = jvp(case.F, args, tangents)
     np.testing.assert_allclose(out, case.ref_F(*args), rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(
         tangent_out, case.ref_jvp(args, tangents), rtol=RTOL, atol=ATOL
@@ -375,7 +402,7 @@ def test_jvp(case, rng):
 
 def test_linearize(case, rng):
     args = case.args(rng)
-    out, f_lin = jax.linearize(case.F, *args)
+    out, f_lin = jax.linearize(case.F if eager(case) else jax.jit(case.F), *args)
     np.testing.assert_allclose(out, case.ref_F(*args), rtol=RTOL, atol=ATOL)
     for _ in range(2):  # the linear map is reusable
         tangents = case.args(rng)
@@ -396,16 +423,19 @@ def test_jacobians(case, rng, jacobian):
 
 def test_hessian(case, rng):
     args = case.args(rng)
-    hess = jax.hessian(lambda x, *rest: jnp.sum(case.F(x, *rest)))(*args)
+    hessian = jax.hessian(lambda x, *rest: jnp.sum(case.F(x, *rest)))
+    hess = (hessian if eager(case) else jax.jit(hessian))(*args)
     np.testing.assert_allclose(hess, case.ref_hessian(args), rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.nothing_saveable])
 def test_checkpoint_under_grad(case, rng, policy):
     args = case.args(rng)
-    f = jax.checkpoint(lambda *a: jnp.sum(case.F(*a)), policy=policy)
+    f = jax.checkpoint(sum_F(case), policy=policy)
     want = case.ref_vjp(args, np.ones(np.shape(case.ref_F(*args))))
-    for grad_fn in (jax.grad(f, argnums(case)), jax.jit(jax.grad(f, argnums(case)))):
+    grad_fns = (jax.grad(f, argnums(case)), jax.jit(jax.grad(f, argnums(case))))
+    # both eagerly (EAGER), jit of grad alone on the other cases
+    for grad_fn in grad_fns if eager(case) else grad_fns[1:]:
         for got, expected in zip(grad_fn(*args), want, strict=True):
             np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
 
@@ -415,7 +445,7 @@ def test_checkpoint_under_grad(case, rng, policy):
 
 def test_grad_vjp_jvp_wrt_qarray_argument(rng):
     x, w = normal(rng, (3, 4)), normal(rng, (4, 5))
-    qw = qa.quantize(jnp.asarray(w))
+    qw = quantize(w)
     wq = ref.dequantize(np.asarray(qw.qvalue), np.asarray(qw.scale))
     y = x.astype(np.float64) @ wq
 
@@ -427,12 +457,12 @@ def test_grad_vjp_jvp_wrt_qarray_argument(rng):
     want_gx, want_gw = ref.dense_vjp(x, wq, np.cos(y))
     np.testing.assert_allclose(gx, want_gx, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(gqw, want_gw, rtol=RTOL, atol=ATOL)
-    _check_derivatives_wrt_qarray(rng, qw, wq)
+    _check_derivatives_wrt_qarray(rng, qw, wq, jit=False)
 
 
 def test_linear_q_derivatives_wrt_qarray_argument(rng):
     x, w = normal(rng, (3, 4)), normal(rng, (5, 4))  # (out, in)
-    qw = qa.quantize(jnp.asarray(w))
+    qw = quantize(w)
     wq = ref.dequantize(np.asarray(qw.qvalue), np.asarray(qw.scale))
     y = x.astype(np.float64) @ wq.T
 
@@ -447,35 +477,39 @@ def test_linear_q_derivatives_wrt_qarray_argument(rng):
     # jvp and linearize in both arguments: tx @ W^T + x @ tW^T
     tx, tw = normal(rng, (3, 4)), normal(rng, (5, 4))
     want = np.cos(y) * ref.dense_jvp(x, wq.T, tx, tw.T)
-    _, got = jax.jvp(
-        lambda x, qw: jnp.sin(qa.linear_q(x, qw)), (x, qw), (tx, jnp.asarray(tw))
-    )
+    # under jit (test_grad_vjp_jvp_wrt_qarray_argument's run eagerly)
+    sin_linear = jax.jit(lambda x, qw: jnp.sin(qa.linear_q(x, qw)))
+    tangents = (tx, jnp.asarray(tw))
+    _, got = jax.jit(jax.jvp, static_argnums=0)(sin_linear, (x, qw), tangents)
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
-    _, f_lin = jax.linearize(lambda x, qw: jnp.sin(qa.linear_q(x, qw)), x, qw)
-    np.testing.assert_allclose(f_lin(tx, jnp.asarray(tw)), want, rtol=RTOL, atol=ATOL)
-    _check_derivatives_wrt_qarray(rng, qw, wq)
+    _, f_lin = jax.linearize(sin_linear, x, qw)
+    np.testing.assert_allclose(f_lin(*tangents), want, rtol=RTOL, atol=ATOL)
+    _check_derivatives_wrt_qarray(rng, qw, wq, jit=True)
 
 
-def _check_derivatives_wrt_qarray(rng, qw, wq):
+def _check_derivatives_wrt_qarray(rng, qw, wq, jit):
+    """Each transform eagerly, or (``jit``) under jax.jit: one compile each
+    instead of one per op."""
+    wrap = jax.jit if jit else (lambda f: f)
 
     # dequantize alone: the tangent of a q8[a,b] is an f32[a,b]
     def sum_sin(q):
         return jnp.sum(jnp.sin(qa.dequantize(q)))
 
-    np.testing.assert_allclose(jax.grad(sum_sin)(qw), np.cos(wq), rtol=RTOL)
+    np.testing.assert_allclose(wrap(jax.grad(sum_sin))(qw), np.cos(wq), rtol=RTOL)
     t = normal(rng, wq.shape)
-    _, tangent = jax.jvp(sum_sin, (qw,), (jnp.asarray(t),))
+    _, tangent = wrap(lambda q, t: jax.jvp(sum_sin, (q,), (t,)))(qw, jnp.asarray(t))
     np.testing.assert_allclose(tangent, np.sum(np.cos(wq) * t), rtol=RTOL)
-    _, f_lin = jax.linearize(sum_sin, qw)
+    _, f_lin = jax.linearize(wrap(sum_sin), qw)
     np.testing.assert_allclose(f_lin(jnp.asarray(t)), np.sum(np.cos(wq) * t), rtol=RTOL)
-    _, pullback = jax.vjp(qa.dequantize, qw)
+    _, pullback = jax.vjp(wrap(qa.dequantize), qw)
     g = normal(rng, wq.shape)
     np.testing.assert_allclose(pullback(g)[0], g)  # straight-through
     # jacobian with respect to a QArray: jax.jacrev reads input dtypes, which
     # a hi type lacks, so map the pullback over the basis instead
     size = wq.size
-    basis = jnp.eye(size, dtype=jnp.float32).reshape(size, *wq.shape)
-    jac = jax.vmap(lambda e: jax.vjp(qa.dequantize, qw)[1](e)[0])(basis)
+    basis = np.eye(size, dtype=np.float32).reshape(size, *wq.shape)
+    jac = wrap(jax.vmap(lambda e: jax.vjp(qa.dequantize, qw)[1](e)[0]))(basis)
     np.testing.assert_allclose(jac.reshape(size, size), np.eye(size))
 
 
@@ -485,7 +519,7 @@ def test_linear_transpose_of_the_linearized_product(rng, product):
     transposing a linearized product goes through their transpose rule."""
     fn, _, w_shape = PRODUCTS[product]
     x, w = normal(rng, (3, 4)), normal(rng, w_shape(4, 5))
-    qw = qa.quantize(jnp.asarray(w))
+    qw = quantize(w)
     wq = dense_kn(product, w)
     for activations in ("float32", "int8"):
         _, f_lin = jax.linearize(lambda x, a=activations: fn(x, qw, a), x)
@@ -503,6 +537,9 @@ def test_linear_transpose_of_the_linearized_product(rng, product):
 
 
 def test_vmap_quantize_out_and_dequantize_in(rng):
+    """vmap applied eagerly (as in test_vmap_of_grad, and for linear_q in
+    test_vmap_over_stacked_quantized_weights); the other vmap tests run
+    under jit: one compile, not one per op."""
     xs = normal(rng, (4, 2, 3))
     qxs = jax.vmap(qa.quantize, out_axes=qa.QArraySpec())(jnp.asarray(xs))
     assert str(jax.typeof(qxs)) == "q8[4,2,3]"
@@ -515,11 +552,11 @@ def test_vmap_quantize_out_and_dequantize_in(rng):
 
 def test_vmap_quantize_over_a_non_leading_axis(rng):
     x = normal(rng, (3, 5, 4))
-    qxs = jax.vmap(qa.quantize, in_axes=2, out_axes=qa.QArraySpec())(jnp.asarray(x))
+    qxs = jax.jit(jax.vmap(qa.quantize, in_axes=2, out_axes=qa.QArraySpec()))(x)
     assert str(jax.typeof(qxs)) == "q8[4,3,5]"
-    back = jax.vmap(qa.dequantize, in_axes=qa.QArraySpec(), out_axes=2, axis_size=4)(
-        qxs
-    )
+    back = jax.jit(
+        jax.vmap(qa.dequantize, in_axes=qa.QArraySpec(), out_axes=2, axis_size=4)
+    )(qxs)
     want = np.stack([ref.roundtrip(x[..., i]) for i in range(4)], axis=2)
     np.testing.assert_allclose(back, want, rtol=1e-6)
 
@@ -542,7 +579,7 @@ def test_vmap_of_grad(rng):
 def test_vmap_over_a_batch_of_x(rng, product, activations, in_axis):
     fn, ref_fn, w_shape = PRODUCTS[product]
     xs, w = normal(rng, (6, 3, 4)), normal(rng, w_shape(4, 5))
-    qw = qa.quantize(jnp.asarray(w))
+    qw = quantize(w)
     f = jax.jit(jax.vmap(lambda x: fn(x, qw, activations), in_axes=in_axis))
     got = f(np.moveaxis(xs, 0, in_axis))
     want = ref_fn(xs, *ref.quantize(w), activations=activations)
@@ -557,7 +594,7 @@ def test_vmap_of_grad_of_the_product(rng, product):
     def loss(x, w):
         return jnp.sum(jnp.sin(fn(x, qa.quantize(w))))
 
-    gxs, gws = jax.vmap(jax.grad(loss, (0, 1)), in_axes=(0, None))(xs, w)
+    gxs, gws = jax.jit(jax.vmap(jax.grad(loss, (0, 1)), in_axes=(0, None)))(xs, w)
     wq = dense_kn(product, w)
     for x, gx, gw in zip(xs, gxs, gws, strict=True):
         want_gx, want_gw = ref.dense_vjp(x, wq, np.cos(x.astype(np.float64) @ wq))
@@ -572,11 +609,13 @@ def test_vmap_of_grad_of_the_product(rng, product):
 def test_vmap_over_stacked_quantized_weights(rng, product, x_batched):
     fn, ref_fn, w_shape = PRODUCTS[product]
     xs, ws = normal(rng, (4, 3, 6)), normal(rng, (4, *w_shape(6, 5)))
-    qws = jax.vmap(qa.quantize, out_axes=qa.QArraySpec())(jnp.asarray(ws))
+    qws = quantize_stack(ws)
+    # linear_q's eagerly, matmul_q's under jit
+    maybe_jit = (lambda f: f) if product == "linear_q" else jax.jit
     for activations in ("float32", "int8"):
         prod = lambda x, q, a=activations: fn(x, q, a)  # noqa: E731
         if x_batched:
-            got = jax.vmap(prod, in_axes=(0, qa.QArraySpec()))(xs, qws)
+            got = maybe_jit(jax.vmap(prod, in_axes=(0, qa.QArraySpec())))(xs, qws)
             want = np.stack(
                 [
                     ref_fn(x, *ref.quantize(w), activations=activations)
@@ -584,9 +623,9 @@ def test_vmap_over_stacked_quantized_weights(rng, product, x_batched):
                 ]
             )
         else:
-            got = jax.vmap(prod, in_axes=(None, qa.QArraySpec()), axis_size=4)(
-                xs[0], qws
-            )
+            got = maybe_jit(
+                jax.vmap(prod, in_axes=(None, qa.QArraySpec()), axis_size=4)
+            )(xs[0], qws)
             want = np.stack(
                 [ref_fn(xs[0], *ref.quantize(w), activations=activations) for w in ws]
             )
@@ -599,7 +638,7 @@ def test_vmap_of_grad_over_stacked_weights(rng, product):
     over a stack of QArrays too."""
     fn, _, w_shape = PRODUCTS[product]
     xs, ws = normal(rng, (4, 3, 6)), normal(rng, (4, *w_shape(6, 5)))
-    qws = jax.vmap(qa.quantize, out_axes=qa.QArraySpec())(jnp.asarray(ws))
+    qws = quantize_stack(ws)
 
     def loss(x, qw):
         return jnp.sum(jnp.sin(fn(x, qw)))
@@ -617,7 +656,7 @@ def test_vmap_of_grad_over_stacked_weights(rng, product):
 
 
 def test_vmap_requires_a_qarray_spec():
-    q = qa.quantize(jnp.ones((4, 2, 3), jnp.float32))
+    q = quantize(np.ones((4, 2, 3), np.float32))
     with pytest.raises(ValueError, match="mapping spec"):  # JAX's own check
         jax.vmap(qa.dequantize, in_axes=0, axis_size=4)(q)
     with pytest.raises(TypeError, match=r"mapped with qarray\.QArraySpec\(\)"):
@@ -632,7 +671,7 @@ def test_vmap_requires_a_qarray_spec():
 @pytest.mark.parametrize("jit", [False, True])
 def test_scan_over_stacked_qarray(rng, jit):
     xs = normal(rng, (4, 2, 3))
-    qxs = qa.quantize(jnp.asarray(xs))  # per-row scales: one q8[4,2,3] stack
+    qxs = quantize(xs)  # per-row scales: one q8[4,2,3] stack
 
     def run(qxs):
         def body(total, qx):
@@ -663,9 +702,9 @@ def test_scan_with_qarray_carry_and_stacked_outputs(rng, jit):
     total = np.zeros((2, 3), np.float32)
     for x in xs:
         total = ref.roundtrip(total + x)
-    np.testing.assert_allclose(qa.dequantize(qtotal), total, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dequantize(qtotal), total, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(
-        qa.dequantize(qys), np.stack([ref.roundtrip(2 * x) for x in xs]), rtol=1e-6
+        dequantize(qys), np.stack([ref.roundtrip(2 * x) for x in xs]), rtol=1e-6
     )
 
 
@@ -702,7 +741,7 @@ def test_scan_over_stacked_qarray_weights(rng, product, jit):
     """Quantized layers as a scan over a stacked QArray (one q8 per layer)."""
     fn, ref_fn, w_shape = PRODUCTS[product]
     x0, ws = normal(rng, (2, 4)), normal(rng, (3, *w_shape(4, 4))) * 0.5
-    qws = qa.quantize(jnp.asarray(ws))  # per-row scales: one q8[3,4,4] stack
+    qws = quantize(ws)  # per-row scales: one q8[3,4,4] stack
 
     def net(x0, qws):
         def layer(x, qw):
