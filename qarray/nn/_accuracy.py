@@ -26,7 +26,7 @@ import numpy as np
 
 from .._ops import DEFAULT_GROUP_SIZE, PRECISION_BITS
 from .._primitives import dequantize
-from ._calibrate import METHODS, Calibration, calibrated
+from ._calibrate import METHODS, Calibration, calibrated, device_array
 from ._config import QuantConfig
 from ._kinds import (
     CELLS,
@@ -41,6 +41,7 @@ from ._kinds import (
 from ._quantize import as_config
 from ._quantize import quantize as quantize_model
 from ._spectral import SpectralConv
+from ._weights import without_stored_errors
 
 METRICS = ("output", "gradient")
 # the precisions cheapest first, what plan tries before the next: the
@@ -80,14 +81,16 @@ def on_device(model):
     """``model`` with its NumPy leaves (a model file's, ``load_tree``) as
     JAX arrays: equinox layers index their weights with traced values."""
     return jax.tree.map(
-        lambda a: jnp.asarray(a) if isinstance(a, np.ndarray) else a, model
+        lambda a: device_array(a) if isinstance(a, np.ndarray) else a, model
     )
 
 
 def _inputs(x) -> jax.Array:
     """The data as an array: float32, or integers (indices) as they are."""
-    x = jnp.asarray(x)
-    return x if jnp.issubdtype(x.dtype, jnp.integer) else x.astype(jnp.float32)
+    x = device_array(x)
+    if jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.float32:
+        return x
+    return x.astype(jnp.float32)
 
 
 def _check_method(method: str, model, data, x):
@@ -150,9 +153,11 @@ def _slots(model) -> list:
     return [n for n in jax.tree.leaves(model, is_leaf=is_slot) if is_slot(n)]
 
 
+@eqx.filter_jit
 def _outputs_and_gradient(model, x, r):
     """y and the gradient of sum(y * r) with respect to x, one forward pass
-    (no gradient, ``None``, for integer inputs)."""
+    (no gradient, ``None``, for integer inputs); compiled: eagerly every
+    quantize and convolution compiles on its own."""
     if jnp.issubdtype(x.dtype, jnp.integer):
         return jax.vmap(model)(x), None
     y, pullback = jax.vjp(jax.vmap(model), x)
@@ -182,23 +187,34 @@ def _errors(y, g, y_ref, g_ref) -> dict[str, float | None]:
     }
 
 
-def _dequantized_weights(layer, precision: str, group_size: int):
-    """The layer's float weights after quantization to ``precision`` and
-    back, in their own shapes: what the quantized (weight-only) layer's
-    products multiply by."""
-    if precision == "float32":
-        return float_weights(layer)
-    return _dequantized_parts(_as(layer, precision, group_size), layer)
+@eqx.filter_jit
+def _dequantized_weights(layers: list, precision: str, group_size: int) -> list:
+    """Each layer's float weights after quantization to ``precision`` (not
+    float32) and back, in their own shapes: what the quantized (weight-only)
+    layer's products multiply by. The layers together, one compiled program
+    (one per layer and primitive, eagerly)."""
+    return [_parts_of(_as(layer, precision, group_size), layer) for layer in layers]
 
 
-def _dequantized_parts(quantized, layer) -> tuple[jax.Array, ...]:
+def _dequantized_parts(quantized: list, layers: list) -> list:
+    """``_parts_of`` each of ``quantized`` and its float layer, one compiled
+    program (the recorded errors, static, left out of it)."""
+    return _compiled_parts(without_stored_errors(quantized), layers)
+
+
+@eqx.filter_jit
+def _compiled_parts(quantized: list, layers: list) -> list:
+    return [_parts_of(q, layer) for q, layer in zip(quantized, layers, strict=True)]
+
+
+def _parts_of(quantized, layer) -> tuple[jax.Array, ...]:
     """A quantized layer's weights dequantized, in float ``layer``'s shapes
     (a spectral layer's rows back to its (in, out, *modes, 2) parts, a
     cell's two matrices); a layer left float (``quantize`` keeps some) its
-    own weights."""
+    own weights. Traced code."""
     if isinstance(quantized, CELLS):
         return tuple(
-            _dequantized_parts(getattr(quantized, name), getattr(layer, name))[0]
+            _parts_of(getattr(quantized, name), getattr(layer, name))[0]
             for name in kind_of(layer).weights
         )
     if not isinstance(quantized, QUANTIZED_LAYERS):
@@ -275,21 +291,30 @@ class _Measurer:
         self.calibration = calibration
         shape = jax.eval_shape(jax.vmap(model), self.x).shape
         rng = np.random.default_rng(seed)
-        self.r = jnp.asarray(rng.standard_normal(shape), jnp.float32)
-        # compiled: eagerly every quantize and convolution compiles on its own
-        self.run = eqx.filter_jit(_outputs_and_gradient)
-        self.dequantize = eqx.filter_jit(_dequantized_weights)
+        self.r = device_array(rng.standard_normal(shape).astype(np.float32))
+        # the module's compiled function, cached across measurers
+        self.run = _outputs_and_gradient
         self.y_ref, self.g_ref = self.run(model, self.x, self.r)
         self.layers = layers_of(model)
         self.dequantized: dict[tuple, tuple[jax.Array, ...]] = {}
 
     def weight(self, i: int, precision: str, method: str = "rtn"):
-        """Layer i's weights at ``precision`` by ``method``, dequantized."""
-        if method == "rtn" or precision == "float32":
-            if (i, precision, "rtn") not in self.dequantized:
-                parts = self.dequantize(self.layers[i], precision, self.group_size)
-                self.dequantized[i, precision, "rtn"] = parts
-            return self.dequantized[i, precision, "rtn"]
+        """Layer i's weights at ``precision`` by ``method``, dequantized
+        (with every other layer's that takes ``precision``: one program)."""
+        if precision == "float32":
+            return float_weights(self.layers[i])
+        if method == "rtn" and (i, precision, "rtn") not in self.dequantized:
+            fits = {
+                j
+                for j, layer in enumerate(self.layers)
+                if precision in precisions_for(layer, self.group_size)
+            }
+            fits = sorted(fits | {i})
+            layers = [self.layers[j] for j in fits]
+            parts = _dequantized_weights(layers, precision, self.group_size)
+            self.dequantized |= {
+                (j, precision, "rtn"): p for j, p in zip(fits, parts, strict=True)
+            }
         if (i, precision, method) not in self.dequantized:
             layers = self.layers
             everywhere = {j: precision for j in range(len(layers))}
@@ -301,15 +326,19 @@ class _Measurer:
             whole = calibrated_choice(
                 self.model, self.calibration, everywhere, self.group_size, method
             )
-            for j, (layer, q) in enumerate(zip(layers, _slots(whole), strict=True)):
-                if everywhere[j] == precision:
-                    self.dequantized[j, precision, method] = _dequantized_parts(
-                        q, layer
-                    )
+            slots = _slots(whole)
+            done = [j for j in range(len(layers)) if everywhere[j] == precision]
+            parts = _dequantized_parts(
+                [slots[j] for j in done], [layers[j] for j in done]
+            )
+            self.dequantized |= {
+                (j, precision, method): p for j, p in zip(done, parts, strict=True)
+            }
         return self.dequantized[i, precision, method]
 
     def _errors_of(self, model):
-        y, g = self.run(model, self.x, self.r)
+        # (a calibrated model's recorded errors, static, would recompile it)
+        y, g = self.run(without_stored_errors(model), self.x, self.r)
         return _errors(y, g, self.y_ref, self.g_ref)
 
     def simulated(self, choice, method: str = "rtn"):

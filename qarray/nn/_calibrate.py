@@ -19,18 +19,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from .._numerics import QMAX, pack_nibbles
 from .._ops import PRECISION_BITS
-from .._primitives import dequantize
 from ._conv import Conv
 from ._gptq import gptq
 from ._linear import Linear
@@ -43,21 +42,47 @@ from ._scales import (
     static_channel_scale,
     weight_channel_absmax,
 )
+from ._weights import dequantized, without_stored_errors
 
 METHODS = ("rtn", "gptq", "awq")
 _TARGETS = (eqx.nn.Linear, eqx.nn.Conv)
 
 
+# the recordings under way, by token: a recorder's callback is the same
+# module-level function whatever the call (``_record``), its token a traced
+# leaf, so one compiled forward serves every ``calibrated`` of a model
+_SINKS: dict[int, list] = {}
+_TOKENS = itertools.count()
+
+
+def _record(index: int, token, x) -> None:
+    _SINKS[int(token)].append((index, np.asarray(x)))
+
+
 class _Recorder(eqx.Module):
-    """``layer`` as it is, its every input handed to ``sink(index, x)``."""
+    """``layer`` as it is, its every input appended to ``_SINKS[token]`` as
+    ``(index, x)``."""
 
     layer: Any
+    token: jax.Array
     index: int = eqx.field(static=True)
-    sink: Callable = eqx.field(static=True)
 
     def __call__(self, x, *, key=None):
-        jax.debug.callback(functools.partial(self.sink, self.index), x)
+        jax.debug.callback(functools.partial(_record, self.index), self.token, x)
         return self.layer(x)
+
+
+@eqx.filter_jit
+def _forward(model, data):
+    """``model`` on each example of ``data`` (its leading axis)."""
+    return jax.vmap(model)(data)
+
+
+def device_array(x) -> jax.Array:
+    """``x`` as a JAX array (dtype canonical: float64 to float32 without
+    x64), by a transfer: ``jnp.asarray`` of a NumPy array compiles a copy
+    program of its own for every new shape."""
+    return x if isinstance(x, jax.Array) else jax.device_put(np.asarray(x))
 
 
 def _is_target(node) -> bool:
@@ -82,14 +107,12 @@ def _features(layer, inputs: np.ndarray) -> list[np.ndarray]:
         return [inputs.reshape(-1, inputs.shape[-1])]
     nsp = layer.num_spatial_dims
     x = inputs.reshape(-1, *inputs.shape[-nsp - 1 :])  # (examples, C, *spatial)
-    space = "DHW"[3 - nsp :]
-    patches = lax.conv_general_dilated_patches(
-        jnp.asarray(x),
-        layer.kernel_size,
-        layer.stride,
-        layer.padding,
-        rhs_dilation=layer.dilation,
-        dimension_numbers=("NC" + space, "OI" + space, "NC" + space),
+    patches = _patches(
+        x,
+        kernel=tuple(layer.kernel_size),
+        stride=tuple(layer.stride),
+        padding=tuple(map(tuple, layer.padding)),
+        dilation=tuple(layer.dilation),
     )
     features = np.asarray(patches).reshape(patches.shape[0], patches.shape[1], -1)
     per_group = features.shape[1] // layer.groups
@@ -99,6 +122,21 @@ def _features(layer, inputs: np.ndarray) -> list[np.ndarray]:
         )
         for g in range(layer.groups)
     ]
+
+
+@functools.partial(jax.jit, static_argnames=("kernel", "stride", "padding", "dilation"))
+def _patches(x, *, kernel, stride, padding, dilation):
+    """The im2col patches ``(n, C * prod(kernel), *out_spatial)`` of ``x (n,
+    C, *spatial)``, C outermost: one program per layer and input shape."""
+    space = "DHW"[3 - len(kernel) :]
+    return lax.conv_general_dilated_patches(
+        x,
+        kernel,
+        stride,
+        padding,
+        rhs_dilation=dilation,
+        dimension_numbers=("NC" + space, "OI" + space, "NC" + space),
+    )
 
 
 def _gptq_parts(w, features, s_cols, stored, damp, act_order):
@@ -117,10 +155,9 @@ def _gptq_parts(w, features, s_cols, stored, damp, act_order):
         values.append(v)
         scales.append(s)
     values, scale = np.concatenate(values), np.concatenate(scales)
-    qvalue = values if bits == 8 else np.asarray(pack_nibbles(jnp.asarray(values)))
-    return eqx.tree_at(
-        lambda n: (n.qvalue, n.scale), stored, (jnp.asarray(qvalue), jnp.asarray(scale))
-    )
+    qvalue = values if bits == 8 else pack_nibbles(values)  # NumPy's, no compile
+    parts = (jax.device_put(qvalue), jax.device_put(scale))
+    return eqx.tree_at(lambda n: (n.qvalue, n.scale), stored, parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,15 +218,19 @@ def _choose(layer, stored, inputs, calibration: Calibration):
     elif s is None:
         chosen = stored
     else:  # round-to-nearest of the scaled weights
-        scaled = jnp.asarray(w * s_cols, jnp.float32)
+        scaled = device_array((w * s_cols).astype(np.float32))
         if calibration.method == "awq" and calibration.awq_clip:
             # their clipped values: the stored scales are their max |w|
             group_size = stored.group_size if stored.precision == "int4" else None
             scaled, _ = awq_clip(w * s_cols, features[0], s_cols, group_size=group_size)
         scaled = scaled.reshape(layer.weight.shape)
-        trainable = dataclasses.replace(stored, weight=scaled, qvalue=None, scale=None)
+        # (no recorded error: a static field, the freezing compiled once per
+        # layer shape rather than once per layer)
+        trainable = dataclasses.replace(
+            stored, weight=scaled, qvalue=None, scale=None, stored_error=None
+        )
         chosen = trainable.frozen()
-    back = np.asarray(dequantize(chosen.quantized()), np.float64).reshape(w.shape)
+    back = np.asarray(dequantized(chosen), np.float64).reshape(w.shape)
     back = back / s_cols
     error = float(np.linalg.norm(w - back) / max(np.linalg.norm(w), 1e-30))
     chosen = dataclasses.replace(chosen, stored_error=error)
@@ -208,10 +249,10 @@ def _choose(layer, stored, inputs, calibration: Calibration):
         activation_scale = static_scale(seen, calibration.clip, importance)
     if s is not None or activation_scale is not None:
         chosen = chosen.with_input_scales(
-            None if s is None else jnp.asarray(s, jnp.float32),
-            None if activation_scale is None else jnp.asarray(activation_scale),
+            None if s is None else device_array(np.asarray(s, np.float32)),
+            None if activation_scale is None else device_array(activation_scale),
         )
-    dense = jnp.asarray(back.reshape(layer.weight.shape), jnp.float32)
+    dense = device_array(back.reshape(layer.weight.shape).astype(np.float32))
     return chosen, dense
 
 
@@ -260,30 +301,33 @@ def calibrated(model, data, quantize_layer: Callable, calibration=None):
     one compiled forward serves every layer (with ``activations="int8"`` the
     calibration inputs are the weight-only model's)."""
     calibration = Calibration() if calibration is None else calibration
-    data = jnp.asarray(data)
-    seen: list[tuple[int, np.ndarray]] = []
-
-    def sink(index, x):
-        seen.append((index, np.asarray(x)))
-
-    recording = _map_targets(model, lambda i, n: _Recorder(n, i, sink))
-    run = eqx.filter_jit(lambda m, d: jax.vmap(m)(d))
+    data = device_array(data)
+    token = next(_TOKENS) % 2**31  # an int32 leaf
+    seen = _SINKS[token] = []
+    mark = jax.device_put(np.int32(token))
+    # (the layers quantized already keep no recorded error: a static field,
+    # one compiled forward for every calibration of the model)
+    recording = without_stored_errors(model)
+    recording = _map_targets(recording, lambda i, n: _Recorder(n, mark, i))
     layers = [n for n in jax.tree.leaves(model, is_leaf=_is_target) if _is_target(n)]
     chosen = {}
-    for i, layer in enumerate(layers):
-        stored = quantize_layer(layer)
-        if not isinstance(stored, Linear | Conv) or stored.precision == "float32":
-            continue  # ``where`` declined it, or it stays float
-        seen.clear()
-        jax.block_until_ready(run(recording, data))
-        jax.effects_barrier()
-        inputs = np.stack([x for index, x in seen if index == i])
-        chosen[i], dense = _choose(layer, stored, inputs, calibration)
-        # (the recorders' layers are the targets here: tree order as before)
-        recording = _map_targets(
-            recording,
-            lambda j, n, i=i, dense=dense: (
-                eqx.tree_at(lambda m: m.weight, n, dense) if j == i else n
-            ),
-        )
+    try:
+        for i, layer in enumerate(layers):
+            stored = quantize_layer(layer)
+            if not isinstance(stored, Linear | Conv) or stored.precision == "float32":
+                continue  # ``where`` declined it, or it stays float
+            seen.clear()
+            jax.block_until_ready(_forward(recording, data))
+            jax.effects_barrier()
+            inputs = np.stack([x for index, x in seen if index == i])
+            chosen[i], dense = _choose(layer, stored, inputs, calibration)
+            # (the recorders' layers are the targets here: tree order as before)
+            recording = _map_targets(
+                recording,
+                lambda j, n, i=i, dense=dense: (
+                    eqx.tree_at(lambda m: m.weight, n, dense) if j == i else n
+                ),
+            )
+    finally:
+        del _SINKS[token]
     return _map_targets(model, lambda i, n: chosen.get(i, n))

@@ -55,12 +55,18 @@ def inverse_hessian_factor(h: np.ndarray, damp: float) -> tuple[np.ndarray, np.n
     # solve XLA's, in float32, the column loop's precision; GPTQ's time on
     # large layers: benchmarks/bench_calibration.py)
     lower = np.linalg.cholesky(h[::-1, ::-1])
-    eye = jnp.eye(len(h), dtype=jnp.float32)
-    inverse = jax.scipy.linalg.solve_triangular(
-        jnp.asarray(lower, jnp.float32), eye, lower=True
-    )
+    inverse = _lower_inverse(lower.astype(np.float32))
     u = np.asarray(inverse, np.float64)[::-1, ::-1]
     return u, dead
+
+
+@jax.jit
+def _lower_inverse(lower):
+    """``lower^-1`` of a lower triangular float32 ``(K, K)``: one compiled
+    program per K (eagerly the identity and the solve would compile apart;
+    NumPy arguments, as ``jnp.asarray`` of one compiles a copy of its own)."""
+    eye = jnp.eye(len(lower), dtype=lower.dtype)
+    return jax.scipy.linalg.solve_triangular(lower, eye, lower=True)
 
 
 def _block_size(group_size: int | None) -> int:
@@ -172,9 +178,9 @@ def gptq(
     elif group == 1:
         loop_scales = np.pad(loop_scales, ((0, 0), (0, padded - k)), constant_values=1)
     values, chosen = _columns(
-        jnp.asarray(wp, jnp.float32),
-        jnp.asarray(up, jnp.float32),
-        jnp.asarray(loop_scales, jnp.float32),
+        wp.astype(np.float32),
+        up.astype(np.float32),
+        np.asarray(loop_scales, np.float32),
         qmax=qmax,
         group_size=group,
         block=block,

@@ -19,6 +19,7 @@ from ._accuracy import (
     precisions_for,
     with_precisions,
 )
+from ._calibrate import device_array
 from ._config import QuantConfig
 from ._quantize import freeze
 
@@ -145,6 +146,6 @@ def apply_plan(model, report: dict, data=None):
                 f"apply_plan: a {method} plan needs data, its calibration inputs"
             )
         return calibrated_choice(
-            model, jnp.asarray(data), choice, report["group_size"], method
+            model, device_array(data), choice, report["group_size"], method
         )
     return freeze(with_precisions(model, choice, report["group_size"]))

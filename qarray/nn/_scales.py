@@ -87,11 +87,16 @@ def awq_candidate(x_mean, alpha: float) -> np.ndarray:
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size"))
-def _output_error(w, rows, s_cols, *, bits, group_size):
-    """``||rows (W - Q(W * s) / s)^T||^2``: the layer's output error on the
-    inputs ``rows`` with the channel scale ``s`` (over the columns)."""
-    back = dequantize(quantize(w * s_cols, bits, group_size)) / s_cols
-    return jnp.sum((rows @ (w - back).T) ** 2)
+def _output_errors(w, rows, candidates, *, bits, group_size):
+    """``||rows (W - Q(W * s) / s)^T||^2`` for each channel scale ``s`` of
+    ``candidates (n, K)`` (over the columns): the layer's output errors on
+    the inputs ``rows``, the whole search one program."""
+
+    def error(s_cols):
+        back = dequantize(quantize(w * s_cols, bits, group_size)) / s_cols
+        return jnp.sum((rows @ (w - back).T) ** 2)
+
+    return jax.lax.map(error, candidates)
 
 
 def _error_rows(features: np.ndarray) -> np.ndarray:
@@ -110,15 +115,19 @@ def awq_scale(w, features, x_mean, *, bits: int, group_size: int | None):
     inputs as the weights ``w (out, K)`` see them), and that error per
     exponent."""
     per_channel = w.shape[1] // len(x_mean)
-    rows = jnp.asarray(_error_rows(np.asarray(features)), jnp.float32)
-    w32 = jnp.asarray(w, jnp.float32)
-    options = {"bits": bits, "group_size": group_size}
-    errors = []
-    for alpha in AWQ_GRID:
-        s_cols = jnp.asarray(columns(awq_candidate(x_mean, alpha), per_channel))
-        errors.append(
-            float(_output_error(w32, rows, s_cols.astype(w32.dtype), **options))
-        )
+    # NumPy arguments: jnp.asarray of one compiles a copy program of its own
+    rows = _error_rows(np.asarray(features)).astype(np.float32)
+    candidates = np.stack(
+        [columns(awq_candidate(x_mean, alpha), per_channel) for alpha in AWQ_GRID]
+    )
+    errors = _output_errors(
+        np.asarray(w, np.float32),
+        rows,
+        candidates.astype(np.float32),
+        bits=bits,
+        group_size=group_size,
+    )
+    errors = [float(e) for e in np.asarray(errors)]
     best = AWQ_GRID[int(np.argmin(errors))]
     return awq_candidate(x_mean, best), errors
 
@@ -139,7 +148,6 @@ def _clipped(groups, top, ratio):
     return jnp.clip(groups, -bound, bound)
 
 
-@functools.partial(jax.jit, static_argnames=("group_size", "sweeps"))
 def _clip_search(w, rows, ratios, *, group_size, sweeps):
     """The index into ``ratios`` of each row's (int4: each group's) clip,
     ``(out, groups)``, for the weights ``w (out, K)`` and the error rows
@@ -191,7 +199,6 @@ def _clip_search(w, rows, ratios, *, group_size, sweeps):
     return carry[1]
 
 
-@functools.partial(jax.jit, static_argnames=("group_size",))
 def _clip_to(w, ratio, *, group_size):
     """``w (rows, K)`` with each row (group) clipped to ``ratio (rows,
     groups)`` times its max |w|."""
@@ -200,6 +207,14 @@ def _clip_to(w, ratio, *, group_size):
     groups = w.reshape(n, k // size, size)
     top = jnp.max(jnp.abs(groups), axis=-1, keepdims=True)
     return _clipped(groups, top, ratio[..., None]).reshape(n, k)
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "sweeps"))
+def _clip_rows(w, rows, ratios, *, group_size, sweeps):
+    """(``w (out, K)`` clipped, the ratios ``(out, groups)``) of the search
+    (``_clip_search``): one program per chunk shape."""
+    ratio = ratios[_clip_search(w, rows, ratios, group_size=group_size, sweeps=sweeps)]
+    return _clip_to(w, ratio, group_size=group_size), ratio
 
 
 def awq_clip(w, features, s_cols, *, group_size: int | None):
@@ -221,20 +236,20 @@ def awq_clip(w, features, s_cols, *, group_size: int | None):
     Returns (the clipped weights, float32 ``(out, K)``, which the layer
     quantizes: their max |w| sets the stored scales; the ratios ``(out,
     groups)``, int8 one group)."""
+    # NumPy throughout, the chunks sliced on the host: eagerly every
+    # conversion, slice and concatenation of JAX arrays compiles on its own
     rows = _error_rows(np.asarray(features) / np.asarray(s_cols))
-    rows = jnp.asarray(rows, jnp.float32)
-    grid = jnp.asarray(AWQ_CLIP_GRID, jnp.float32)
-    w32 = jnp.asarray(w, jnp.float32)
+    rows = rows.astype(np.float32)
+    grid = np.asarray(AWQ_CLIP_GRID, np.float32)
+    w32 = np.asarray(w, np.float32)
     groups = w32.shape[1] // (group_size or w32.shape[1])
     # rows per step: the (m, rows, groups) errors of one ratio stay within
     # 2**24 float32s (64 MiB) whatever the layer's size
     step = int(np.clip(2**24 // (rows.shape[0] * groups), 8, _CLIP_ROWS))
-    options = {"group_size": group_size}
+    options = {"group_size": group_size, "sweeps": _CLIP_SWEEPS}
     clipped, ratios = [], []
     for start in range(0, w32.shape[0], step):
-        chunk = w32[start : start + step]
-        index = _clip_search(chunk, rows, grid, sweeps=_CLIP_SWEEPS, **options)
-        ratio = grid[index]
-        clipped.append(_clip_to(chunk, ratio, **options))
+        chunk, ratio = _clip_rows(w32[start : start + step], rows, grid, **options)
+        clipped.append(np.asarray(chunk))
         ratios.append(np.asarray(ratio))
-    return jnp.concatenate(clipped), np.concatenate(ratios)
+    return jax.device_put(np.concatenate(clipped)), np.concatenate(ratios)

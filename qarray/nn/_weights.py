@@ -8,6 +8,7 @@ before it keeps them, their QArray, their export and their error."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import equinox as eqx
 import jax
@@ -243,19 +244,66 @@ class QuantizedWeights(eqx.Module):
     def frozen(self):
         """The stored layer a trainable one quantizes to (itself if stored or
         float32): the export after quantization-aware training. Eager."""
-        if not self.trainable or self.precision == "float32":
-            return self
-        qvalue, scale, error = stored_parts(self)
-        return dataclasses.replace(
-            self, weight=None, qvalue=qvalue, scale=scale, stored_error=float(error)
-        )
+        return frozen_together([self])[0]
+
+
+def frozen_together(layers: list) -> list:
+    """``[layer.frozen() for layer in layers]``, the trainable ones'
+    quantization one compiled program (a model's layers: one compile rather
+    than one per layer shape)."""
+    live = [layer.trainable and layer.precision != "float32" for layer in layers]
+    todo = [layer for layer, t in zip(layers, live, strict=True) if t]
+    parts = iter(stored_parts(without_stored_errors(todo)) if todo else ())
+    out = []
+    for layer, t in zip(layers, live, strict=True):
+        if t:
+            qvalue, scale, error = next(parts)
+            stored = {"qvalue": qvalue, "scale": scale, "stored_error": float(error)}
+            layer = dataclasses.replace(layer, weight=None, **stored)
+        out.append(layer)
+    return out
 
 
 @eqx.filter_jit
-def stored_parts(layer: QuantizedWeights):
-    """(qvalue, scale, relative weight error) a trainable layer stores when
-    frozen; compiled as one program, as eagerly each primitive would be
+def stored_parts(layers: list) -> list:
+    """(qvalue, scale, relative weight error) each trainable layer stores
+    when frozen; compiled as one program, as eagerly each primitive would be
     compiled and dispatched on its own, again for every layer of a model."""
-    qw = layer.quantized()
-    qvalue, scale = unpack(qw)
-    return qvalue, scale, layer.weight_error(qw)
+
+    def parts(layer: QuantizedWeights):
+        qw = layer.quantized()
+        qvalue, scale = unpack(qw)
+        return qvalue, scale, layer.weight_error(qw)
+
+    return [parts(layer) for layer in layers]
+
+
+def without_stored_errors(tree):
+    """``tree`` with every quantized layer's ``stored_error`` None (what it
+    computes unchanged): the error is a static field, so a compiled function
+    handed layers of other recorded errors (a calibration's, each its own)
+    would be traced and compiled anew for each."""
+
+    def clear(node):
+        if isinstance(node, QuantizedWeights) and node.stored_error is not None:
+            return dataclasses.replace(node, stored_error=None)
+        return node
+
+    return jax.tree.map(
+        clear, tree, is_leaf=lambda node: isinstance(node, QuantizedWeights)
+    )
+
+
+def dequantized(layer: QuantizedWeights) -> jax.Array:
+    """A stored layer's weights dequantized, float32 ``(rows, K)``: one
+    compiled program per shape and precision (eagerly every primitive would
+    compile apart; the layer's static fields, its recorded error among them,
+    left out of the key)."""
+    return _unpacked(
+        layer.qvalue, layer.scale, bits=layer._bits, group_size=layer.group_size
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "group_size"))
+def _unpacked(qvalue, scale, *, bits, group_size):
+    return dequantize(pack(qvalue, scale, bits, group_size))
