@@ -5,9 +5,9 @@ Layer by layer, in the model's tree order, each ``eqx.nn.Linear`` and
 ``eqx.nn.Conv`` that ``qnn.quantize`` would replace gets the inputs that reach
 it on the calibration data, through the layers before it as already
 quantized: the model runs on ``data`` (``jax.vmap`` over its leading axis,
-as ``qnn.evaluate`` does) with that layer wrapped in a recorder
-(``jax.debug.callback`` of its input). From them (``_choose``): a scale per
-input channel (AWQ's search, SmoothQuant's migration or static per-channel
+as ``qnn.evaluate`` does) with that layer wrapped in a recorder (a host
+callback of its input, the whole batch at once). From them (``_choose``): a
+scale per input channel (AWQ's search, SmoothQuant's migration or static per-channel
 ranges, ``_scales``), the weights times it rounded by GPTQ (its ``H = X^T X``,
 a convolution's over its im2col patches, one per group: ``_gptq.gptq``) or
 to nearest (AWQ's clipped first: ``_scales.awq_clip``, a range per row or
@@ -55,20 +55,33 @@ _SINKS: dict[int, list] = {}
 _TOKENS = itertools.count()
 
 
-def _record(index: int, token, x) -> None:
-    _SINKS[int(token)].append((index, np.asarray(x)))
+def _record(index: int, ndim: int, token, x):
+    """Appends ``x``'s examples, ``(rows, *x's shape in the layer)``, to
+    ``_SINKS[token]`` under ``index``; gives ``x`` back. Under ``vmap`` the
+    leading axes of ``x`` (and of ``token``, unbatched) are the batch's."""
+    x = np.asarray(x)
+    rows = x.reshape(-1, *x.shape[x.ndim - ndim :])
+    _SINKS[int(np.asarray(token).reshape(-1)[0])].append((index, rows))
+    return x
 
 
 class _Recorder(eqx.Module):
     """``layer`` as it is, its every input appended to ``_SINKS[token]`` as
-    ``(index, x)``."""
+    ``(index, rows)`` (``_record``)."""
 
     layer: Any
     token: jax.Array
     index: int = eqx.field(static=True)
 
     def __call__(self, x, *, key=None):
-        jax.debug.callback(functools.partial(_record, self.index), self.token, x)
+        # one host call for the whole batch (vmap_method): jax.debug.callback
+        # under vmap calls back once per example, a device-host round trip
+        # each (thousands over a calibration: most of a TPU's time in it); x
+        # comes back unchanged and the layer computes on it, so the call is
+        # part of the result and stays in the program
+        record = functools.partial(_record, self.index, x.ndim)
+        like = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        x = jax.pure_callback(record, like, self.token, x, vmap_method="expand_dims")
         return self.layer(x)
 
 
@@ -319,7 +332,7 @@ def calibrated(model, data, quantize_layer: Callable, calibration=None):
             seen.clear()
             jax.block_until_ready(_forward(recording, data))
             jax.effects_barrier()
-            inputs = np.stack([x for index, x in seen if index == i])
+            inputs = np.concatenate([rows for index, rows in seen if index == i])
             chosen[i], dense = _choose(layer, stored, inputs, calibration)
             # (the recorders' layers are the targets here: tree order as before)
             recording = _map_targets(
