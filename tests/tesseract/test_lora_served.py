@@ -5,10 +5,13 @@ cache, and 4xx's naming the field. Against the NumPy reference network
 
 import os
 
+import equinox as eqx
+import jax
 import numpy as np
 import pytest
 from tesseract_core import Tesseract
 
+import qarray.nn as qnn
 from qarray.checkpoint import save_model
 from support import network as net
 from support import reference as ref
@@ -16,6 +19,33 @@ from support.devices import caller_device
 from support.server import ROOT
 
 RTOL = ATOL = 2e-4
+
+
+# The tests' own JAX programs, compiled once per model and shape (called
+# eagerly, each equinox layer's jnp ops would compile op by op)
+@eqx.filter_jit
+def batched(model, x):
+    return jax.vmap(model)(x)
+
+
+@eqx.filter_jit
+def model_cotangents(model, x, g):
+    """The cotangent of the whole model ``model`` for ``sum(g * vmap(model)(x))``
+    (jax.vjp)."""
+    _, pullback = jax.vjp(lambda m: jax.vmap(m)(x), model)
+    (cotangents,) = pullback(g)
+    return cotangents
+
+
+@eqx.filter_jit
+def adapter_cotangents(stored, pairs, x, g, alpha):
+    """The cotangents of the adapters ``pairs`` of
+    ``qnn.with_adapters(stored, pairs, alpha)`` (jax.vjp)."""
+    _, pullback = jax.vjp(
+        lambda p: jax.vmap(qnn.with_adapters(stored, p, alpha=alpha))(x), pairs
+    )
+    (cotangents,) = pullback(g)
+    return cotangents
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +160,6 @@ def test_tesseract_jax_vmap_over_x_with_adapters(tess, rng, method):
     """jax.vmap of apply_tesseract over x (tesseract-jax gives the adapters
     a size-1 batch axis): y and the adapters' gradient of sum(y * g), one
     example at a time in NumPy."""
-    import jax
     import jax.numpy as jnp
     from tesseract_jax import apply_tesseract
 
@@ -143,11 +172,16 @@ def test_tesseract_jax_vmap_over_x_with_adapters(tess, rng, method):
         request = {"x": x, "layers": layers, "lora": lora}
         return apply_tesseract(tess, request, vmap_method=method)["y"]
 
+    def mapped(lora, x):
+        return jax.vmap(f, in_axes=(None, 0))(lora, x)
+
+    # compiled (tesseract-jax calls the Tesseract from the programs' host
+    # callback), not op by op
     with caller_device():  # the chip stays free for the Tesseract's programs
-        y = jax.vmap(f, in_axes=(None, 0))(lora, jnp.asarray(x))
-        grads = jax.grad(
-            lambda lora: jnp.sum(jax.vmap(f, in_axes=(None, 0))(lora, x) * g)
-        )(lora)
+        y = jax.jit(mapped)(lora, x)
+        grads = jax.jit(jax.grad(lambda lora, x, g: jnp.sum(mapped(lora, x) * g)))(
+            lora, x, g
+        )
     want = {"a": 0.0, "b": 0.0}
     for b in range(3):
         np.testing.assert_allclose(
@@ -302,6 +336,7 @@ SMALL_API = """
 from pathlib import Path
 from typing import Annotated
 
+import equinox as eqx
 import jax
 from pydantic import BaseModel, Field
 from small_model import Small
@@ -314,8 +349,9 @@ def forward(model, inputs):
     return {"y": jax.vmap(model)(inputs["x"])}
 
 
+# the skeleton (model_file has its weights) initialised in one program
 TESSERACT = ModelTesseract(
-    Small(jax.random.key(0)), forward,
+    eqx.filter_jit(Small)(jax.random.key(0)), forward,
     model_file=Path(__file__).with_name("small.safetensors"),
     lora_rank=2, lora_alpha=4.0,
 )
@@ -384,9 +420,6 @@ def test_a_model_tesseract_with_lora_rank(tmp_path, rng, monkeypatch):
     import importlib.util
     import sys
 
-    import jax
-
-    import qarray.nn as qnn
     from qarray.checkpoint import save_tree
 
     monkeypatch.delenv("QARRAY_MODEL", raising=False)  # model_file, not the env's
@@ -398,7 +431,7 @@ def test_a_model_tesseract_with_lora_rank(tmp_path, rng, monkeypatch):
     module = importlib.util.module_from_spec(spec)
     sys.modules["small_model"] = module
     spec.loader.exec_module(module)
-    stored = qnn.quantize(module.Small(jax.random.key(4)))
+    stored = qnn.quantize(eqx.filter_jit(module.Small)(jax.random.key(4)))
     save_tree(tmp_path / "small.safetensors", stored)
     x = net.normal(rng, (5, 2, 6))
     lora = [
@@ -438,8 +471,7 @@ def test_a_model_tesseract_with_lora_rank(tmp_path, rng, monkeypatch):
             alpha=4.0,
         )
         assert isinstance(adapted.conv, qnn.LoRA) and adapted.fc is stored.fc
-        _, pullback = jax.vjp(lambda m: jax.vmap(m)(x), adapted)
-        (cotangents,) = pullback(g)
+        cotangents = model_cotangents(adapted, x, g)
         for path, want in (
             ("lora.[0].a", cotangents.conv.a),
             ("lora.[0].b", cotangents.conv.b),
@@ -488,7 +520,7 @@ class Every(eqx.Module):
 """
 
 EVERY_API = SMALL_API.replace("small_model import Small", "every_model import Every")
-EVERY_API = EVERY_API.replace("Small(", "Every(").replace(
+EVERY_API = EVERY_API.replace("(Small)", "(Every)").replace(
     "small.safetensors", "every.safetensors"
 )
 
@@ -503,9 +535,6 @@ def test_a_model_tesseract_adapts_every_quantized_kind(tmp_path, rng, monkeypatc
     import importlib.util
     import sys
 
-    import jax
-
-    import qarray.nn as qnn
     from qarray.checkpoint import save_tree
 
     monkeypatch.delenv("QARRAY_MODEL", raising=False)
@@ -517,7 +546,7 @@ def test_a_model_tesseract_adapts_every_quantized_kind(tmp_path, rng, monkeypatc
     module = importlib.util.module_from_spec(spec)
     sys.modules["every_model"] = module
     spec.loader.exec_module(module)
-    stored = qnn.quantize(module.Every(jax.random.key(5)))
+    stored = qnn.quantize(eqx.filter_jit(module.Every)(jax.random.key(5)))
     save_tree(tmp_path / "every.safetensors", stored)
     shapes = qnn.adapter_shapes(stored, 2)
     assert shapes == [
@@ -532,13 +561,11 @@ def test_a_model_tesseract_adapts_every_quantized_kind(tmp_path, rng, monkeypatc
     pairs = [(e["a"], e["b"]) for e in lora]
     adapted = qnn.with_adapters(stored, pairs, alpha=4.0)
     x = net.normal(rng, (3, 2, 8))
-    want = np.asarray(jax.vmap(adapted)(x))
-    base = np.asarray(jax.vmap(stored)(x))
+    want = np.asarray(batched(adapted, x))
+    base = np.asarray(batched(stored, x))
     assert np.abs(want - base).max() > 0.1 * np.abs(base).max()
     g = net.normal(rng, want.shape)
-    _, pullback = jax.vjp(lambda p: jax.vmap(qnn.with_adapters(
-        stored, p, alpha=4.0))(x), pairs)  # fmt: skip
-    (cotangents,) = pullback(g)
+    cotangents = adapter_cotangents(stored, pairs, x, g, 4.0)
     with Tesseract.from_tesseract_api(str(tmp_path / "every_api.py")) as t:
         got = t.apply({"x": x, "lora": lora})["y"]
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
