@@ -133,7 +133,15 @@ def test_weight_only_is_the_dense_convolution_of_the_dequantized_weights(rng):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("strategy", CONV_STRATEGIES)
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        pytest.param(s, marks=pytest.mark.cpu_only("qarray's C++ kernels"))
+        if s == "kernel"
+        else s
+        for s in CONV_STRATEGIES
+    ],
+)
 def test_int8_formulations_agree(rng, strategy):
     if strategy == "kernel" and not _ffi.available():
         pytest.skip(f"CPU kernels: {_ffi.status()}")

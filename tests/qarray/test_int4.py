@@ -147,7 +147,14 @@ def int4_reference(x, w, group_size, activations):
 
 @pytest.mark.parametrize("activations", ["float32", "int8"])
 @pytest.mark.parametrize(
-    "strategy", [None, "dequantize", "kernel", "pallas_groups", "pallas_tile"]
+    "strategy",
+    [
+        None,
+        "dequantize",
+        pytest.param("kernel", marks=pytest.mark.cpu_only("qarray's C++ kernels")),
+        "pallas_groups",
+        "pallas_tile",
+    ],
 )
 @pytest.mark.parametrize("m", [1, 5, 33])
 def test_linear_q_int4_matches_numpy(rng, strategy, m, activations):
