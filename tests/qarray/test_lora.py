@@ -12,6 +12,7 @@ import pytest
 
 import qarray.nn as qnn
 from support import reference as ref
+from support.compiled import call, vcall
 
 
 def normal(rng, shape, scale=1.0):
@@ -28,16 +29,6 @@ def normal(rng, shape, scale=1.0):
 # test_every_kind_starts_as_the_base_and_trains_only_its_adapters's exact
 # "starts as the base" checks (LoRA on SpectralConv; on ConvTranspose,
 # Embedding, GRUCell and SpectralConv, and those bases).
-
-
-@eqx.filter_jit
-def call(model, *args):
-    return model(*args)
-
-
-@eqx.filter_jit
-def batched(model, x):
-    return jax.vmap(model)(x)
 
 
 @eqx.filter_jit
@@ -162,7 +153,7 @@ def test_partition_trains_only_the_adapters_and_merge_folds_them(rng):
     merged = qnn.merge(trained)
     assert isinstance(merged.layers[0], qnn.Linear) and merged.layers[0].trainable
     # float weights W + (alpha / r) b a, re-quantized every call: near the adapted model
-    ya, ym = batched(trained, x), batched(merged, x)
+    ya, ym = vcall(trained, x), vcall(merged, x)
     assert rel_err(ym, ya) < 0.15
     assert qnn.freeze(merged).layers[0].qvalue.dtype == np.uint8
 

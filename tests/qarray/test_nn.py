@@ -18,6 +18,7 @@ import pytest
 import qarray as qa
 import qarray.nn as qnn
 from support import reference as ref
+from support.compiled import call, filter_vcall, vcall
 
 # rerun on XLA's formulations alone where the kernels ran (make test)
 pytestmark = pytest.mark.formulations
@@ -25,24 +26,11 @@ pytestmark = pytest.mark.formulations
 RTOL, ATOL = 2e-5, 2e-5
 
 
-# Models are called through these (one XLA program per model structure and
-# shape, cached across tests) rather than eagerly, op by op (a program per op;
-# ~0.1-0.2 s each on a TPU). Eager calls stay where they are the point:
-# test_linear_values_match_numpy and test_linear_int8_activations_match_numpy
-# (Linear), test_a_module_under_jit_carries_no_qarray (its jaxpr).
-@eqx.filter_jit
-def call(model, *args, **kwargs):
-    return model(*args, **kwargs)
-
-
-@eqx.filter_jit
-def vcall(model, xs):
-    return jax.vmap(model)(xs)
-
-
-@eqx.filter_jit
-def filter_vcall(model, xs):
-    return eqx.filter_vmap(model)(xs)
+# Models are called through support.compiled (one XLA program per model
+# structure and shape) rather than eagerly, op by op. Eager calls stay where
+# they are the point: test_linear_values_match_numpy and
+# test_linear_int8_activations_match_numpy (Linear),
+# test_a_module_under_jit_carries_no_qarray (its jaxpr).
 
 
 def normal(rng, *shape):

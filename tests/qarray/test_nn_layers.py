@@ -11,24 +11,15 @@ import pytest
 
 import qarray.nn as qnn
 from support import reference as ref
+from support.compiled import call, vcall
 
 
-# Models are called through these (one XLA program per model structure and
-# shape, cached across tests) rather than eagerly, op by op (a program per op;
-# ~0.1-0.2 s each on a TPU). One eager call per layer kind stays:
-# Embedding in test_lookups_are_the_quantized_rows, the cells' scan in
+# Models are called through support.compiled and the helpers here (one XLA
+# program per model structure and shape) rather than eagerly, op by op. One
+# eager call per layer kind stays: Embedding in
+# test_lookups_are_the_quantized_rows, the cells' scan in
 # test_recurrent_cells_against_numpy, ConvTranspose in
 # test_conv_transpose_named_paddings_and_qat.
-@eqx.filter_jit
-def call(model, *args, **kwargs):
-    return model(*args, **kwargs)
-
-
-@eqx.filter_jit
-def vcall(model, xs):
-    return jax.vmap(model)(xs)
-
-
 @eqx.filter_jit
 def x_gradient(model, x, g):
     """d/dx of sum(model(x) * g)."""

@@ -10,6 +10,7 @@ import pytest
 import qarray.nn as qnn
 from qarray.checkpoint import load_quantized, save_tree
 from support import reference as ref
+from support.compiled import call
 
 GEOMETRIES = [  # (in, out, modes, x shape)
     (3, 4, (5,), (3, 16)),
@@ -20,15 +21,10 @@ GEOMETRIES = [  # (in, out, modes, x shape)
 IDS = ["1d", "2d", "3d", "2d-batched-all-modes"]
 
 
-# Models are called through these (one XLA program per model structure and
-# shape) rather than eagerly, op by op (a program per op; ~0.1-0.2 s each on
-# a TPU); one eager call of a stored SpectralConv stays, in
+# Models are called through support.compiled and the helpers here (one XLA
+# program per model structure and shape) rather than eagerly, op by op; one
+# eager call of a stored SpectralConv stays, in
 # test_freeze_model_files_and_equinox_tools.
-@eqx.filter_jit
-def call(model, *args):
-    return model(*args)
-
-
 @eqx.filter_jit
 def weight_at_scale(model, scale):
     """The complex weight model stores with its scales replaced by scale."""

@@ -15,6 +15,7 @@ import qarray.nn as qnn
 from qarray.checkpoint import save_model
 from support import network as net
 from support import reference as ref
+from support.compiled import vcall
 from support.devices import caller_device
 from support.server import ROOT
 
@@ -23,11 +24,6 @@ RTOL = ATOL = 2e-4
 
 # The tests' own JAX programs, compiled once per model and shape (called
 # eagerly, each equinox layer's jnp ops would compile op by op)
-@eqx.filter_jit
-def batched(model, x):
-    return jax.vmap(model)(x)
-
-
 @eqx.filter_jit
 def model_cotangents(model, x, g):
     """The cotangent of the whole model ``model`` for ``sum(g * vmap(model)(x))``
@@ -561,8 +557,8 @@ def test_a_model_tesseract_adapts_every_quantized_kind(tmp_path, rng, monkeypatc
     pairs = [(e["a"], e["b"]) for e in lora]
     adapted = qnn.with_adapters(stored, pairs, alpha=4.0)
     x = net.normal(rng, (3, 2, 8))
-    want = np.asarray(batched(adapted, x))
-    base = np.asarray(batched(stored, x))
+    want = np.asarray(vcall(adapted, x))
+    base = np.asarray(vcall(stored, x))
     assert np.abs(want - base).max() > 0.1 * np.abs(base).max()
     g = net.normal(rng, want.shape)
     cotangents = adapter_cotangents(stored, pairs, x, g, 4.0)
