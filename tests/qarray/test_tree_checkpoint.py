@@ -14,20 +14,7 @@ from qarray.checkpoint import ModelFileError, load_quantized, load_tree, save_tr
 from qarray.checkpoint._tree import leaf_paths
 from qarray.checkpoint.pytorch import convert_tree, fold_batchnorm
 from support import reference as ref
-
-
-# The tests' own JAX programs, compiled once per model and shape (called
-# eagerly, each equinox layer's jnp ops would compile op by op)
-@eqx.filter_jit
-def build(cls, key):
-    """``cls(key)``: an equinox model's initialisation in one program."""
-    return cls(key)
-
-
-@eqx.filter_jit
-def run(model, x):
-    """``model(x)`` in one program."""
-    return model(x)
+from support.compiled import call
 
 
 class Net(eqx.Module):
@@ -49,27 +36,27 @@ class Net(eqx.Module):
 
 
 def test_leaf_paths_name_the_model_tree():
-    paths = leaf_paths(build(Net, jax.random.key(0)))
+    paths = leaf_paths(call(Net, jax.random.key(0)))
     assert set(paths) == {
         "conv1.weight", "conv1.bias", "blocks.0.weight", "blocks.0.bias",
         "blocks.1.weight", "blocks.1.bias", "head.weight", "head.bias",
     }  # fmt: skip
-    q = leaf_paths(qnn.quantize(build(Net, jax.random.key(0))))
+    q = leaf_paths(qnn.quantize(call(Net, jax.random.key(0))))
     assert {"conv1.qvalue", "conv1.scale", "head.qvalue", "blocks.1.weight"} <= set(q)
     assert q["conv1.qvalue"].shape == (4, 9) and q["conv1.bias"].shape == (4,)
 
 
 @pytest.mark.parametrize("stored", ["float", "quantized"])
 def test_float_and_quantized_files_load_into_the_skeleton(tmp_path, rng, stored):
-    trained = build(Net, jax.random.key(1))
+    trained = call(Net, jax.random.key(1))
     file = tmp_path / "m.safetensors"
     save_tree(file, trained if stored == "float" else qnn.quantize(trained))
-    skeleton = build(Net, jax.random.key(99))  # other weights: the file supplies all
+    skeleton = call(Net, jax.random.key(99))  # other weights: the file supplies all
     model = load_quantized(file, skeleton)
     assert isinstance(model.conv1, qnn.Conv) and not model.conv1.trainable
     want = qnn.quantize(trained)
     x = rng.standard_normal((1, 5, 5)).astype(np.float32)
-    np.testing.assert_allclose(run(model, x), run(want, x), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(call(model, x), call(want, x), rtol=1e-6, atol=1e-6)
     # the weight error is recorded for a float file, unknown for a stored one
     w = np.asarray(trained.conv1.weight).reshape(4, -1)
     err = np.linalg.norm(w - ref.roundtrip(w)) / np.linalg.norm(w)
@@ -85,7 +72,7 @@ def test_float_and_quantized_files_load_into_the_skeleton(tmp_path, rng, stored)
 
 
 def test_mismatched_files_name_the_tensor(tmp_path):
-    model = build(Net, jax.random.key(0))
+    model = call(Net, jax.random.key(0))
     tensors = {k: np.asarray(v) for k, v in leaf_paths(model).items()}
     cases = {
         "missing": (
@@ -174,7 +161,7 @@ def test_convert_a_pytorch_cnn_with_batchnorm(tmp_path, rng):
         4,
         9,
     )
-    model = load_quantized(tmp_path / "m.safetensors", build(Net, jax.random.key(5)))
+    model = load_quantized(tmp_path / "m.safetensors", call(Net, jax.random.key(5)))
     # PyTorch's forward pass in float64, BatchNorm in inference mode, on the
     # folded and quantized weights
     x = rng.standard_normal((1, 5, 5)).astype(np.float32)
@@ -197,12 +184,12 @@ def test_convert_a_pytorch_cnn_with_batchnorm(tmp_path, rng):
         ref.roundtrip(sd["head.weight"]).astype(np.float64) @ h.ravel()
         + sd["head.bias"]
     )
-    np.testing.assert_allclose(run(model, x), want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(call(model, x), want, rtol=1e-4, atol=1e-4)
 
 
 def test_mixed_precision_files_load_layer_by_layer(tmp_path, rng):
     """float32 conv, int4 conv, int8 head: each layer loads as stored."""
-    trained = build(Net, jax.random.key(4))
+    trained = call(Net, jax.random.key(4))
     # conv1's K = 9 has no even group size: blocks.0 (K = 36) is the int4 one
     plan = {"precisions": ["float32", "int4", "int8"], "group_size": 6}
     mixed = qnn.apply_plan(trained, plan)
@@ -212,12 +199,12 @@ def test_mixed_precision_files_load_layer_by_layer(tmp_path, rng):
     assert tensors["blocks.0.qvalue"].dtype == np.uint8
     assert tensors["blocks.0.scale"].shape == (4, 6)
     assert "conv1.weight" in tensors and tensors["head.qvalue"].dtype == np.int8
-    model = load_quantized(file, build(Net, jax.random.key(99)))
+    model = load_quantized(file, call(Net, jax.random.key(99)))
     assert isinstance(model.conv1, eqx.nn.Conv2d)
     assert (model.blocks[0].precision, model.blocks[0].group_size) == ("int4", 6)
     assert model.head.precision == "int8"
     x = rng.standard_normal((1, 5, 5)).astype(np.float32)
-    np.testing.assert_allclose(run(model, x), run(mixed, x), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(call(model, x), call(mixed, x), rtol=1e-6, atol=1e-6)
     # the same in NumPy: the int4 block's weights grouped by 6
     w = np.asarray(trained.blocks[0].weight).reshape(4, -1)
     np.testing.assert_allclose(
@@ -228,7 +215,7 @@ def test_mixed_precision_files_load_layer_by_layer(tmp_path, rng):
     tensors["blocks.0.scale"] = np.ones((4, 5), np.float32)
     save_file(tensors, str(tmp_path / "bad.safetensors"))
     with pytest.raises(ModelFileError, match=r"blocks.0.qvalue is int4.*K = 36"):
-        load_quantized(tmp_path / "bad.safetensors", build(Net, jax.random.key(0)))
+        load_quantized(tmp_path / "bad.safetensors", call(Net, jax.random.key(0)))
 
 
 class Decoder(eqx.Module):
@@ -258,21 +245,21 @@ class Decoder(eqx.Module):
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
 def test_embeddings_cells_and_transposed_convolutions_round_trip(tmp_path, precision):
-    trained = build(Decoder, jax.random.key(1))
+    trained = call(Decoder, jax.random.key(1))
     quantized = qnn.quantize(trained, precision=precision, group_size=16)
     assert isinstance(quantized.embed, qnn.Embedding)
     assert isinstance(quantized.gru.weight_ih, qnn.Linear)
     assert isinstance(quantized.up, qnn.ConvTranspose)
     file = tmp_path / "decoder.safetensors"
     save_tree(file, quantized)
-    model = load_quantized(file, build(Decoder, jax.random.key(7)))
+    model = load_quantized(file, call(Decoder, jax.random.key(7)))
     tokens = [3, 1, 4, 1, 5]
-    np.testing.assert_array_equal(run(model, tokens), run(quantized, tokens))
+    np.testing.assert_array_equal(call(model, tokens), call(quantized, tokens))
     assert model.embed.precision == quantized.embed.precision
     assert model.lstm.weight_hh.precision == quantized.lstm.weight_hh.precision
     # the quantized decoder stays near the float one
-    want = np.asarray(run(trained, tokens))
-    err = np.linalg.norm(np.asarray(run(model, tokens)) - want) / np.linalg.norm(want)
+    want = np.asarray(call(trained, tokens))
+    err = np.linalg.norm(np.asarray(call(model, tokens)) - want) / np.linalg.norm(want)
     assert err < (0.15 if precision == "int4" else 0.02)
 
 
@@ -294,7 +281,7 @@ def test_convert_a_pytorch_transposed_convolution(tmp_path, rng):
         def __call__(self, x):
             return self.up(x)
 
-    model = load_quantized(dst, build(Up, jax.random.key(0)))
+    model = load_quantized(dst, call(Up, jax.random.key(0)))
     x = rng.standard_normal((3, 4, 5)).astype(np.float32)
     # PyTorch: input (i, j) times w[:, :, a, b] lands on (2i + a - 1, 2j + b - 1)
     wq = ref.roundtrip(np.flip(w.swapaxes(0, 1), (2, 3)).reshape(4, -1))
@@ -308,6 +295,6 @@ def test_convert_a_pytorch_transposed_convolution(tmp_path, rng):
                     r, s = 2 * i + a - 1, 2 * j + c - 1
                     if 0 <= r < out_h and 0 <= s < out_w:
                         want[:, r, s] += wt[:, :, a, c].T @ x[:, i, j]
-    np.testing.assert_allclose(run(model, x), want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(call(model, x), want, rtol=1e-4, atol=1e-4)
     with pytest.raises(ModelFileError, match="transposed layer 'down'"):
         convert_tree(src, dst, transposed=["down"])
