@@ -417,3 +417,20 @@ def test_dot_algorithm_names_give_their_parts():
     ]:
         with jax.default_matmul_precision(name):
             assert _tpu.parts_for(None, "tpu") == parts, name
+
+
+def test_bf16_parts_survive_xlas_excess_precision(rng):
+    """x's bf16 parts sum back to x within float32 (3 parts), and each part is
+    rounded by reduce_precision in the compiled program: XLA on a TPU drops a
+    float32 -> bf16 -> float32 round trip (excess precision), which left the
+    later parts 0 and the bf16-MXU kernels at one bf16 pass on a v5e; the CPU
+    keeps the round trip, so the program's text is what this platform can
+    check."""
+    x = rng.standard_normal((8, 256)).astype(np.float32)
+    split = jax.jit(lambda x: _tpu._parts.bf16_parts(x, 3))
+    parts, scales = split(x)
+    assert parts.dtype == jnp.bfloat16 and scales.shape == (3, 8)
+    total = np.asarray(parts, np.float64).sum(0)
+    assert rel_err(total, x.astype(np.float64)) < 2.0**-22
+    hlo = split.lower(x).as_text()
+    assert hlo.count("reduce_precision") == 3, hlo
