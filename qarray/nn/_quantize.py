@@ -176,12 +176,9 @@ def freeze(model):
     int4) weights and scales it quantizes to
     (the export after quantization-aware training: the same outputs, a
     quarter of the bytes). Eager: call it outside ``jit``."""
-
     def is_layer(node) -> bool:
         return isinstance(node, QUANTIZED_LAYERS)
 
     layers = [n for n in jax.tree.leaves(model, is_leaf=is_layer) if is_layer(n)]
     frozen = iter(frozen_together(layers))  # one compiled program for them all
-    return jax.tree.map(
-        lambda node: next(frozen) if is_layer(node) else node, model, is_leaf=is_layer
-    )
+    return _replace(model, QUANTIZED_LAYERS, lambda _: next(frozen))
