@@ -88,9 +88,17 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Off CPU, the tests marked ``cpu_only(reason)`` are skipped, saying why."""
+    """Off CPU, the tests marked ``cpu_only(reason)`` are skipped, saying why,
+    and the cases marked ``cpu_breadth(reason)`` are deselected: on a TPU the
+    suite's time is its XLA compiles (a few tenths of a second each, a 3-D
+    convolution's several seconds), and those cases add compiles without
+    reaching code their sibling cases do not (docs/accelerators.md)."""
     if PLATFORM == "cpu":
         return
+    breadth = [item for item in items if item.get_closest_marker("cpu_breadth")]
+    if breadth:
+        config.hook.pytest_deselected(items=breadth)
+        items[:] = [item for item in items if item not in breadth]
     for item in items:
         marker = item.get_closest_marker("cpu_only")
         if marker is not None:

@@ -36,6 +36,7 @@ from jax.experimental.pallas import tpu as pltpu
 from .._rules import for_tpu
 from . import _layout
 from ._int8 import MXU
+from ._parts import bf16_head
 
 _NT = (((1,), (1,)), ((), ()))  # contract the last axes: a (r, c) . b (s, c)
 _NN = (((1,), (0,)), ((), ()))
@@ -110,7 +111,8 @@ def _tile_kernel(e_ref, o_ref, w_ref, s_ref, out_ref, acc_ref, *, parts, half):
     for nibbles, xs in ((low, e), (high, o)):
         w = nibbles.T.astype(jnp.float32) * by_row  # (bk2, bn) dequantized
         for j in range(parts):  # x's parts i < parts - j meet w's part j
-            part = w.astype(jnp.bfloat16)
+            head, w = bf16_head(w)
+            part = head.astype(jnp.bfloat16)  # exact: on bf16's grid
             acc += (
                 lax.dot_general(
                     xs[: (parts - j) * bm],
@@ -121,7 +123,6 @@ def _tile_kernel(e_ref, o_ref, w_ref, s_ref, out_ref, acc_ref, *, parts, half):
                 .reshape(parts - j, bm, bn)
                 .sum(0)
             )
-            w = w - part.astype(jnp.float32)
     acc_ref[...] = acc
 
     @pl.when(kk == pl.num_programs(2) - 1)

@@ -2,8 +2,8 @@
 per row. The number of parts is the precision a product asks for.
 
 One bf16 part is x rounded to bf16 (2**-9 of each entry, a TPU's default
-pass); each further part represents what the previous ones left over, so
-three carry float32's 24 bits. An int8 part quantizes, per row, what the
+pass); each further part is what the previous ones left over, rounded the
+same way, so three carry float32's 24 bits exactly. An int8 part quantizes, per row, what the
 previous parts left over (``split_int8`` on CPU): two reach ~(1/254)**2 of
 each row's largest entry, finer than one bf16 pass for all but rows whose
 entries span more than ~100x; three reach float32's precision at the scale
@@ -59,17 +59,32 @@ def parts_for(precision, platform: str) -> int:
     return {lax.Precision.DEFAULT: 1, lax.Precision.HIGH: 2}.get(precision, 3)
 
 
+def bf16_head(v):
+    """v f32 (any shape) -> (head, rest) f32: ``head`` is v rounded to
+    bf16's 8 significant bits (to nearest, ties to even, as a float32 ->
+    bf16 conversion rounds; exact as bf16) and ``rest = v - head`` exactly,
+    so three heads carry all of float32's 24 bits.
+
+    The rounding is integer arithmetic on v's bits. A float32 -> bf16 ->
+    float32 round trip is one a compiler may drop (excess precision): XLA on
+    a TPU did, for x's parts, and Mosaic did, for the tile kernel's weights,
+    leaving every later part 0 (seen on a v5e: 2e-3 where three parts give
+    1e-7). Integer operations are kept, in XLA and inside kernels."""
+    v = v.astype(jnp.float32)
+    bits = lax.bitcast_convert_type(v, jnp.int32)
+    # add half a bf16 step (less one, plus the kept bit: ties to even), then
+    # drop the 16 low bits; finite v only (x and weights are)
+    bits = bits + (0x7FFF + ((bits >> 16) & 1))
+    head = lax.bitcast_convert_type(bits & jnp.int32(-65536), jnp.float32)
+    return head, v - head
+
+
 def bf16_parts(x, count: int):
     """x f32 (m, k) -> (parts bf16 (count, m, k), scales f32 (count, m) = 1)."""
     parts, rest = [], x.astype(jnp.float32)
     for _ in range(count):
-        # rounded to bf16's grid in float32 by reduce_precision, which XLA
-        # keeps: a float32 -> bf16 -> float32 round trip is one XLA on a TPU
-        # may drop (excess precision allowed), leaving every later part 0 and
-        # x at one bf16 pass (seen on a v5e: 2e-3 where 3 parts give 1e-7)
-        part = lax.reduce_precision(rest, exponent_bits=8, mantissa_bits=7)
+        part, rest = bf16_head(rest)
         parts.append(part.astype(jnp.bfloat16))  # exact: on bf16's grid
-        rest = rest - part
     return jnp.stack(parts), jnp.ones((count, x.shape[0]), jnp.float32)
 
 

@@ -242,7 +242,9 @@ def test_grad_with_respect_to_stored_int4_scales(rng):
     )
 
 
-@pytest.mark.parametrize("n", [300, 1024])
+@pytest.mark.parametrize(
+    "n", [pytest.param(300, marks=pytest.mark.cpu_breadth("n = 1024's")), 1024]
+)
 def test_the_x_cotangent_of_int4_weights_holds_no_float_copy(rng, n):
     """The backward pass of a large int4 layer dequantizes a block of rows
     at a time (a remainder block for n = 300): the values of g @ W, and a

@@ -227,7 +227,19 @@ TRANSPOSED = [  # eqx.nn.ConvTranspose arguments
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
-@pytest.mark.parametrize("conv", TRANSPOSED, ids=lambda c: f"{c['num_spatial_dims']}d")
+@pytest.mark.parametrize(
+    "conv",
+    [
+        pytest.param(
+            c,
+            marks=[pytest.mark.cpu_breadth("3-D convolutions: test_conv's")]
+            if c["num_spatial_dims"] == 3
+            else [],
+        )
+        for c in TRANSPOSED
+    ],
+    ids=lambda c: f"{c['num_spatial_dims']}d",
+)
 def test_conv_transpose_against_numpy(rng, conv, precision):
     """qnn.quantize of an eqx.nn.ConvTranspose: the scatter definition on the
     dequantized weights, values and gradients w.r.t. x; equinox's own float

@@ -50,6 +50,9 @@ TOLERANCE = {
     "pallas": 1e-6,
 }
 
+# shapes the C++ kernels' blocking needs (their tails and thread splits);
+# another shape each for the formulations an accelerator runs (cpu_breadth)
+_CPU_KERNEL = pytest.mark.cpu_breadth("the C++ kernels' blocking; the shapes above")
 SHAPES = [
     (1, 64, 48),
     (3, 1000, 40),
@@ -60,15 +63,15 @@ SHAPES = [
     (2, 0, 3),
     # layout kn's few-row kernel on both threads (4M multiply-adds and more),
     # each on a range of K that is not a multiple of 4 at its end
-    (2, 1030, 2050),
-    (7, 1030, 2050),  # W8A8: 7 int8 rows padded to the kernel's 8
+    pytest.param((2, 1030, 2050), marks=_CPU_KERNEL),
+    pytest.param((7, 1030, 2050), marks=_CPU_KERNEL),  # W8A8: 7 int8 rows padded to 8
     # the kernel's GEMM (32 int8 rows and more; weight-only: three a row):
     # K not a multiple of 4, N not one of 16, rows not one of 8
-    (11, 5, 17),
-    (37, 70, 33),
-    (64, 96, 130),
+    pytest.param((11, 5, 17), marks=_CPU_KERNEL),
+    pytest.param((37, 70, 33), marks=_CPU_KERNEL),
+    pytest.param((64, 96, 130), marks=_CPU_KERNEL),
     # layout kn's GEMM over two blocks of K (the second 4 rows long)
-    (12, 4100, 70),
+    pytest.param((12, 4100, 70), marks=_CPU_KERNEL),
 ]
 
 

@@ -324,7 +324,21 @@ CASES = [
 ]
 
 
-@pytest.fixture(params=CASES, ids=lambda c: c.name)
+# cases whose sibling reaches the same code (cpu_breadth)
+BREADTH = {
+    "spectral_conv-1d": "spectral_conv-2d-batched's",
+}
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(c, marks=pytest.mark.cpu_breadth(BREADTH[c.name]))
+        if c.name in BREADTH
+        else c
+        for c in CASES
+    ],
+    ids=lambda c: c.name,
+)
 def case(request):
     return request.param
 
