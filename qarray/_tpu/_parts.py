@@ -3,11 +3,11 @@ per row. The number of parts is the precision a product asks for.
 
 One bf16 part is x rounded to bf16 (2**-9 of each entry, a TPU's default
 pass); each further part is what the previous ones left over, rounded the
-same way, so three carry float32's 24 bits exactly. An int8 part quantizes, per row, what the
-previous parts left over (``split_int8`` on CPU): two reach ~(1/254)**2 of
-each row's largest entry, finer than one bf16 pass for all but rows whose
-entries span more than ~100x; three reach float32's precision at the scale
-of the row.
+same way, so three carry float32's 24 bits exactly. An int8 part quantizes,
+per row, what the previous parts left over (``split_int8`` on CPU): two
+reach ~(1/254)**2 of each row's largest entry, finer than one bf16 pass for
+all but rows whose entries span more than ~100x; three reach float32's
+precision at the scale of the row.
 """
 
 from __future__ import annotations

@@ -176,6 +176,7 @@ def freeze(model):
     int4) weights and scales it quantizes to
     (the export after quantization-aware training: the same outputs, a
     quarter of the bytes). Eager: call it outside ``jit``."""
+
     def is_layer(node) -> bool:
         return isinstance(node, QUANTIZED_LAYERS)
 

@@ -275,6 +275,7 @@ def test_scalar_layers_stay_float():
     np.testing.assert_allclose(call(quantized, x), call(model, x), rtol=0.05, atol=1e-3)
 
 
+@pytest.mark.cpu_breadth("an import graph: the same on every platform")
 def test_the_library_imports_no_server():
     """``import qarray`` (and qarray.nn) pulls in neither tesseract-core nor
     the HTTP stack: the library stays a library."""

@@ -49,7 +49,9 @@ def int8_weights(rng, n, k):
     "shape",
     [
         (1, 256, 128),
-        pytest.param((5, 300, 130), marks=pytest.mark.cpu_breadth("tails: 40 x 2100 x 600's")),
+        pytest.param(
+            (5, 300, 130), marks=pytest.mark.cpu_breadth("tails: 40 x 2100 x 600's")
+        ),
         (40, 2100, 600),
     ],
 )
@@ -163,7 +165,12 @@ def dequantized_int4(packed, scale, group_size):
 @pytest.mark.parametrize(
     "shape",
     [
-        pytest.param((1, 512, 128), marks=pytest.mark.cpu_breadth("9 x 1024 x 300 has its one row block and tails")),
+        pytest.param(
+            (1, 512, 128),
+            marks=pytest.mark.cpu_breadth(
+                "9 x 1024 x 300 has its one row block and tails"
+            ),
+        ),
         (9, 1024, 300),
     ],
 )

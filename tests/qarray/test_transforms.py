@@ -425,7 +425,28 @@ def test_linearize(case, rng):
         )
 
 
-@pytest.mark.parametrize("jacobian", [jax.jacfwd, jax.jacrev])
+def _on_cpu_for_breadth(c, why):
+    """``c`` as a parameter, cpu_breadth unless it is an EAGER case."""
+    return c if eager(c) else pytest.param(c, marks=pytest.mark.cpu_breadth(why))
+
+
+# jacfwd is vmap of the jvp each case runs under test_jvp and test_linearize
+# everywhere; jacrev's vmap of the transpose runs everywhere
+@pytest.mark.parametrize(
+    "case, jacobian",
+    [
+        pytest.param(
+            c,
+            jacobian,
+            id=f"{c.name}-{jacobian.__name__}",
+            marks=[pytest.mark.cpu_breadth("jacfwd: the jvp tests' ops")]
+            if (c.name in BREADTH or jacobian is jax.jacfwd) and not eager(c)
+            else [],
+        )
+        for c in CASES
+        for jacobian in (jax.jacfwd, jax.jacrev)
+    ],
+)
 def test_jacobians(case, rng, jacobian):
     args = case.args(rng)
     jacs = jax.jit(jacobian(case.F, argnums(case)))(*args)
@@ -435,6 +456,13 @@ def test_jacobians(case, rng, jacobian):
         )
 
 
+# forward over reverse: on an accelerator the EAGER case's; every other
+# case's second derivative is its jvp's ops on its vjp's, which run there
+@pytest.mark.parametrize(
+    "case",
+    [_on_cpu_for_breadth(c, "the jvp and vjp tests' ops") for c in CASES],
+    ids=lambda c: c.name,
+)
 def test_hessian(case, rng):
     args = case.args(rng)
     hessian = jax.hessian(lambda x, *rest: jnp.sum(case.F(x, *rest)))
