@@ -98,7 +98,7 @@ def _dimension_numbers(nsp: int):
     return ("NC" + space, "OI" + space, "NC" + space)
 
 
-class ConvQ(_ops.ProductVJP, HiPrim):
+class ConvQ(_ops.CompiledWhenEager, _ops.ProductVJP, HiPrim):
     """``x (B?, C, *spatial)`` (float32, bfloat16 or float16) convolved with q8
     (or q4) ``qw (out, C/groups * prod(kernel_size))`` -> ``(B?, out,
     *out_spatial)`` in x's dtype, computed in float32 at ``precision``.

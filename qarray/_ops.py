@@ -257,6 +257,29 @@ class ProductVJP:
         return ct_x, ct_qw
 
 
+class CompiledWhenEager:
+    """A primitive applied outside any trace runs as one compiled program per
+    primitive and operand types, not op by op: eagerly each of its lojax
+    operations (a nibble unpack's shifts, a product's quantization) compiles
+    and dispatches on its own, a compile per op and shape that costs a few
+    tenths of a second each on a TPU (docs/accelerators.md). Under a trace
+    (jit, grad, vmap...) the primitive binds as usual."""
+
+    def __call__(self, *args):
+        if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(args)):
+            return super().__call__(*args)
+        return _applied(self, *args)
+
+
+@jax.jit(static_argnums=0)
+def _applied(prim, *args):
+    # the primitive's own binding (not CompiledWhenEager's: under
+    # jax.disable_jit this body runs eagerly and must not come back here);
+    # primitives compare by class and parameters, so one compile serves
+    # every application of the same primitive to the same operand types
+    return super(CompiledWhenEager, prim).__call__(*args)
+
+
 class StraightThrough:
     """The AD rules of quantize and dequantize (the straight-through
     estimator): the identity for tangents and cotangents, each re-typed as

@@ -26,6 +26,7 @@ from jax.experimental.hijax import (
 
 from . import _formulations, _numerics
 from ._ops import (
+    CompiledWhenEager,
     Parts,
     ProductVJP,
     StraightThrough,
@@ -54,7 +55,7 @@ from ._qarray import (
 )
 
 
-class Quantize(StraightThrough, HiPrim):
+class Quantize(CompiledWhenEager, StraightThrough, HiPrim):
     """f32[..., n] -> q8[..., n]: symmetric per-row absmax int8 quantization;
     with ``bits=4``, -> q4[..., n]: int4 per group of ``group_size``, packed.
     bfloat16 and float16 ``x`` quantize as their float32 values (the scales
@@ -96,7 +97,7 @@ class Quantize(StraightThrough, HiPrim):
         return quantize(moved, self.bits, self.group_size), QArraySpec()
 
 
-class Dequantize(StraightThrough, HiPrim):
+class Dequantize(CompiledWhenEager, StraightThrough, HiPrim):
     """q8[..., n] -> f32[..., n]: ``qvalue * scale[..., None]``."""
 
     def __init__(self, q_aval):
@@ -118,7 +119,7 @@ class Dequantize(StraightThrough, HiPrim):
         return dequantize(q), 0
 
 
-class _QProduct(ProductVJP, HiPrim):
+class _QProduct(CompiledWhenEager, ProductVJP, HiPrim):
     """What matmul_q and linear_q share: ``x[..., k]`` (float32, bfloat16 or
     float16) contracted with a 2-d QArray ``qw`` over x's last axis and qw's
     axis ``w_axis``; qw's other axis gives the output's last, in x's dtype.

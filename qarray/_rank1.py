@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.experimental.hijax import HiPrim, HiType, ShapedArray, register_hitype
 from jax.sharding import NamedSharding
 
-from ._ops import Parts, type_str
+from ._ops import CompiledWhenEager, Parts, type_str
 from ._qarray import FLOAT32, full_spec, with_spec
 
 
@@ -86,7 +86,7 @@ def _require_vector(name, what, aval):
         )
 
 
-class Outer(HiPrim):
+class Outer(CompiledWhenEager, HiPrim):
     """f32[m], f32[n] -> r1[m,n]."""
 
     def __init__(self, col_aval, row_aval):
@@ -122,7 +122,7 @@ class Factors(Parts, HiPrim):
         return (r1.col, r1.row)
 
 
-class MatmulR1(HiPrim):
+class MatmulR1(CompiledWhenEager, HiPrim):
     """f32[b, m] @ r1[m, n] -> f32[b, n], without forming the m x n matrix."""
 
     def __init__(self, x_aval, r1_aval):

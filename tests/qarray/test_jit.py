@@ -69,3 +69,54 @@ def test_static_arguments_and_outer_transformations(rng):
 def test_shapes_are_still_checked_at_trace_time(rng):
     with pytest.raises(TypeError):
         qa.jit(qa.matmul_q)(normal(rng, (2, 5)), qa.quantize(normal(rng, (6, 3))))
+
+
+def _lowerings(events):
+    """A listener that appends each XLA program lowered (compiled, or read
+    from the persistent cache) to ``events``."""
+
+    def listen(event, duration, **_):
+        if "jaxpr_to_mlir_module" in event:
+            events.append(event)
+
+    return listen
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_an_eager_primitive_is_one_program(rng, bits):
+    """Outside a trace each primitive runs as one compiled program per
+    operand types (``_ops.CompiledWhenEager``), where op by op each of its
+    lojax operations would be lowered and compiled apart (a few tenths of a
+    second each on a TPU); the same call again lowers nothing; under
+    jax.disable_jit it still runs, op by op."""
+    w = rng.standard_normal((6, 46)).astype(np.float32)  # shapes no other test uses
+    x = rng.standard_normal((3, 46)).astype(np.float32)
+    group = 2 if bits == 4 else None
+    events = []
+    listener = _lowerings(events)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        rounds = []
+        for _ in range(2):
+            events.clear()
+            qw = qa.quantize(w, bits, group)
+            y = qa.linear_q(x, qw)
+            dense = qa.dequantize(qw)
+            rounds.append(len(events))
+        assert rounds[1] == 0  # the second round: every program cached
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    events.clear()
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        qa.dequantize(qa.quantize(w[:5], bits, group))  # a new shape: one each
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert len(events) == 2, events
+    want = ref.roundtrip4(w, 2) if bits == 4 else ref.roundtrip(w)
+    np.testing.assert_allclose(dense, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(y, x @ want.T, rtol=1e-5, atol=1e-5)
+    with jax.disable_jit():
+        np.testing.assert_allclose(
+            qa.dequantize(qa.quantize(w, bits, group)), want, rtol=1e-6, atol=1e-6
+        )
