@@ -19,7 +19,12 @@ Rows, for x (m, K) and weights W (N, K):
 - ``int4_dot``: ``jnp.int4`` x ``jnp.int4`` -> int32 (on a TPU only);
 - ``linear_q``, ``linear_q_w8a8``, ``linear_q_int4``: qarray's products on
   float32 x (weight-only, int8 activations, int4 G=128 weight-only) at the
-  default precision;
+  default precision; the same with ``_bf16``: on bf16 x, as a bf16 model
+  calls them and as the bf16 baseline and qwix read x (half float32's bytes);
+- ``xla_int4_packed``: bf16 x with qarray's packed int4 weights read as
+  ``jnp.int4`` (a bitcast, low nibble first as qarray packs) and their group
+  scales applied inside the program: whether XLA fuses qarray's own layout
+  as it does ``jnp.int4`` (``xla_int4_convert``), a candidate formulation;
 - ``pallas_int8``, ``pallas_w8a8``, ``pallas_int4``: qarray's Pallas kernels
   (``qarray/_tpu``) called directly with their default blocks: int8 weights
   with x in bf16 parts, with x as one int8 part, int4 G=128 weights;
@@ -76,6 +81,16 @@ def weights(k: int, n: int) -> dict:
     }
 
 
+def _int4_as_xla_dtype(packed, scale, group: int):
+    """qarray's int4 weights, packed uint8 (N, K / 2) and scales (N, K / G),
+    as bf16 (N, K): the bytes read as ``jnp.int4`` (low nibble first, as
+    qarray packs), each group times its scale, all inside the program."""
+    n = packed.shape[0]
+    values = lax.bitcast_convert_type(packed, jnp.int4).reshape(n, -1, group)
+    scaled = values.astype(jnp.bfloat16) * scale[..., None].astype(jnp.bfloat16)
+    return scaled.reshape(n, -1)
+
+
 def _nt(a, b, out=None):
     """a (m, K) . b (N, K) over K."""
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=out)
@@ -105,6 +120,22 @@ def products(k: int, n: int) -> dict[str, tuple[str, Callable]]:
         "linear_q_int4": (
             "float32",
             lambda x, w: qa.linear_q(x, qa.pack(*w["q4"], 4, group)),
+        ),
+        "linear_q_bf16": (
+            "bfloat16",
+            lambda x, w: qa.linear_q(x, qa.pack(*w["q8"])),
+        ),
+        "linear_q_w8a8_bf16": (
+            "bfloat16",
+            lambda x, w: qa.linear_q(x, qa.pack(*w["q8"]), "int8"),
+        ),
+        "linear_q_int4_bf16": (
+            "bfloat16",
+            lambda x, w: qa.linear_q(x, qa.pack(*w["q4"], 4, group)),
+        ),
+        "xla_int4_packed": (
+            "bfloat16",
+            lambda x, w: _nt(x, _int4_as_xla_dtype(*w["q4"], group), jnp.float32),
         ),
         # qarray's Pallas kernels (qarray/_tpu), called directly
         "pallas_int8": (
