@@ -110,24 +110,35 @@ def quantize(
     precision, activations = config.precision, config.activations
     group_size = config.group_size
     calibration = _calibration(config, data, trainable)
+    # round-to-nearest stored weights: each layer converted trainable, then
+    # all of them stored by one compiled program (``_frozen``), where frozen
+    # one by one each layer shape would compile its own
+    store_together = calibration is None and not trainable
+    converted = []
 
     def convert(layer):
         if where is not None and not where(layer):
             return layer
         if not quantizable(layer):  # a SpectralConv or cell quantized already
             return layer
-        return quantized(
+        new = quantized(
             layer,
             precision,
             group_size,
-            trainable=trainable,
+            trainable=trainable or store_together,
             activations=activations,
             matmul_precision=config.matmul_precision,
         )
+        converted.append(new)
+        return new
 
     if calibration is not None:
         model = calibrated(model, data, convert, calibration)
-    return _replace(model, FLOAT_LAYERS, convert)
+    model = _replace(model, FLOAT_LAYERS, convert)
+    if not store_together:
+        return model
+    fresh = {id(layer) for layer in _layers(converted)}  # not the model's own
+    return _frozen(model, lambda layer: id(layer) in fresh)
 
 
 def as_config(config: QuantConfig | None, options: dict) -> QuantConfig:
@@ -177,9 +188,21 @@ def freeze(model):
     (the export after quantization-aware training: the same outputs, a
     quarter of the bytes). Eager: call it outside ``jit``."""
 
+    return _frozen(model, lambda _: True)
+
+
+def _layers(tree) -> list:
+    """The quantized layers in ``tree``, in its leaves' order."""
+
     def is_layer(node) -> bool:
         return isinstance(node, QUANTIZED_LAYERS)
 
-    layers = [n for n in jax.tree.leaves(model, is_leaf=is_layer) if is_layer(n)]
-    frozen = iter(frozen_together(layers))  # one compiled program for them all
-    return _replace(model, QUANTIZED_LAYERS, lambda _: next(frozen))
+    return [n for n in jax.tree.leaves(tree, is_leaf=is_layer) if is_layer(n)]
+
+
+def _frozen(model, chosen: Callable) -> eqx.Module:
+    """``model`` with its quantized layers that ``chosen(layer)`` accepts
+    frozen, all of them by one compiled program (``frozen_together``)."""
+    layers = {id(layer): layer for layer in _layers(model) if chosen(layer)}
+    frozen = dict(zip(layers, frozen_together(list(layers.values())), strict=True))
+    return _replace(model, QUANTIZED_LAYERS, lambda layer: frozen.get(id(layer), layer))

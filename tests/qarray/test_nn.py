@@ -222,6 +222,40 @@ def test_where_keeps_chosen_layers_float(rng):
     np.testing.assert_allclose(vcall(quantized, xs), want, rtol=1e-4, atol=1e-5)
 
 
+def test_quantize_stores_every_layer_with_one_program(rng, monkeypatch):
+    """Round-to-nearest stored weights: the converted layers are frozen by
+    one compiled program for the model (one call of ``stored_parts`` for
+    layers of three shapes, as ``freeze`` does), where frozen one by one each
+    shape compiled its own; a trainable layer already in the model is left
+    trainable, and the values are the stored layers' own."""
+    from qarray.nn import _weights
+
+    calls = []
+    real = _weights.stored_parts
+
+    def counted(layers):
+        calls.append(len(layers))
+        return real(layers)
+
+    monkeypatch.setattr(_weights, "stored_parts", counted)
+    model = mlp(depth=3)
+    already = qnn.quantize(model.layers[1], trainable=True)
+    model = eqx.tree_at(lambda m: m.layers[1], model, already)
+    calls.clear()
+    quantized = qnn.quantize(model)
+    assert calls == [3]
+    assert eqx.tree_equal(quantized.layers[1], already)
+    assert [layer.trainable for layer in quantized.layers] == [
+        False,
+        True,
+        False,
+        False,
+    ]
+    xs = normal(rng, 4, 8)
+    want = numpy_mlp(mlp(depth=3), xs, quantized=lambda i: True)
+    np.testing.assert_allclose(vcall(quantized, xs), want, rtol=1e-4, atol=1e-5)
+
+
 def test_quantize_with_int8_activations(rng):
     quantized = qnn.quantize(mlp(), activations="int8")
     assert {layer.activations for layer in quantized.layers} == {"int8"}
