@@ -82,7 +82,9 @@ def _lowerings(events):
     return listen
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(
+    "bits", [8, pytest.param(4, marks=pytest.mark.cpu_breadth("the rule: bits=8's"))]
+)
 def test_an_eager_primitive_is_one_program(rng, bits):
     """Outside a trace each primitive runs as one compiled program per
     operand types (``_ops.CompiledWhenEager``), where op by op each of its
@@ -116,7 +118,7 @@ def test_an_eager_primitive_is_one_program(rng, bits):
     want = ref.roundtrip4(w, 2) if bits == 4 else ref.roundtrip(w)
     np.testing.assert_allclose(dense, want, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(y, x @ want.T, rtol=1e-5, atol=1e-5)
-    with jax.disable_jit():
+    with jax.disable_jit():  # op by op: each op compiles (int4's 40-odd)
         np.testing.assert_allclose(
             qa.dequantize(qa.quantize(w, bits, group)), want, rtol=1e-6, atol=1e-6
         )
