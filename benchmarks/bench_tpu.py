@@ -81,6 +81,15 @@ def weights(k: int, n: int) -> dict:
     }
 
 
+def _qarray_products(group: int) -> dict[str, Callable]:
+    """qarray's linear_q rows: weight-only, W8A8, int4 G=``group``."""
+    return {
+        "linear_q": lambda x, w: qa.linear_q(x, qa.pack(*w["q8"])),
+        "linear_q_w8a8": lambda x, w: qa.linear_q(x, qa.pack(*w["q8"]), "int8"),
+        "linear_q_int4": lambda x, w: qa.linear_q(x, qa.pack(*w["q4"], 4, group)),
+    }
+
+
 def _int4_as_xla_dtype(packed, scale, group: int):
     """qarray's int4 weights, packed uint8 (N, K / 2) and scales (N, K / G),
     as bf16 (N, K): the bytes read as ``jnp.int4`` (low nibble first, as
@@ -112,27 +121,12 @@ def products(k: int, n: int) -> dict[str, tuple[str, Callable]]:
             lambda x, w: _nt(x, w["int4"].astype(jnp.bfloat16), jnp.float32),
         ),
         "int4_dot": ("int4", lambda x, w: _nt(x, w["int4"], jnp.int32)),
-        "linear_q": ("float32", lambda x, w: qa.linear_q(x, qa.pack(*w["q8"]))),
-        "linear_q_w8a8": (
-            "float32",
-            lambda x, w: qa.linear_q(x, qa.pack(*w["q8"]), "int8"),
-        ),
-        "linear_q_int4": (
-            "float32",
-            lambda x, w: qa.linear_q(x, qa.pack(*w["q4"], 4, group)),
-        ),
-        "linear_q_bf16": (
-            "bfloat16",
-            lambda x, w: qa.linear_q(x, qa.pack(*w["q8"])),
-        ),
-        "linear_q_w8a8_bf16": (
-            "bfloat16",
-            lambda x, w: qa.linear_q(x, qa.pack(*w["q8"]), "int8"),
-        ),
-        "linear_q_int4_bf16": (
-            "bfloat16",
-            lambda x, w: qa.linear_q(x, qa.pack(*w["q4"], 4, group)),
-        ),
+        # qarray's products, on float32 x and on bf16 x
+        **{
+            name + suffix: (dtype, product)
+            for suffix, dtype in (("", "float32"), ("_bf16", "bfloat16"))
+            for name, product in _qarray_products(group).items()
+        },
         "xla_int4_packed": (
             "bfloat16",
             lambda x, w: _nt(x, _int4_as_xla_dtype(*w["q4"], group), jnp.float32),
