@@ -439,7 +439,11 @@ def _on_cpu_for_breadth(c, why):
             c,
             jacobian,
             id=f"{c.name}-{jacobian.__name__}",
-            marks=[pytest.mark.cpu_breadth("jacfwd: the jvp tests' ops")]
+            marks=[
+                pytest.mark.cpu_breadth(
+                    BREADTH.get(c.name, "jacfwd: the jvp tests' ops")
+                )
+            ]
             if (c.name in BREADTH or jacobian is jax.jacfwd) and not eager(c)
             else [],
         )
