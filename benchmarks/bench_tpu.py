@@ -95,7 +95,7 @@ def _int4_as_xla_dtype(packed, scale, group: int):
     as bf16 (N, K): the bytes read as ``jnp.int4`` (low nibble first, as
     qarray packs), each group times its scale, all inside the program."""
     n = packed.shape[0]
-    values = lax.bitcast_convert_type(packed, jnp.int4).reshape(n, -1, group)
+    values = _tpu.as_int4(packed).reshape(n, -1, group)
     scaled = values.astype(jnp.bfloat16) * scale[..., None].astype(jnp.bfloat16)
     return scaled.reshape(n, -1)
 

@@ -3,7 +3,9 @@ bf16's dense product, device time inside one program (issue "TPU kernels"):
 the measurements behind ``qarray/_tpu``'s defaults and the TPU rule.
 
     python -m benchmarks.tpu_kernels [--k 8192 --n 8192] [--calls 20]
-        [--repeats 3] [--budget 420] [--only int8,w8a8,int4,vjp]
+        [--repeats 3] [--budget 420]
+        [--only int8,w8a8,int4,int4_bitcast,int4_stored,int4_tile_rows,
+                int4_xla_bf16,vjp]
         [--out FILE.json]
 
 Each variant times ``--calls`` dependent products in one jitted
@@ -56,6 +58,26 @@ def _int4(x, w, **options):
     )
 
 
+def _int4_stored(x, w, **options):
+    group = min(128, w["q4"][0].shape[1] * 2)
+    return _tpu.int4_product(
+        x, w["q4_int4"], w["q4"][1], group_size=group, interpret=INTERPRET, **options
+    )
+
+
+def _int4_xla_bf16(x, w):
+    from qarray._numerics import dequantize_groups
+
+    dense = dequantize_groups(*w["q4"]).astype(jnp.bfloat16)
+    dense = lax.optimization_barrier(dense)
+    return lax.dot_general(
+        x.astype(jnp.bfloat16),
+        dense,
+        (((1,), (1,)), ((), ())),
+        preferred_element_type=jnp.float32,
+    )
+
+
 def variants(k: int, n: int, only: set[str]):
     """(family, name, rows, fn(x, w)) for every variant tried."""
     # larger blocks first: fewer grid steps, each step's fixed cost a smaller
@@ -98,6 +120,38 @@ def variants(k: int, n: int, only: set[str]):
         for blocks in [(512, 512, 512), (512, 1024, 512), (256, 512, 1024)]:
             fn = functools.partial(_int4, mode="tile", parts=1, blocks=blocks)
             out.append(("int4", f"tile bf16x1 {blocks}", MANY, fn))
+    if "int4_bitcast" in only:  # bytes read as int4 rows in VMEM, no shifts
+        for (bn, bk2), (mxu, parts) in itertools.product(
+            [(1024, 1024), (512, 2048)], ways[::-1]
+        ):
+            fn = functools.partial(
+                _int4,
+                mode="groups",
+                mxu=mxu,
+                parts=parts,
+                blocks=(512, bn, bk2),
+                nibbles="bitcast",
+            )
+            name = f"groups bitcast {mxu}x{parts} bn{bn} bk2 {bk2}"
+            out.append(("int4", name, FEW + MANY[:1], fn))
+    if "int4_stored" in only:  # weights kept as jnp.int4 (no bitcast a call)
+        for mxu, parts in ways[::-1]:
+            fn = functools.partial(
+                _int4_stored,
+                mode="groups",
+                mxu=mxu,
+                parts=parts,
+                blocks=(512, 1024, 1024),
+            )
+            out.append(
+                ("int4", f"stored-int4 groups {mxu}x{parts}", FEW + MANY[:1], fn)
+            )
+    if "int4_tile_rows" in only:  # fewer row blocks: each weight unpacked once
+        for bm in (1024, 2048, 4096):
+            fn = functools.partial(_int4, mode="tile", parts=1, blocks=(bm, 512, 512))
+            out.append(("int4", f"tile bf16x1 bm{bm} bn512 bk2 512", MANY, fn))
+    if "int4_xla_bf16" in only:  # dequantized to bf16 in HBM once, bf16 dot
+        out.append(("int4", "xla dequantized bf16", MANY, _int4_xla_bf16))
     if "vjp" in only:
         for (bn, bk), (mxu, parts) in itertools.product(few_blocks[:2], ways):
             fn = functools.partial(_vjp, mxu=mxu, parts=parts, blocks=(512, bn, bk))
@@ -123,13 +177,18 @@ def main(argv=None) -> dict:
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget", type=float, default=420.0)
-    parser.add_argument("--only", default="int8,w8a8,int4,vjp")
+    parser.add_argument(
+        "--only",
+        default="int8,w8a8,int4,int4_bitcast,int4_stored,int4_tile_rows,"
+        "int4_xla_bf16,vjp",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     start = time.perf_counter()
     k, n = args.k, args.n
     w = weights(k, n)
     w["q4_dense"] = _dense_int4(w["q4"], min(128, k))
+    w["q4_int4"] = _tpu.as_int4(w["q4"][0])
     rng = np.random.default_rng(1)
     xs = {m: jnp.asarray(rng.standard_normal((m, k)), jnp.float32) for m in FEW + MANY}
     baseline = lambda x, w: lax.dot_general(  # noqa: E731

@@ -57,39 +57,68 @@ def _mxu_nibbles(v, mxu: str):
     )
 
 
-def _groups_kernel(
-    e_ref, o_ref, w_ref, s_ref, xs_ref, out_ref, acc_ref, *, parts, mxu, half
-):
+def as_int4(packed):
+    """qarray's packed uint8 (a, b) -> jnp.int4 (a, 2 b), the same bytes:
+    a bitcast (the low nibble is the even entry in both)."""
+    return lax.bitcast_convert_type(packed, jnp.int4).reshape(packed.shape[0], -1)
+
+
+def _groups_kernel(*refs, parts, mxu, width, nibbles):
+    """refs: x's operands, the weights' block, its scales (groups, columns),
+    x's row scales, the output, the sums. ``width``: a group's lanes in the
+    weights' block. ``nibbles`` (``_int4_product``): "shifts" pairs x's even
+    entries (e) with the low nibbles and its odd ones (o) with the high;
+    "int4" takes one x for jnp.int4 weights; "bitcast" stacks e and o as rows
+    of one x, against the bytes bitcast to int4 rows (row 2j + b: nibble b
+    of packed row j), and combines e's even columns with o's odd ones."""
+    *x_refs, w_ref, s_ref, xs_ref, out_ref, acc_ref = refs
     kk = pl.program_id(2)
 
     @pl.when(kk == 0)
     def _():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    low, high = _unpack(w_ref[...])
-    low, high = _mxu_nibbles(low, mxu), _mxu_nibbles(high, mxu)
-    e, o, scales = e_ref[...], o_ref[...], s_ref[...]
-    copies = max(1, _layout.LANES // half)  # groups in a 128-byte chunk
-    r = e.shape[0] // copies
-    acc = acc_ref[...]
+    if nibbles == "shifts":
+        weights = list(_unpack(w_ref[...]))
+    elif nibbles == "bitcast":  # a reinterpretation: nothing unpacked here
+        weights = [pltpu.bitcast(w_ref[...], jnp.int4)]
+    else:
+        weights = [w_ref[...]]
+    pairs = [
+        (x[...], _mxu_nibbles(w, mxu)) for x, w in zip(x_refs, weights, strict=True)
+    ]
+    scales = s_ref[...]
+    copies = max(1, _layout.LANES // width)  # groups in a 128-lane chunk
+    halves = 2 if nibbles == "bitcast" else 1  # e's rows, then o's
+    p = acc_ref.shape[0] // halves  # x's rows of one half and copy
+    accs = [acc_ref[h * p : (h + 1) * p] for h in range(halves)]
     for c in range(w_ref.shape[1] // _layout.LANES):
         cols = slice(c * _layout.LANES, (c + 1) * _layout.LANES)
-        sums = lax.dot_general(
-            e[:, cols], low[:, cols], _NT, preferred_element_type=MXU[mxu][1]
-        )
-        sums += lax.dot_general(
-            o[:, cols], high[:, cols], _NT, preferred_element_type=MXU[mxu][1]
+        sums = sum(
+            lax.dot_general(
+                x[:, cols], w[:, cols], _NT, preferred_element_type=MXU[mxu][1]
+            )
+            for x, w in pairs
         )
         for s in range(copies):
-            g = (c * _layout.LANES + s * half) // half  # the group, within the block
-            acc += sums[s * r : (s + 1) * r].astype(jnp.float32) * scales[g : g + 1]
-    acc_ref[...] = acc
+            g = (c * _layout.LANES + s * width) // width  # the group, within the block
+            for h in range(halves):
+                rows = slice((h * copies + s) * p, (h * copies + s + 1) * p)
+                accs[h] += sums[rows].astype(jnp.float32) * scales[g : g + 1]
+    for h in range(halves):
+        acc_ref[h * p : (h + 1) * p] = accs[h]
 
     @pl.when(kk == pl.num_programs(2) - 1)
     def _():
-        out_ref[...] = _layout.combine_parts(
-            acc_ref[...], xs_ref[...], parts, out_ref.shape[0]
-        )
+        bm = out_ref.shape[0]
+        totals = [
+            _layout.combine_parts(acc_ref[h * p : (h + 1) * p], xs_ref[...], parts, bm)
+            for h in range(halves)
+        ]
+        if halves == 2:  # column 2j: e's sums with row 2j, o's with 2j + 1
+            shift = out_ref.shape[1] - 1
+            totals = [totals[0] + pltpu.roll(totals[1], shift, 1)]
+        out_ref[...] = totals[0]
 
 
 def _tile_kernel(e_ref, o_ref, w_ref, s_ref, out_ref, acc_ref, *, parts, half):
@@ -151,26 +180,38 @@ def _int4_product(
     mxu: str = "bf16",
     parts: int = 1,
     blocks: tuple[int, int, int] | None = None,
+    nibbles: str = "shifts",
     interpret: bool = False,
 ):
     """x f32 (m, k) times int4 weights -> f32 (m, n): ``packed`` uint8
-    (n, k / 2), ``scale`` f32 (n, k / G) (qarray's layout, module doc).
+    (n, k / 2), ``scale`` f32 (n, k / G) (qarray's layout, module doc); or
+    ``packed`` jnp.int4 (n, k) (``as_int4``), unpacked by Mosaic.
 
     ``mode``: ``"groups"`` or ``"tile"`` (module doc); ``mxu`` (groups):
     ``"bf16"`` or ``"int8"``; ``parts``: x's parts of that kind (``_parts``;
     in mode tile the weights' bf16 parts too). ``blocks``: (bm, bn, packed
-    bk) upper bounds."""
+    bk) upper bounds. ``nibbles`` (groups, uint8 bytes): ``"shifts"``
+    unpacks them by integer shifts in VMEM; ``"bitcast"`` reads each block
+    of bytes as int4 rows, twice as many (``_groups_kernel``)."""
     m, k = x.shape
     n = packed.shape[0]
     if 0 in (m, k, n):
         return jnp.zeros((m, n), jnp.float32)
     if mode not in ("groups", "tile"):
         raise ValueError(f"unknown int4 mode {mode!r}: 'groups' or 'tile'")
+    if nibbles not in ("shifts", "bitcast"):
+        raise ValueError(f"unknown int4 nibbles {nibbles!r}: 'shifts' or 'bitcast'")
     half = group_size // 2
     if group_size % 2 or (_layout.LANES % half and half % _layout.LANES):
         raise ValueError(
             f"group_size {group_size}: G / 2 must divide 128 or be a multiple of it"
         )
+    if packed.dtype == jnp.int4:
+        if mode != "groups":
+            raise ValueError("jnp.int4 weights take mode 'groups'")
+        nibbles = "int4"
+    elif mode == "tile":
+        nibbles = "shifts"
     split, _ = MXU["bf16" if mode == "tile" else mxu]
     xparts, xscales = split(x, parts)
     bm, bn, bk2 = blocks
@@ -178,58 +219,84 @@ def _int4_product(
     mp, bm = _layout.row_blocks(m, xparts.dtype, bm)
     np_ = _layout.padded(n, _layout.LANES)
     bn = _layout.divisor_block(np_, bn)
-    copies = max(1, _layout.LANES // half) if mode == "groups" else 1
-    stacked = []
-    for start in (0, 1):  # x's even entries, then its odd ones
+    # a group's lanes in the weights' block and x's lanes against it: bytes
+    # (each x's even or odd entries), or int4 entries (x as it is)
+    width, span, bk = (
+        (2 * half, 2 * kp2, 2 * bk2) if nibbles == "int4" else (half, kp2, bk2)
+    )
+    copies = max(1, _layout.LANES // width) if mode == "groups" else 1
+    halves = []
+    for entries in (
+        [slice(None)] if nibbles == "int4" else [slice(0, None, 2), slice(1, None, 2)]
+    ):
         rows, row_scales = _layout.stack_parts(
-            xparts[..., start::2], xscales, mp, bm, kp2
+            xparts[..., entries], xscales, mp, bm, span
         )
         if copies > 1:  # one copy per group of a chunk, zero elsewhere
-            lane_group = (jnp.arange(kp2) % _layout.LANES) // half
-            rows = rows.reshape(mp // bm, 1, parts * bm, kp2)
+            lane_group = (jnp.arange(span) % _layout.LANES) // width
+            rows = rows.reshape(mp // bm, 1, parts * bm, span)
             rows = jnp.where(lane_group == jnp.arange(copies)[:, None, None], rows, 0)
-            rows = rows.reshape(-1, kp2)
-        stacked.append(rows)
-    w = jnp.pad(packed, ((0, np_ - n), (0, kp2 - k // 2)))
+        halves.append(rows.reshape(mp // bm, -1, span))
+    # "bitcast": each block of x's rows holds e's, then o's
+    stacked = (
+        [jnp.concatenate(halves, 1).reshape(-1, span)]
+        if nibbles == "bitcast"
+        else [h.reshape(-1, span) for h in halves]
+    )
+    r = stacked[0].shape[0] // (mp // bm)  # x's rows a block
+    widen = 2 if nibbles == "bitcast" else 1  # the weights' rows per output column
+    w = jnp.pad(packed, ((0, np_ - n), (0, span - packed.shape[1])))
     groups_t = jnp.pad(
         scale.astype(jnp.float32), ((0, np_ - n), (0, kp2 // half - scale.shape[1]))
     ).T
-    r = copies * parts * bm
-    x_spec = pl.BlockSpec((r, bk2), lambda i, j, kk: (i, kk))
+    if widen == 2:  # row 2j + b of the bitcast weights is output column j's
+        groups_t = jnp.repeat(groups_t, 2, axis=1)
+    x_spec = pl.BlockSpec((r, bk), lambda i, j, kk: (i, kk))
     in_specs = [
-        x_spec,
-        x_spec,
-        pl.BlockSpec((bn, bk2), lambda i, j, kk: (j, kk)),
-        pl.BlockSpec((bk2 // half, bn), lambda i, j, kk: (kk, j)),
+        *[x_spec] * len(stacked),
+        pl.BlockSpec((bn, bk), lambda i, j, kk: (j, kk)),
+        pl.BlockSpec((bk2 // half, widen * bn), lambda i, j, kk: (kk, j)),
     ]
     args = [*stacked, w, groups_t]
     if mode == "groups":
-        kernel = functools.partial(_groups_kernel, parts=parts, mxu=mxu, half=half)
+        kernel = functools.partial(
+            _groups_kernel, parts=parts, mxu=mxu, width=width, nibbles=nibbles
+        )
         in_specs.append(pl.BlockSpec((parts * bm, 1), lambda i, j, kk: (i, 0)))
         args.append(row_scales)
-        acc_rows = parts * bm
+        acc_rows = len(halves) // len(stacked) * parts * bm
     else:
         kernel = functools.partial(_tile_kernel, parts=parts, half=half)
         acc_rows = bm
     params = _layout.compiler_params(
-        2 * r * bk2 * stacked[0].dtype.itemsize, 9 * bn * bk2, 3 * r * bn * 4
+        len(stacked) * r * bk * stacked[0].dtype.itemsize,
+        9 * bn * bk2,
+        3 * r * widen * bn * 4,
     )
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((mp, np_), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((mp, widen * np_), jnp.float32),
         grid=(mp // bm, np_ // bn, kp2 // bk2),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
-        scratch_shapes=[pltpu.VMEM((acc_rows, bn), jnp.float32)],
+        out_specs=pl.BlockSpec((bm, widen * bn), lambda i, j, kk: (i, j)),
+        scratch_shapes=[pltpu.VMEM((acc_rows, widen * bn), jnp.float32)],
         compiler_params=params,
         interpret=interpret,
     )(*args)
-    return out[:m, :n]
+    return out[:m, : widen * n : widen]
 
 
 _jitted = jax.jit(
     _int4_product,
-    static_argnames=("group_size", "mode", "mxu", "parts", "blocks", "interpret"),
+    static_argnames=(
+        "group_size",
+        "mode",
+        "mxu",
+        "parts",
+        "blocks",
+        "nibbles",
+        "interpret",
+    ),
 )
 
 
@@ -241,10 +308,11 @@ def int4_product(x, packed, scale, *, group_size: int, **options):
     if group_size <= 0 or group_size % 2:
         raise ValueError(f"group_size {group_size}: a positive even number")
     k, n = x.shape[-1], packed.shape[0]
+    per_entry = {jnp.dtype(jnp.uint8): 2, jnp.dtype(jnp.int4): 1}.get(packed.dtype)
     agree = (
         packed.ndim == 2
-        and packed.dtype == jnp.uint8
-        and 2 * packed.shape[1] == k
+        and per_entry is not None
+        and per_entry * packed.shape[1] == k
         and k % group_size == 0
         and scale.shape == (n, k // group_size)
     )
@@ -252,7 +320,7 @@ def int4_product(x, packed, scale, *, group_size: int, **options):
         raise TypeError(
             f"int4_product: x {x.shape}, packed {packed.dtype}{packed.shape} and "
             f"scale {scale.shape} do not agree for group_size {group_size} "
-            "(packed uint8 (n, k / 2), scale (n, k / group_size))"
+            "(packed uint8 (n, k / 2) or jnp.int4 (n, k), scale (n, k / group_size))"
         )
     mode = options.get("mode", "groups")
     options["blocks"] = options.get("blocks") or getattr(

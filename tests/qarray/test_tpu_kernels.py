@@ -187,6 +187,31 @@ def test_int4_weights_match_numpy(rng, shape, group_size, mode, mxu, parts):
     assert rel_err(got, want) <= tolerance
 
 
+@pytest.mark.parametrize("mxu,parts", [("bf16", 1), ("int8", 2), ("bf16", 3)])
+@pytest.mark.parametrize("group_size", [32, 128, 256])
+@pytest.mark.parametrize("weights", ["bitcast", "jnp.int4"])
+def test_int4_weights_read_as_int4_match_numpy(rng, weights, group_size, mxu, parts):
+    """The groups kernel on int4 weights it does not unpack by shifts: the
+    bytes bitcast in VMEM to int4 rows (twice as many, the output's columns
+    recombined), or weights held as jnp.int4 (n, k), which Mosaic unpacks."""
+    m, k, n = 9, 1024, 300
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    packed, scale = quantize_groups_np(rng.standard_normal((n, k)), group_size)
+    options = dict(mode="groups", mxu=mxu, parts=parts, blocks=(32, 256, 256))
+    if weights == "bitcast":
+        w, options["nibbles"] = packed, "bitcast"
+    else:
+        w = _tpu.as_int4(jnp.asarray(packed))
+        assert w.dtype == jnp.int4 and w.shape == (n, k)
+    got = _tpu.int4_product(
+        jnp.asarray(x), w, scale, group_size=group_size, interpret=INTERPRET, **options
+    )
+    want = x.astype(np.float64) @ dequantized_int4(packed, scale, group_size).T
+    assert got.shape == (m, n) and got.dtype == jnp.float32
+    tolerance = (BF16_TOLERANCE if mxu == "bf16" else INT8_TOLERANCE)[parts]
+    assert rel_err(got, want) <= tolerance
+
+
 def test_empty_axes_give_zeros():
     for m, k, n in [(0, 256, 8), (2, 0, 3), (2, 256, 0)]:
         got = _tpu.int8_product(
@@ -218,6 +243,24 @@ def test_bad_static_parameters_are_value_errors():
             jnp.ones((4, 1)),
             group_size=128,
             mode="rows",
+            interpret=INTERPRET,
+        )
+    with pytest.raises(ValueError, match="int4 nibbles"):
+        _tpu.int4_product(
+            jnp.ones((2, 128)),
+            jnp.ones((4, 64), jnp.uint8),
+            jnp.ones((4, 1)),
+            group_size=128,
+            nibbles="lanes",
+            interpret=INTERPRET,
+        )
+    with pytest.raises(ValueError, match="mode 'groups'"):
+        _tpu.int4_product(
+            jnp.ones((2, 128)),
+            jnp.ones((4, 128), jnp.int4),
+            jnp.ones((4, 1)),
+            group_size=128,
+            mode="tile",
             interpret=INTERPRET,
         )
     with pytest.raises(ValueError, match="orient='columns'"):
@@ -358,13 +401,15 @@ def test_int8_sums_do_not_overflow_over_a_long_k():
         np.testing.assert_allclose(np.asarray(got), k, rtol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["groups", "tile"])
+@pytest.mark.parametrize(
+    "mode,nibbles", [("groups", "shifts"), ("groups", "bitcast"), ("tile", "shifts")]
+)
 @pytest.mark.parametrize("group_size", [64, 512])
-def test_int4_over_several_row_blocks(rng, mode, group_size):
+def test_int4_over_several_row_blocks(rng, mode, nibbles, group_size):
     """m = 70 rows in blocks of 32 (parts stacked per block), G 64 and 512,
     K / 2 not a multiple of 128 for G = 64."""
     k = 1024 + (0 if group_size == 512 else 192)
-    options = dict(mode=mode, parts=3, blocks=(32, 128, 256))
+    options = dict(mode=mode, nibbles=nibbles, parts=3, blocks=(32, 128, 256))
     got, want = int4_case(rng, 70, k, 130, group_size, **options)
     assert rel_err(got, want) <= BF16_TOLERANCE[3]
 
