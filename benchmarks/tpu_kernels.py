@@ -4,7 +4,7 @@ the measurements behind ``qarray/_tpu``'s defaults and the TPU rule.
 
     python -m benchmarks.tpu_kernels [--k 8192 --n 8192] [--calls 20]
         [--repeats 3] [--budget 420]
-        [--only int8,w8a8,int4,int4_bitcast,int4_stored,int4_tile_rows,
+        [--only int8,w8a8,int4,int4_stored,int4_tile_rows,
                 int4_xla_bf16,vjp]
         [--out FILE.json]
 
@@ -120,20 +120,6 @@ def variants(k: int, n: int, only: set[str]):
         for blocks in [(512, 512, 512), (512, 1024, 512), (256, 512, 1024)]:
             fn = functools.partial(_int4, mode="tile", parts=1, blocks=blocks)
             out.append(("int4", f"tile bf16x1 {blocks}", MANY, fn))
-    if "int4_bitcast" in only:  # bytes read as int4 rows in VMEM, no shifts
-        for (bn, bk2), (mxu, parts) in itertools.product(
-            [(1024, 1024), (512, 2048)], ways[::-1]
-        ):
-            fn = functools.partial(
-                _int4,
-                mode="groups",
-                mxu=mxu,
-                parts=parts,
-                blocks=(512, bn, bk2),
-                nibbles="bitcast",
-            )
-            name = f"groups bitcast {mxu}x{parts} bn{bn} bk2 {bk2}"
-            out.append(("int4", name, FEW + MANY[:1], fn))
     if "int4_stored" in only:  # weights kept as jnp.int4 (no bitcast a call)
         for mxu, parts in ways[::-1]:
             fn = functools.partial(
@@ -179,8 +165,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--budget", type=float, default=420.0)
     parser.add_argument(
         "--only",
-        default="int8,w8a8,int4,int4_bitcast,int4_stored,int4_tile_rows,"
-        "int4_xla_bf16,vjp",
+        default="int8,w8a8,int4,int4_stored,int4_tile_rows,int4_xla_bf16,vjp",
     )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)

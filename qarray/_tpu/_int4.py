@@ -19,6 +19,10 @@ Two ways to apply the group scales (``mode``):
   into bf16 parts, and multiplied with x's bf16 parts: XLA's dequantized
   product, the weights never written back.
 
+Mode groups also takes weights held as ``jnp.int4`` (n, k) (``as_int4``),
+whose blocks Mosaic unpacks itself, faster than the shifts; qarray holds
+its bytes, and bitcasting them in a program relayouts the weights in HBM.
+
 Which mode and blocks win at which rows: ``benchmarks/tpu_kernels.py``.
 """
 
@@ -64,13 +68,11 @@ def as_int4(packed):
 
 
 def _groups_kernel(*refs, parts, mxu, width, nibbles):
-    """refs: x's operands, the weights' block, its scales (groups, columns),
-    x's row scales, the output, the sums. ``width``: a group's lanes in the
-    weights' block. ``nibbles`` (``_int4_product``): "shifts" pairs x's even
-    entries (e) with the low nibbles and its odd ones (o) with the high;
-    "int4" takes one x for jnp.int4 weights; "bitcast" stacks e and o as rows
-    of one x, against the bytes bitcast to int4 rows (row 2j + b: nibble b
-    of packed row j), and combines e's even columns with o's odd ones."""
+    """refs: x's operands, the weights' block, its scales (groups, bn), x's
+    row scales, the output, the sums. ``width``: a group's lanes in the
+    weights' block. ``nibbles``: "shifts" pairs x's even entries (e) with
+    the low nibbles and its odd ones (o) with the high; "int4" takes x as it
+    is against jnp.int4 weights."""
     *x_refs, w_ref, s_ref, xs_ref, out_ref, acc_ref = refs
     kk = pl.program_id(2)
 
@@ -78,20 +80,14 @@ def _groups_kernel(*refs, parts, mxu, width, nibbles):
     def _():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    if nibbles == "shifts":
-        weights = list(_unpack(w_ref[...]))
-    elif nibbles == "bitcast":  # a reinterpretation: nothing unpacked here
-        weights = [pltpu.bitcast(w_ref[...], jnp.int4)]
-    else:
-        weights = [w_ref[...]]
+    weights = _unpack(w_ref[...]) if nibbles == "shifts" else [w_ref[...]]
     pairs = [
         (x[...], _mxu_nibbles(w, mxu)) for x, w in zip(x_refs, weights, strict=True)
     ]
     scales = s_ref[...]
     copies = max(1, _layout.LANES // width)  # groups in a 128-lane chunk
-    halves = 2 if nibbles == "bitcast" else 1  # e's rows, then o's
-    p = acc_ref.shape[0] // halves  # x's rows of one half and copy
-    accs = [acc_ref[h * p : (h + 1) * p] for h in range(halves)]
+    r = acc_ref.shape[0]  # x's rows of one copy
+    acc = acc_ref[...]
     for c in range(w_ref.shape[1] // _layout.LANES):
         cols = slice(c * _layout.LANES, (c + 1) * _layout.LANES)
         sums = sum(
@@ -102,23 +98,14 @@ def _groups_kernel(*refs, parts, mxu, width, nibbles):
         )
         for s in range(copies):
             g = (c * _layout.LANES + s * width) // width  # the group, within the block
-            for h in range(halves):
-                rows = slice((h * copies + s) * p, (h * copies + s + 1) * p)
-                accs[h] += sums[rows].astype(jnp.float32) * scales[g : g + 1]
-    for h in range(halves):
-        acc_ref[h * p : (h + 1) * p] = accs[h]
+            acc += sums[s * r : (s + 1) * r].astype(jnp.float32) * scales[g : g + 1]
+    acc_ref[...] = acc
 
     @pl.when(kk == pl.num_programs(2) - 1)
     def _():
-        bm = out_ref.shape[0]
-        totals = [
-            _layout.combine_parts(acc_ref[h * p : (h + 1) * p], xs_ref[...], parts, bm)
-            for h in range(halves)
-        ]
-        if halves == 2:  # column 2j: e's sums with row 2j, o's with 2j + 1
-            shift = out_ref.shape[1] - 1
-            totals = [totals[0] + pltpu.roll(totals[1], shift, 1)]
-        out_ref[...] = totals[0]
+        out_ref[...] = _layout.combine_parts(
+            acc_ref[...], xs_ref[...], parts, out_ref.shape[0]
+        )
 
 
 def _tile_kernel(e_ref, o_ref, w_ref, s_ref, out_ref, acc_ref, *, parts, half):
@@ -185,33 +172,29 @@ def _int4_product(
 ):
     """x f32 (m, k) times int4 weights -> f32 (m, n): ``packed`` uint8
     (n, k / 2), ``scale`` f32 (n, k / G) (qarray's layout, module doc); or
-    ``packed`` jnp.int4 (n, k) (``as_int4``), unpacked by Mosaic.
+    ``packed`` jnp.int4 (n, k) (``as_int4``), which Mosaic unpacks (mode
+    groups; ``benchmarks/tpu_kernels.py``'s int4_stored: faster than the
+    shifts, but a bitcast of qarray's bytes in the program is a relayout of
+    the weights in HBM on a TPU, so only weights held as jnp.int4 gain).
 
     ``mode``: ``"groups"`` or ``"tile"`` (module doc); ``mxu`` (groups):
     ``"bf16"`` or ``"int8"``; ``parts``: x's parts of that kind (``_parts``;
     in mode tile the weights' bf16 parts too). ``blocks``: (bm, bn, packed
-    bk) upper bounds. ``nibbles`` (groups, uint8 bytes): ``"shifts"``
-    unpacks them by integer shifts in VMEM; ``"bitcast"`` reads each block
-    of bytes as int4 rows, twice as many (``_groups_kernel``)."""
+    bk) upper bounds."""
     m, k = x.shape
     n = packed.shape[0]
     if 0 in (m, k, n):
         return jnp.zeros((m, n), jnp.float32)
     if mode not in ("groups", "tile"):
         raise ValueError(f"unknown int4 mode {mode!r}: 'groups' or 'tile'")
-    if nibbles not in ("shifts", "bitcast"):
-        raise ValueError(f"unknown int4 nibbles {nibbles!r}: 'shifts' or 'bitcast'")
     half = group_size // 2
     if group_size % 2 or (_layout.LANES % half and half % _layout.LANES):
         raise ValueError(
             f"group_size {group_size}: G / 2 must divide 128 or be a multiple of it"
         )
-    if packed.dtype == jnp.int4:
-        if mode != "groups":
-            raise ValueError("jnp.int4 weights take mode 'groups'")
-        nibbles = "int4"
-    elif mode == "tile":
-        nibbles = "shifts"
+    nibbles = "int4" if packed.dtype == jnp.int4 else "shifts"
+    if nibbles == "int4" and mode != "groups":
+        raise ValueError("jnp.int4 weights take mode 'groups'")
     split, _ = MXU["bf16" if mode == "tile" else mxu]
     xparts, xscales = split(x, parts)
     bm, bn, bk2 = blocks
@@ -219,43 +202,35 @@ def _int4_product(
     mp, bm = _layout.row_blocks(m, xparts.dtype, bm)
     np_ = _layout.padded(n, _layout.LANES)
     bn = _layout.divisor_block(np_, bn)
-    # a group's lanes in the weights' block and x's lanes against it: bytes
-    # (each x's even or odd entries), or int4 entries (x as it is)
-    width, span, bk = (
-        (2 * half, 2 * kp2, 2 * bk2) if nibbles == "int4" else (half, kp2, bk2)
-    )
+    # a group's lanes in the weights' block and x's lanes against it: int4
+    # entries (x as it is), or bytes (x's even entries, then its odd ones)
+    if nibbles == "int4":
+        width, span, bk, entries = 2 * half, 2 * kp2, 2 * bk2, [slice(None)]
+    else:
+        width, span, bk = half, kp2, bk2
+        entries = [slice(0, None, 2), slice(1, None, 2)]
     copies = max(1, _layout.LANES // width) if mode == "groups" else 1
-    halves = []
-    for entries in (
-        [slice(None)] if nibbles == "int4" else [slice(0, None, 2), slice(1, None, 2)]
-    ):
+    stacked = []
+    for entry in entries:
         rows, row_scales = _layout.stack_parts(
-            xparts[..., entries], xscales, mp, bm, span
+            xparts[..., entry], xscales, mp, bm, span
         )
         if copies > 1:  # one copy per group of a chunk, zero elsewhere
             lane_group = (jnp.arange(span) % _layout.LANES) // width
             rows = rows.reshape(mp // bm, 1, parts * bm, span)
             rows = jnp.where(lane_group == jnp.arange(copies)[:, None, None], rows, 0)
-        halves.append(rows.reshape(mp // bm, -1, span))
-    # "bitcast": each block of x's rows holds e's, then o's
-    stacked = (
-        [jnp.concatenate(halves, 1).reshape(-1, span)]
-        if nibbles == "bitcast"
-        else [h.reshape(-1, span) for h in halves]
-    )
-    r = stacked[0].shape[0] // (mp // bm)  # x's rows a block
-    widen = 2 if nibbles == "bitcast" else 1  # the weights' rows per output column
+            rows = rows.reshape(-1, span)
+        stacked.append(rows)
     w = jnp.pad(packed, ((0, np_ - n), (0, span - packed.shape[1])))
     groups_t = jnp.pad(
         scale.astype(jnp.float32), ((0, np_ - n), (0, kp2 // half - scale.shape[1]))
     ).T
-    if widen == 2:  # row 2j + b of the bitcast weights is output column j's
-        groups_t = jnp.repeat(groups_t, 2, axis=1)
+    r = copies * parts * bm
     x_spec = pl.BlockSpec((r, bk), lambda i, j, kk: (i, kk))
     in_specs = [
         *[x_spec] * len(stacked),
         pl.BlockSpec((bn, bk), lambda i, j, kk: (j, kk)),
-        pl.BlockSpec((bk2 // half, widen * bn), lambda i, j, kk: (kk, j)),
+        pl.BlockSpec((bk2 // half, bn), lambda i, j, kk: (kk, j)),
     ]
     args = [*stacked, w, groups_t]
     if mode == "groups":
@@ -264,26 +239,26 @@ def _int4_product(
         )
         in_specs.append(pl.BlockSpec((parts * bm, 1), lambda i, j, kk: (i, 0)))
         args.append(row_scales)
-        acc_rows = len(halves) // len(stacked) * parts * bm
+        acc_rows = parts * bm
     else:
         kernel = functools.partial(_tile_kernel, parts=parts, half=half)
         acc_rows = bm
     params = _layout.compiler_params(
         len(stacked) * r * bk * stacked[0].dtype.itemsize,
         9 * bn * bk2,
-        3 * r * widen * bn * 4,
+        3 * r * bn * 4,
     )
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((mp, widen * np_), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), jnp.float32),
         grid=(mp // bm, np_ // bn, kp2 // bk2),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((bm, widen * bn), lambda i, j, kk: (i, j)),
-        scratch_shapes=[pltpu.VMEM((acc_rows, widen * bn), jnp.float32)],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
+        scratch_shapes=[pltpu.VMEM((acc_rows, bn), jnp.float32)],
         compiler_params=params,
         interpret=interpret,
     )(*args)
-    return out[:m, : widen * n : widen]
+    return out[:m, :n]
 
 
 _jitted = jax.jit(
@@ -294,7 +269,6 @@ _jitted = jax.jit(
         "mxu",
         "parts",
         "blocks",
-        "nibbles",
         "interpret",
     ),
 )

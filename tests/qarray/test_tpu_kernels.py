@@ -189,20 +189,15 @@ def test_int4_weights_match_numpy(rng, shape, group_size, mode, mxu, parts):
 
 @pytest.mark.parametrize("mxu,parts", [("bf16", 1), ("int8", 2), ("bf16", 3)])
 @pytest.mark.parametrize("group_size", [32, 128, 256])
-@pytest.mark.parametrize("weights", ["bitcast", "jnp.int4"])
-def test_int4_weights_read_as_int4_match_numpy(rng, weights, group_size, mxu, parts):
-    """The groups kernel on int4 weights it does not unpack by shifts: the
-    bytes bitcast in VMEM to int4 rows (twice as many, the output's columns
-    recombined), or weights held as jnp.int4 (n, k), which Mosaic unpacks."""
+def test_int4_weights_held_as_jnp_int4_match_numpy(rng, group_size, mxu, parts):
+    """The groups kernel on weights held as jnp.int4 (n, k), which Mosaic
+    unpacks (qarray's bytes bitcast: ``as_int4``)."""
     m, k, n = 9, 1024, 300
     x = rng.standard_normal((m, k)).astype(np.float32)
     packed, scale = quantize_groups_np(rng.standard_normal((n, k)), group_size)
+    w = _tpu.as_int4(jnp.asarray(packed))
+    assert w.dtype == jnp.int4 and w.shape == (n, k)
     options = dict(mode="groups", mxu=mxu, parts=parts, blocks=(32, 256, 256))
-    if weights == "bitcast":
-        w, options["nibbles"] = packed, "bitcast"
-    else:
-        w = _tpu.as_int4(jnp.asarray(packed))
-        assert w.dtype == jnp.int4 and w.shape == (n, k)
     got = _tpu.int4_product(
         jnp.asarray(x), w, scale, group_size=group_size, interpret=INTERPRET, **options
     )
@@ -243,15 +238,6 @@ def test_bad_static_parameters_are_value_errors():
             jnp.ones((4, 1)),
             group_size=128,
             mode="rows",
-            interpret=INTERPRET,
-        )
-    with pytest.raises(ValueError, match="int4 nibbles"):
-        _tpu.int4_product(
-            jnp.ones((2, 128)),
-            jnp.ones((4, 64), jnp.uint8),
-            jnp.ones((4, 1)),
-            group_size=128,
-            nibbles="lanes",
             interpret=INTERPRET,
         )
     with pytest.raises(ValueError, match="mode 'groups'"):
@@ -401,15 +387,13 @@ def test_int8_sums_do_not_overflow_over_a_long_k():
         np.testing.assert_allclose(np.asarray(got), k, rtol=1e-6)
 
 
-@pytest.mark.parametrize(
-    "mode,nibbles", [("groups", "shifts"), ("groups", "bitcast"), ("tile", "shifts")]
-)
+@pytest.mark.parametrize("mode", ["groups", "tile"])
 @pytest.mark.parametrize("group_size", [64, 512])
-def test_int4_over_several_row_blocks(rng, mode, nibbles, group_size):
+def test_int4_over_several_row_blocks(rng, mode, group_size):
     """m = 70 rows in blocks of 32 (parts stacked per block), G 64 and 512,
     K / 2 not a multiple of 128 for G = 64."""
     k = 1024 + (0 if group_size == 512 else 192)
-    options = dict(mode=mode, nibbles=nibbles, parts=3, blocks=(32, 128, 256))
+    options = dict(mode=mode, parts=3, blocks=(32, 128, 256))
     got, want = int4_case(rng, 70, k, 130, group_size, **options)
     assert rel_err(got, want) <= BF16_TOLERANCE[3]
 
