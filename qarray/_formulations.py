@@ -207,13 +207,23 @@ def matmul(x, qvalue, scale, activations="float32", strategy=None, *, precision=
     return y.reshape(*lead, n)
 
 
-def linear(x, qvalue, scale, activations="float32", strategy=None, *, precision=None):
+def linear(
+    x,
+    qvalue,
+    scale,
+    activations="float32",
+    strategy=None,
+    *,
+    precision=None,
+    bf16_x=False,
+):
     """x f32[..., k] @ (qvalue int8[n, k] * scale f32[n, None])^T -> f32[..., n].
 
     The per-output-channel scales factor out: ``(x @ qvalue^T) * scale``.
     ``activations="int8"`` quantizes ``x`` per row first (``sx``):
     ``int32(xq @ qvalue^T) * sx[:, None] * scale``. ``precision`` and
-    ``strategy`` as ``matmul``'s.
+    ``strategy`` as ``matmul``'s. ``bf16_x``: x's values are bf16's (a bf16
+    x, upcast), so one bf16 part of x is all of it (``_weight_only``).
     """
     lead, k = x.shape[:-1], x.shape[-1]
     n = qvalue.shape[0]
@@ -229,7 +239,7 @@ def linear(x, qvalue, scale, activations="float32", strategy=None, *, precision=
             xq, xs = quantize_rows(x2)
             y = _int8_activations(xq, xs, qvalue, strategy, dims=_LAST_BY_LAST)
         else:
-            y = _weight_only(x2, qvalue, strategy, _LAST_BY_LAST, precision)
+            y = _weight_only(x2, qvalue, strategy, _LAST_BY_LAST, precision, bf16_x)
         return y * scale
 
     y = _by_platform(run, (m, k, n, activations), strategy, layout="nk")
@@ -237,7 +247,14 @@ def linear(x, qvalue, scale, activations="float32", strategy=None, *, precision=
 
 
 def linear_int4(
-    x, packed, scale, activations="float32", strategy=None, *, precision=None
+    x,
+    packed,
+    scale,
+    activations="float32",
+    strategy=None,
+    *,
+    precision=None,
+    bf16_x=False,
 ):
     """x f32[..., k] @ W^T with int4 weights W[n, k] (packed uint8[n, k / 2],
     one scale per group along k: f32[n, k / G]) -> f32[..., n].
@@ -249,7 +266,7 @@ def linear_int4(
     into its panel and each group's sums scaled in the tile), chosen up to the
     rule's ``int4_kernel_max_rows`` (``make bench``, suite int4);
     ``"dequantize"``: W in float32, then one dot (the reference formulation,
-    and what runs elsewhere).
+    and what runs elsewhere). ``bf16_x`` as ``linear``'s.
     """
     lead, k = x.shape[:-1], x.shape[-1]
     n = packed.shape[0]
@@ -279,7 +296,7 @@ def linear_int4(
                 scale,
                 group_size=group,
                 mode=strategy.removeprefix("pallas_"),
-                parts=tpu.parts_for(precision, jax.default_backend()),
+                parts=1 if bf16_x else tpu.parts_for(precision, jax.default_backend()),
                 interpret=not _tpu_available(),  # forced where none compile
             )
         if strategy == "dequantize":
@@ -400,8 +417,13 @@ def _sharded(v, qvalue, activations, w_axis, precision=None):
     return lax.dot_general(v, w, dims, precision=precision)
 
 
-def _weight_only(v, qvalue, strategy, dims=_ROWS_BY_COLS, precision=None):
-    """v f32[m, k] contracted with the int8 payload (layout given by ``dims``)."""
+def _weight_only(v, qvalue, strategy, dims=_ROWS_BY_COLS, precision=None, bf16_x=False):
+    """v f32[m, k] contracted with the int8 payload (layout given by ``dims``).
+
+    ``bf16_x``: v's values are bf16's. The Pallas kernel then takes v as its
+    one bf16 part, against the weights converted to bf16 in VMEM: exact at
+    any precision, where two int8 parts would round v, and ahead of them on
+    the chip (``benchmarks.bench_tpu``'s pallas_int8 against linear_q)."""
     if strategy == "chunked":
         return _chunked(v, qvalue) if dims == _ROWS_BY_COLS else _chunked_nk(v, qvalue)
     if strategy == "split_int8":
@@ -415,13 +437,14 @@ def _weight_only(v, qvalue, strategy, dims=_ROWS_BY_COLS, precision=None):
         parts = tpu.parts_for(precision, jax.default_backend())
         nk = dims == _LAST_BY_LAST
         ones = jnp.ones(qvalue.shape[0 if nk else 1], jnp.float32)
+        mxu, count = ("bf16", 1) if bf16_x else ("int8", tpu.INT8_PARTS[parts])
         return tpu.int8_product(
             v,
             qvalue,
             ones,
             nk=nk,
-            mxu="int8",
-            parts=tpu.INT8_PARTS[parts],
+            mxu=mxu,
+            parts=count,
             interpret=not _tpu_available(),  # forced where none compile
         )
     raise ValueError(f"unknown weight-only strategy {strategy!r}")

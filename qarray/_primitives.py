@@ -310,8 +310,14 @@ class LinearQ(_QProduct):
             if self.in_avals[1].bits == 4
             else _formulations.linear
         )
-        x = x.astype(FLOAT32)
-        y = product(x, qw.qvalue, qw.scale, self.activations, precision=self.precision)
+        y = product(
+            x.astype(FLOAT32),
+            qw.qvalue,
+            qw.scale,
+            self.activations,
+            precision=self.precision,
+            bf16_x=x.dtype == jnp.bfloat16,
+        )
         return y.astype(self.out_aval.dtype)
 
     def transposed(self, g, qw):

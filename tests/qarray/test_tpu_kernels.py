@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from jax import lax
 
+import qarray as qa
 from qarray import _formulations, _rules, _tpu
 from qarray._numerics import quantize_groups_np, quantize_rows_np
 from qarray._tpu import _available
@@ -205,6 +206,38 @@ def test_int4_weights_held_as_jnp_int4_match_numpy(rng, group_size, mxu, parts):
     assert got.shape == (m, n) and got.dtype == jnp.float32
     tolerance = (BF16_TOLERANCE if mxu == "bf16" else INT8_TOLERANCE)[parts]
     assert rel_err(got, want) <= tolerance
+
+
+def test_bf16_x_is_its_own_one_bf16_part(rng):
+    """linear's kernel on x whose values are bf16's takes x as one bf16 part
+    (the bf16 MXU): exact, where the int8 parts it takes for float32 x at
+    the default precision round x."""
+    m, k, n = 5, 1024, 300
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16).astype(jnp.float32)
+    qvalue, scale = int8_weights(rng, n, k)
+    want = np.asarray(x, np.float64) @ (qvalue * scale[:, None].astype(np.float64)).T
+    exact = _formulations.linear(x, qvalue, scale, strategy="pallas", bf16_x=True)
+    rounded = _formulations.linear(
+        x, qvalue, scale, strategy="pallas", precision=lax.Precision.DEFAULT
+    )
+    assert rel_err(exact, want) <= 1e-6 < rel_err(rounded, want)
+
+
+def test_linear_q_says_when_x_is_bf16(monkeypatch):
+    """The primitive passes x's dtype on (x is upcast to float32 before the
+    products): bf16 x only, not float16 (11 bits) nor float32."""
+    seen = []
+    real = _formulations.linear
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["bf16_x"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_formulations, "linear", spy)
+    qw = qa.quantize(jnp.ones((5, 192)))
+    for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+        jax.jit(lambda x: qa.linear_q(x, qw))(jnp.ones((3, 192), dtype))
+    assert seen == [True, False, False]
 
 
 def test_empty_axes_give_zeros():
