@@ -167,7 +167,6 @@ def _int4_product(
     mxu: str = "bf16",
     parts: int = 1,
     blocks: tuple[int, int, int] | None = None,
-    nibbles: str = "shifts",
     interpret: bool = False,
 ):
     """x f32 (m, k) times int4 weights -> f32 (m, n): ``packed`` uint8
