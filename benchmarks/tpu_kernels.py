@@ -34,6 +34,7 @@ from jax import lax
 
 from benchmarks.bench_tpu import device_ms, weights
 from qarray import _tpu
+from qarray._numerics import dequantize_groups
 
 # Pallas' interpreter off the chip: a check that every variant runs
 INTERPRET = jax.default_backend() != "tpu"
@@ -66,8 +67,6 @@ def _int4_stored(x, w, **options):
 
 
 def _int4_xla_bf16(x, w):
-    from qarray._numerics import dequantize_groups
-
     dense = dequantize_groups(*w["q4"]).astype(jnp.bfloat16)
     dense = lax.optimization_barrier(dense)
     return lax.dot_general(
@@ -172,7 +171,7 @@ def main(argv=None) -> dict:
     start = time.perf_counter()
     k, n = args.k, args.n
     w = weights(k, n)
-    w["q4_dense"] = _dense_int4(w["q4"], min(128, k))
+    w["q4_dense"] = dequantize_groups(*w["q4"])  # (N, K) float32
     w["q4_int4"] = _tpu.as_int4(w["q4"][0])
     rng = np.random.default_rng(1)
     xs = {m: jnp.asarray(rng.standard_normal((m, k)), jnp.float32) for m in FEW + MANY}
@@ -218,14 +217,6 @@ def main(argv=None) -> dict:
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
     return report
-
-
-def _dense_int4(q4, group: int):
-    """The int4 weights' dequantized (N, K) float32 values."""
-    packed, scale = q4
-    from qarray._numerics import dequantize_groups
-
-    return dequantize_groups(packed, scale)
 
 
 if __name__ == "__main__":

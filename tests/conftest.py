@@ -98,7 +98,9 @@ def pytest_collection_modifyitems(config, items):
     breadth = [item for item in items if item.get_closest_marker("cpu_breadth")]
     if breadth:
         config.hook.pytest_deselected(items=breadth)
-        items[:] = [item for item in items if item not in breadth]
+        items[:] = [
+            item for item in items if not item.get_closest_marker("cpu_breadth")
+        ]
     for item in items:
         marker = item.get_closest_marker("cpu_only")
         if marker is not None:

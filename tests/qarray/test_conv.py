@@ -15,6 +15,7 @@ from qarray import _ffi
 from qarray._conv import CONV_STRATEGIES, ConvQ
 from support import accuracy
 from support import reference as ref
+from support.breadth import breadth_param
 
 # rerun on XLA's formulations alone where the kernels ran (make test)
 pytestmark = pytest.mark.formulations
@@ -68,13 +69,11 @@ _BREADTH = {
 @pytest.mark.parametrize(
     "x_shape, out, kernel, conv, pads, activations",
     [
-        pytest.param(
+        breadth_param(
             *geometry,
             activations,
             id=f"{name}-{activations}",
-            marks=[pytest.mark.cpu_breadth(_BREADTH[f"{name}-{activations}"])]
-            if f"{name}-{activations}" in _BREADTH
-            else [],
+            reason=_BREADTH.get(f"{name}-{activations}"),
         )
         for activations in ("float32", "int8")
         for geometry, name in zip(GEOMETRIES, GEOMETRY_IDS, strict=True)

@@ -11,6 +11,7 @@ import pytest
 
 import qarray.nn as qnn
 from support import reference as ref
+from support.breadth import breadth_param
 from support.compiled import call, vcall
 
 
@@ -230,11 +231,11 @@ TRANSPOSED = [  # eqx.nn.ConvTranspose arguments
 @pytest.mark.parametrize(
     "conv",
     [
-        pytest.param(
+        breadth_param(
             c,
-            marks=[pytest.mark.cpu_breadth("3-D convolutions: test_conv's")]
+            reason="3-D convolutions: test_conv's"
             if c["num_spatial_dims"] == 3
-            else [],
+            else None,
         )
         for c in TRANSPOSED
     ],

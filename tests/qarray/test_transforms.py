@@ -20,6 +20,7 @@ import pytest
 import qarray as qa
 from qarray.doc_types import TupSpec
 from support import reference as ref
+from support.breadth import breadth_param
 
 # rerun on XLA's formulations alone where the kernels ran (make test)
 pytestmark = pytest.mark.formulations
@@ -331,12 +332,7 @@ BREADTH = {
 
 
 @pytest.fixture(
-    params=[
-        pytest.param(c, marks=pytest.mark.cpu_breadth(BREADTH[c.name]))
-        if c.name in BREADTH
-        else c
-        for c in CASES
-    ],
+    params=[breadth_param(c, reason=BREADTH.get(c.name)) for c in CASES],
     ids=lambda c: c.name,
 )
 def case(request):
@@ -427,7 +423,7 @@ def test_linearize(case, rng):
 
 def _on_cpu_for_breadth(c, why):
     """``c`` as a parameter, cpu_breadth unless it is an EAGER case."""
-    return c if eager(c) else pytest.param(c, marks=pytest.mark.cpu_breadth(why))
+    return breadth_param(c, reason=None if eager(c) else why)
 
 
 # jacfwd is vmap of the jvp each case runs under test_jvp and test_linearize
@@ -435,17 +431,13 @@ def _on_cpu_for_breadth(c, why):
 @pytest.mark.parametrize(
     "case, jacobian",
     [
-        pytest.param(
+        breadth_param(
             c,
             jacobian,
             id=f"{c.name}-{jacobian.__name__}",
-            marks=[
-                pytest.mark.cpu_breadth(
-                    BREADTH.get(c.name, "jacfwd: the jvp tests' ops")
-                )
-            ]
+            reason=BREADTH.get(c.name, "jacfwd: the jvp tests' ops")
             if (c.name in BREADTH or jacobian is jax.jacfwd) and not eager(c)
-            else [],
+            else None,
         )
         for c in CASES
         for jacobian in (jax.jacfwd, jax.jacrev)
