@@ -4,7 +4,7 @@ the measurements behind ``qarray/_tpu``'s defaults and the TPU rule.
 
     python -m benchmarks.tpu_kernels [--k 8192 --n 8192] [--calls 20]
         [--repeats 3] [--budget 420]
-        [--only int8,w8a8,int4,int4_stored,int4_tile_rows,
+        [--only int8,w8a8,int4,int4_bytes,int4_stored,int4_tile_rows,
                 int4_xla_bf16,vjp]
         [--out FILE.json]
 
@@ -119,6 +119,16 @@ def variants(k: int, n: int, only: set[str]):
         for blocks in [(512, 512, 512), (512, 1024, 512), (256, 512, 1024)]:
             fn = functools.partial(_int4, mode="tile", parts=1, blocks=blocks)
             out.append(("int4", f"tile bf16x1 {blocks}", MANY, fn))
+    if "int4_bytes" in only:  # qarray's bytes a word at a time, the int8 MXU
+        for bn, bk2 in [(1024, 1024), (2048, 1024), (1024, 2048), (512, 2048)]:
+            blocks = (512, bn, bk2)
+            fn = functools.partial(_int4, mxu="int8", parts=2, blocks=blocks)
+            out.append(("int4", f"bytes int8x2 {blocks}", FEW + MANY[:1], fn))
+        for blocks in [(2048, 1024, 1024), (1024, 2048, 1024), (4096, 512, 1024)]:
+            fn = functools.partial(_int4, mxu="int8", parts=2, blocks=blocks)
+            out.append(("int4", f"bytes int8x2 {blocks}", MANY, fn))
+        fn = functools.partial(_int4, mxu="int8", parts=1, blocks=(512, 1024, 1024))
+        out.append(("int4", "bytes int8x1 (W4A8)", FEW + MANY, fn))
     if "int4_stored" in only:  # weights kept as jnp.int4 (no bitcast a call)
         for mxu, parts in ways[::-1]:
             fn = functools.partial(
@@ -164,7 +174,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--budget", type=float, default=420.0)
     parser.add_argument(
         "--only",
-        default="int8,w8a8,int4,int4_stored,int4_tile_rows,int4_xla_bf16,vjp",
+        default="int8,w8a8,int4,int4_bytes,int4_stored,int4_tile_rows,int4_xla_bf16,vjp",
     )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)

@@ -37,6 +37,10 @@ pallas     (TPU) qarray/_tpu's kernel: the  Few rows are bound by the weights' b
            the int8 MXU, ``v`` as int8      convert. ``v``'s parts (``_tpu.INT8_PARTS``
            parts                            by precision) are at least as fine as the
                                             bf16 passes asked for.
+vector     (TPU, layout nk) qarray/_tpu's   One row uses each weight once: the MXU
+           vector-unit kernel: the weights  takes them in slower than they arrive,
+           converted to float32 in VMEM,    the vector unit keeps up; float32's
+           multiplied by ``v``'s row        products and sums at any precision.
 ========== ================================ =========================================
 
 Weight-only products keep the activations at float32 precision: the only
@@ -51,8 +55,9 @@ formulations, which keep every axis in place for sharding propagation. On CPU:
 the weights); more rows: ``split_int8`` (weight-only) or ``int8_dot``, except
 weight-only products with tiny weights (the rule's ``small_weight_elements``),
 which take ``dequantize``: they read x, and have no weight bytes to save.
-On a TPU: ``pallas`` for weight-only products up to the TPU rule's
-``int8_kernel_max_rows`` (where its kernels compile: ``_tpu.available``),
+On a TPU: ``vector`` for weight-only ``linear`` products up to the TPU rule's
+``vector_max_rows``, then ``pallas`` up to its ``int8_kernel_max_rows`` (where
+its kernels compile: ``_tpu.available``),
 else ``dequantize`` and ``int8_dot``, as elsewhere. The benchmarks behind
 these choices: ``benchmarks.bench_kernels --strategies``, ``make bench`` and,
 on the chip, ``benchmarks.tpu_kernels``.
@@ -159,9 +164,12 @@ def choose_strategy(
     if platform == "tpu":
         if kernels is None:
             kernels = _tpu_available() and not _partitioned()
-        few = m <= _rules.for_tpu().int8_kernel_max_rows
-        if kernels and activations == "float32" and few:
-            return "pallas"
+        rule = _rules.for_tpu()
+        if kernels and activations == "float32":
+            if layout == "nk" and m <= rule.vector_max_rows:
+                return "vector"
+            if m <= rule.int8_kernel_max_rows:
+                return "pallas"
     if platform != "cpu":
         return "int8_dot" if activations == "int8" else "dequantize"
     if kernels is None:
@@ -283,20 +291,34 @@ def linear_int4(
     def run(strategy):
         if strategy == "kernel":
             return _ffi.product_int4(x2, packed, scale, int8=activations == "int8")
-        if strategy in ("pallas_groups", "pallas_tile"):
+        if strategy == "vector":
             if activations != "float32":
-                raise ValueError(
-                    f"{strategy} is weight-only: activations {activations!r}"
-                )
+                raise ValueError(f"vector is weight-only: activations {activations!r}")
             _, group = kind_of_parts(packed, scale)
+            return _tpu_module().int4_vector(
+                x2, packed, scale, group_size=group, interpret=not _tpu_available()
+            )
+        if strategy in ("pallas_groups", "pallas_tile"):
+            _, group = kind_of_parts(packed, scale)
+            mode = strategy.removeprefix("pallas_")
             tpu = _tpu_module()
+            parts = tpu.parts_for(precision, jax.default_backend())
+            if activations == "int8":  # one int8 part: quantize_rows(x)
+                if mode != "groups":
+                    raise ValueError(f"{strategy} is weight-only: activations int8")
+                mxu, parts = "int8", 1
+            elif mode == "groups" and tpu.reads_bytes(group, "int8"):
+                mxu, parts = "int8", tpu.INT8_PARTS[parts]
+            else:  # a bf16 x is its own one bf16 part
+                mxu, parts = "bf16", 1 if bf16_x else parts
             return tpu.int4_product(
                 x2,
                 packed,
                 scale,
                 group_size=group,
-                mode=strategy.removeprefix("pallas_"),
-                parts=1 if bf16_x else tpu.parts_for(precision, jax.default_backend()),
+                mode=mode,
+                mxu=mxu,
+                parts=parts,
                 interpret=not _tpu_available(),  # forced where none compile
             )
         if strategy == "dequantize":
@@ -333,14 +355,19 @@ def linear_int4(
 
 
 def int4_tpu_mode(m: int, group: int, activations: str) -> str | None:
-    """The TPU kernel an int4 product of ``m`` rows takes (``"pallas_groups"``
-    / ``"pallas_tile"``, by the TPU rule), or None: XLA's ``dequantize``."""
+    """The TPU kernel an int4 product of ``m`` rows takes (``"vector"``,
+    ``"pallas_groups"`` or ``"pallas_tile"``, by the TPU rule), or None:
+    XLA's ``dequantize``."""
     rule = _rules.for_tpu()
     half = group // 2
     fits = half > 0 and group % 2 == 0 and (128 % half == 0 or half % 128 == 0)
-    if activations != "float32" or not fits:
+    if not fits or not _tpu_available() or _partitioned():
         return None
-    if not _tpu_available() or _partitioned():
+    if _tpu_module().reads_bytes(group, "int8"):
+        if activations == "float32" and m <= rule.vector_max_rows:
+            return "vector"
+        return "pallas_groups" if m <= rule.int4_bytes_max_rows else None
+    if activations != "float32":
         return None
     if m <= rule.int4_groups_max_rows:
         return "pallas_groups"
@@ -432,6 +459,10 @@ def _weight_only(v, qvalue, strategy, dims=_ROWS_BY_COLS, precision=None, bf16_x
     if strategy == "dequantize":
         w = qvalue.astype(jnp.float32)
         return lax.dot_general(v, w, dims, precision=precision)
+    if strategy == "vector":
+        if dims != _LAST_BY_LAST:
+            raise ValueError("the vector kernel takes layout nk (linear's)")
+        return _tpu_module().int8_vector(v, qvalue, interpret=not _tpu_available())
     if strategy == "pallas":
         tpu = _tpu_module()
         parts = tpu.parts_for(precision, jax.default_backend())

@@ -179,10 +179,19 @@ class TpuRule:
     # the pace and XLA's dequantized dot keeps up
     int8_kernel_max_rows: int
     int8_blocks: tuple[int, int, int]
-    # weight-only products on int4 weights: nibbles unpacked in VMEM and each
+    # weight-only products (int8, or int4 with G a multiple of 128, layout
+    # nk) of up to vector_max_rows rows on the vector unit (_tpu._vector):
+    # the MXU takes weights in slower than they arrive for a row or so
+    vector_max_rows: int
+    vector_blocks: tuple[int, int]
+    # int4 weights whose groups are whole 128-byte chunks' halves (G a
+    # multiple of 128): their bytes a word at a time into the int8 MXU,
+    # x as int8 parts (mode "groups"), weight-only or W4A8, up to
+    # int4_bytes_max_rows; past them XLA's dequantized dot keeps up
+    int4_bytes_max_rows: int
+    # other group sizes, weight-only: nibbles unpacked by shifts and each
     # group's sums scaled (mode "groups") up to int4_groups_max_rows; each
-    # block dequantized in VMEM (mode "tile") up to int4_tile_max_rows; past
-    # that XLA's dequantized dot keeps up
+    # block dequantized in VMEM (mode "tile") up to int4_tile_max_rows
     int4_groups_max_rows: int
     int4_groups_blocks: tuple[int, int, int]
     int4_tile_max_rows: int
@@ -193,6 +202,9 @@ TPU = TpuRule(
     name="tpu",
     int8_kernel_max_rows=64,
     int8_blocks=(512, 1024, 2048),
+    vector_max_rows=1,
+    vector_blocks=(512, 4096),
+    int4_bytes_max_rows=512,
     int4_groups_max_rows=64,
     int4_groups_blocks=(512, 1024, 1024),
     int4_tile_max_rows=512,

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from .._rules import xla_only
 from ._int4 import int4_product
 from ._int8 import int8_product
+from ._vector import int4_vector, int8_vector
 
 _log = logging.getLogger("qarray")
 
@@ -42,10 +43,14 @@ def available() -> bool:
         for nk in (True, False)
     ] + [
         (
-            functools.partial(int4_product, group_size=128, mode=mode),
+            functools.partial(int4_product, group_size=128, mode=mode, mxu=mxu),
             (x, packed, groups),
         )
-        for mode in ("groups", "tile")
+        for mode, mxu in (("groups", "int8"), ("groups", "bf16"), ("tile", "bf16"))
+    ]
+    probes += [
+        (int8_vector, (x, int8)),
+        (functools.partial(int4_vector, group_size=128), (x, packed, groups)),
     ]
     try:
         for kernel, shapes in probes:

@@ -3,27 +3,29 @@ the low one the even entry; one float32 scale per group of G entries of a
 row) as Pallas kernels, layout nk: x (m, k) times packed (n, k / 2).
 
 The packed bytes stream from device memory a block at a time and their
-nibbles are unpacked in VMEM (integer shifts), never in HBM. x is split
-into its even and odd entries (``xe``, ``xo``) so that the low nibbles meet
-``xe`` and the high ones ``xo``, each a contraction over the packed axis.
-Two ways to apply the group scales (``mode``):
+nibbles are unpacked in VMEM, never in HBM. Two ways to apply the group
+scales (``mode``):
 
-- ``"groups"`` (few rows): the nibbles go to the MXU as they are (bf16 or
-  int8, exact) and each group's partial sums are scaled on their way into
-  the float32 sums. A 128-byte chunk of packed weights holds several groups
-  when G < 256, so x's rows come in copies, each zeroed outside one group's
-  lanes: one product per chunk gives every group's partial sums, and each
-  weight enters the MXU once.
-- ``"tile"`` (many rows): each block of weights is dequantized in VMEM
-  (transposed so that a group's scale is a row broadcast) to float32, split
-  into bf16 parts, and multiplied with x's bf16 parts: XLA's dequantized
-  product, the weights never written back.
+- ``"groups"``: the nibbles go to the MXU as they are (exact) and each
+  group's partial sums are scaled on their way into the float32 sums. On
+  the int8 MXU with G a multiple of 128 (``reads_bytes``), the bytes are
+  read four to a 32-bit word: two bitwise operations give every byte's low
+  or high nibble times 16 as int8, and each group's operand is its low
+  nibbles then its high ones, against x's entries reordered to match
+  (``_bytes_kernel``). Otherwise each byte is widened and shifted, x is
+  split into its even and odd entries (the low nibbles meet the even ones),
+  and where a 128-byte chunk holds several groups x's rows come in copies,
+  each zeroed outside one group's lanes (``_groups_kernel``).
+- ``"tile"``: each block of weights is dequantized in VMEM (transposed so
+  that a group's scale is a row broadcast) to float32, split into bf16
+  parts, and multiplied with x's bf16 parts: XLA's dequantized product, the
+  weights never written back.
 
 Mode groups also takes weights held as ``jnp.int4`` (n, k) (``as_int4``),
-whose blocks Mosaic unpacks itself, faster than the shifts; qarray holds
-its bytes, and bitcasting them in a program relayouts the weights in HBM.
+whose blocks Mosaic unpacks itself; qarray holds its bytes, and bitcasting
+them in a program relayouts the weights in HBM.
 
-Which mode and blocks win at which rows: ``benchmarks/tpu_kernels.py``.
+Which form and blocks win at which rows: ``benchmarks/tpu_kernels.py``.
 """
 
 from __future__ import annotations
@@ -59,6 +61,20 @@ def _mxu_nibbles(v, mxu: str):
         if mxu == "bf16"
         else v.astype(jnp.int8)
     )
+
+
+# each byte's high nibble, four bytes to a 32-bit word (0xF0F0F0F0)
+_HIGH_NIBBLES = -0x0F0F0F10
+
+
+def _byte_nibbles(block):
+    """uint8 (a, c) packed bytes -> (low, high) int32 words (a / 4, c):
+    each byte of ``low`` is its low nibble times 16, of ``high`` its high
+    nibble times 16 (as int8, exactly: the nibble's bits in the byte's high
+    half). Three bitwise operations a word unpack four bytes at once, where
+    ``_unpack`` widens every byte to a word of its own."""
+    words = pltpu.bitcast(block, jnp.int32)
+    return words << 4, words
 
 
 def as_int4(packed):
@@ -106,6 +122,78 @@ def _groups_kernel(*refs, parts, mxu, width, nibbles):
         out_ref[...] = _layout.combine_parts(
             acc_ref[...], xs_ref[...], parts, out_ref.shape[0]
         )
+
+
+def _bytes_kernel(x_ref, w_ref, s_ref, xs_ref, out_ref, acc_ref, *, parts, half):
+    """Mode groups on qarray's bytes with the int8 MXU (``reads_bytes``).
+    Each group's operand is its low nibbles, then its high ones, each
+    times 16 (``_byte_nibbles``), against x's entries of that group in the
+    same order (its even entries, then its odd ones: ``_halves_by_group``):
+    one int8 product a group, each weight entering the MXU once and no byte
+    widened. ``s_ref``: the group scales / 16 (groups, bn)."""
+    kk = pl.program_id(2)
+
+    @pl.when(kk == 0)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    low, high = _byte_nibbles(w_ref[...])  # words (bn / 4, bk2)
+    lanes, turn = _layout.LANES, _layout.LANES // 2
+    if half == turn:
+        # two groups a 128-byte chunk: a half-turn of the block's lanes
+        # brings each group's halves together, the even groups' operands in
+        # one array, the odd groups' in the other
+        lane = lax.broadcasted_iota(jnp.int32, low.shape, 1) % lanes
+        first = lane < turn
+        arrays = [
+            jnp.where(first, low, pltpu.roll(high, turn, 1)),
+            jnp.where(first, pltpu.roll(low, low.shape[1] - turn, 1), high),
+        ]
+    else:  # whole chunks a group: its low chunks, then its high ones
+        arrays = [low, high]
+    # the block's operands as int8, unpacked once (each nibble times 16)
+    operands = [pltpu.bitcast(a & _HIGH_NIBBLES, jnp.int8) for a in arrays]
+    x, scales, acc = x_ref[...], s_ref[...], acc_ref[...]
+    for g in range(scales.shape[0]):
+        start = 2 * half * g  # the group's entries in x's block
+        if half == turn:
+            at = g // 2 * lanes
+            pieces = [(start, operands[g % 2][:, at : at + lanes])]
+        else:
+            pieces = [
+                (start + h * half + c, w[:, g * half + c :][:, :lanes])
+                for h, w in enumerate(operands)
+                for c in range(0, half, lanes)
+            ]
+        sums = sum(
+            lax.dot_general(
+                x[:, at : at + lanes], w, _NT, preferred_element_type=jnp.int32
+            )
+            for at, w in pieces
+        )
+        acc += sums.astype(jnp.float32) * scales[g : g + 1]
+    acc_ref[...] = acc
+
+    @pl.when(kk == pl.num_programs(2) - 1)
+    def _():
+        out_ref[...] = _layout.combine_parts(
+            acc_ref[...], xs_ref[...], parts, out_ref.shape[0]
+        )
+
+
+def reads_bytes(group_size: int, mxu: str) -> bool:
+    """Whether mode groups reads qarray's bytes a word at a time
+    (``_bytes_kernel``: the int8 MXU, G a multiple of 128) rather than
+    unpacking each by shifts."""
+    return mxu == "int8" and group_size % _layout.LANES == 0
+
+
+def _halves_by_group(rows, half: int):
+    """rows (r, c) -> (r, c), each group of 2 * half entries reordered as its
+    even entries, then its odd ones (the order of ``_bytes_kernel``'s
+    operands: low nibbles, then high)."""
+    r, c = rows.shape
+    return rows.reshape(r, c // (2 * half), half, 2).swapaxes(2, 3).reshape(r, c)
 
 
 def _tile_kernel(e_ref, o_ref, w_ref, s_ref, out_ref, acc_ref, *, parts, half):
@@ -191,9 +279,14 @@ def _int4_product(
         raise ValueError(
             f"group_size {group_size}: G / 2 must divide 128 or be a multiple of it"
         )
-    nibbles = "int4" if packed.dtype == jnp.int4 else "shifts"
-    if nibbles == "int4" and mode != "groups":
-        raise ValueError("jnp.int4 weights take mode 'groups'")
+    if packed.dtype == jnp.int4:
+        nibbles = "int4"
+        if mode != "groups":
+            raise ValueError("jnp.int4 weights take mode 'groups'")
+    elif mode == "groups" and reads_bytes(group_size, mxu):
+        nibbles = "bytes"
+    else:
+        nibbles = "shifts"
     split, _ = MXU["bf16" if mode == "tile" else mxu]
     xparts, xscales = split(x, parts)
     bm, bn, bk2 = blocks
@@ -201,13 +294,15 @@ def _int4_product(
     mp, bm = _layout.row_blocks(m, xparts.dtype, bm)
     np_ = _layout.padded(n, _layout.LANES)
     bn = _layout.divisor_block(np_, bn)
-    # a group's lanes in the weights' block and x's lanes against it: int4
-    # entries (x as it is), or bytes (x's even entries, then its odd ones)
-    if nibbles == "int4":
-        width, span, bk, entries = 2 * half, 2 * kp2, 2 * bk2, [slice(None)]
-    else:
+    # a group's lanes in the weights' block, and x's lanes a block and which
+    # of its entries: int4 entries (x as it is, and so for bytes, reordered
+    # by _halves_by_group), or bytes unpacked by shifts (x's even entries,
+    # then its odd ones)
+    if nibbles == "shifts":
         width, span, bk = half, kp2, bk2
         entries = [slice(0, None, 2), slice(1, None, 2)]
+    else:
+        width, span, bk, entries = 2 * half, 2 * kp2, 2 * bk2, [slice(None)]
     copies = max(1, _layout.LANES // width) if mode == "groups" else 1
     stacked = []
     for entry in entries:
@@ -219,8 +314,12 @@ def _int4_product(
             rows = rows.reshape(mp // bm, 1, parts * bm, span)
             rows = jnp.where(lane_group == jnp.arange(copies)[:, None, None], rows, 0)
             rows = rows.reshape(-1, span)
+        if nibbles == "bytes":
+            rows = _halves_by_group(rows, half)
         stacked.append(rows)
-    w = jnp.pad(packed, ((0, np_ - n), (0, span - packed.shape[1])))
+    # the weights' lanes a block: bytes stay packed, two entries to a lane
+    w_span, w_bk = (kp2, bk2) if nibbles == "bytes" else (span, bk)
+    w = jnp.pad(packed, ((0, np_ - n), (0, w_span - packed.shape[1])))
     groups_t = jnp.pad(
         scale.astype(jnp.float32), ((0, np_ - n), (0, kp2 // half - scale.shape[1]))
     ).T
@@ -228,14 +327,18 @@ def _int4_product(
     x_spec = pl.BlockSpec((r, bk), lambda i, j, kk: (i, kk))
     in_specs = [
         *[x_spec] * len(stacked),
-        pl.BlockSpec((bn, bk), lambda i, j, kk: (j, kk)),
+        pl.BlockSpec((bn, w_bk), lambda i, j, kk: (j, kk)),
         pl.BlockSpec((bk2 // half, bn), lambda i, j, kk: (kk, j)),
     ]
-    args = [*stacked, w, groups_t]
-    if mode == "groups":
+    if nibbles == "bytes":
+        groups_t = groups_t / 16  # its nibbles come times 16 (exact)
+        kernel = functools.partial(_bytes_kernel, parts=parts, half=half)
+    else:
         kernel = functools.partial(
             _groups_kernel, parts=parts, mxu=mxu, width=width, nibbles=nibbles
         )
+    args = [*stacked, w, groups_t]
+    if mode == "groups":
         in_specs.append(pl.BlockSpec((parts * bm, 1), lambda i, j, kk: (i, 0)))
         args.append(row_scales)
         acc_rows = parts * bm

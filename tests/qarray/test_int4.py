@@ -156,15 +156,18 @@ def int4_reference(x, w, group_size, activations):
         "pallas_tile",
     ],
 )
+@pytest.mark.parametrize("group_size", [64, 128])
 @pytest.mark.parametrize("m", [1, 5, 33])
-def test_linear_q_int4_matches_numpy(rng, strategy, m, activations):
-    """Every strategy; the TPU's kernels (qarray/_tpu, interpreted off a TPU)
-    are weight-only and refuse int8 activations."""
+def test_linear_q_int4_matches_numpy(rng, strategy, m, activations, group_size):
+    """Every strategy; the TPU's kernels (qarray/_tpu, interpreted off a
+    TPU): mode groups reads the bytes a word at a time at G = 128 and unpacks
+    them by shifts at G = 64, and takes int8 activations as one int8 part
+    of x; mode tile is weight-only and refuses them."""
     if strategy == "kernel" and not _ffi.available():
         pytest.skip(f"CPU kernels: {_ffi.status()}")
-    if strategy and strategy.startswith("pallas") and activations == "int8":
+    if strategy == "pallas_tile" and activations == "int8":
         packed, scale = unpacked(
-            quantize(np.ones((8, 128), np.float32), bits=4, group_size=64)
+            quantize(np.ones((8, 128), np.float32), bits=4, group_size=group_size)
         )
         with pytest.raises(ValueError, match="weight-only"):
             _formulations.linear_int4(
@@ -173,8 +176,8 @@ def test_linear_q_int4_matches_numpy(rng, strategy, m, activations):
         return
     k, n = 256, 48
     x, w = normal(rng, (m, k)), normal(rng, (n, k))
-    q = quantize(w, bits=4, group_size=64)
-    want = int4_reference(x, w, 64, activations)
+    q = quantize(w, bits=4, group_size=group_size)
+    want = int4_reference(x, w, group_size, activations)
     if strategy is None:
         got = linear_q(x, q, activations)
     else:
