@@ -4,7 +4,7 @@ the measurements behind ``qarray/_tpu``'s defaults and the TPU rule.
 
     python -m benchmarks.tpu_kernels [--k 8192 --n 8192] [--calls 20]
         [--repeats 3] [--budget 420]
-        [--only int8,w8a8,int4,int4_bytes,int4_stored,int4_tile_rows,
+        [--only int8,w8a8,vector,int4,int4_bytes,int4_stored,int4_tile_rows,
                 int4_xla_bf16,vjp]
         [--out FILE.json]
 
@@ -57,6 +57,11 @@ def _int4(x, w, **options):
     return _tpu.int4_product(
         x, *w["q4"], group_size=group, interpret=INTERPRET, **options
     )
+
+
+def _int8_vector(x, w, **options):
+    """The vector unit's product (unscaled: the scales multiply after)."""
+    return _tpu.int8_vector(x, w["q8"][0], interpret=INTERPRET, **options) * w["q8"][1]
 
 
 def _int4_stored(x, w, **options):
@@ -129,6 +134,10 @@ def variants(k: int, n: int, only: set[str]):
             out.append(("int4", f"bytes int8x2 {blocks}", MANY, fn))
         fn = functools.partial(_int4, mxu="int8", parts=1, blocks=(512, 1024, 1024))
         out.append(("int4", "bytes int8x1 (W4A8)", FEW + MANY, fn))
+    if "vector" in only:  # one row on the vector unit (float32-exact)
+        for blocks in [(256, 8192), (512, 4096), (1024, 4096), (1024, 2048)]:
+            fn = functools.partial(_int8_vector, blocks=blocks)
+            out.append(("int8", f"vector {blocks}", (1,), fn))
     if "int4_stored" in only:  # weights kept as jnp.int4 (no bitcast a call)
         for mxu, parts in ways[::-1]:
             fn = functools.partial(
@@ -174,7 +183,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--budget", type=float, default=420.0)
     parser.add_argument(
         "--only",
-        default="int8,w8a8,int4,int4_bytes,int4_stored,int4_tile_rows,int4_xla_bf16,vjp",
+        default=(
+            "int8,w8a8,vector,int4,int4_bytes,int4_stored,int4_tile_rows,"
+            "int4_xla_bf16,vjp"
+        ),
     )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)

@@ -291,13 +291,6 @@ def linear_int4(
     def run(strategy):
         if strategy == "kernel":
             return _ffi.product_int4(x2, packed, scale, int8=activations == "int8")
-        if strategy == "vector":
-            if activations != "float32":
-                raise ValueError(f"vector is weight-only: activations {activations!r}")
-            _, group = kind_of_parts(packed, scale)
-            return _tpu_module().int4_vector(
-                x2, packed, scale, group_size=group, interpret=not _tpu_available()
-            )
         if strategy in ("pallas_groups", "pallas_tile"):
             _, group = kind_of_parts(packed, scale)
             mode = strategy.removeprefix("pallas_")
@@ -355,17 +348,14 @@ def linear_int4(
 
 
 def int4_tpu_mode(m: int, group: int, activations: str) -> str | None:
-    """The TPU kernel an int4 product of ``m`` rows takes (``"vector"``,
-    ``"pallas_groups"`` or ``"pallas_tile"``, by the TPU rule), or None:
-    XLA's ``dequantize``."""
+    """The TPU kernel an int4 product of ``m`` rows takes (``"pallas_groups"``
+    / ``"pallas_tile"``, by the TPU rule), or None: XLA's ``dequantize``."""
     rule = _rules.for_tpu()
     half = group // 2
     fits = half > 0 and group % 2 == 0 and (128 % half == 0 or half % 128 == 0)
     if not fits or not _tpu_available() or _partitioned():
         return None
     if _tpu_module().reads_bytes(group, "int8"):
-        if activations == "float32" and m <= rule.vector_max_rows:
-            return "vector"
         return "pallas_groups" if m <= rule.int4_bytes_max_rows else None
     if activations != "float32":
         return None

@@ -179,9 +179,9 @@ class TpuRule:
     # the pace and XLA's dequantized dot keeps up
     int8_kernel_max_rows: int
     int8_blocks: tuple[int, int, int]
-    # weight-only products (int8, or int4 with G a multiple of 128, layout
-    # nk) of up to vector_max_rows rows on the vector unit (_tpu._vector):
-    # the MXU takes weights in slower than they arrive for a row or so
+    # weight-only products on int8 weights, layout nk (linear's), of up to
+    # vector_max_rows rows on the vector unit (_tpu._vector): float32-exact,
+    # and for one row ahead of the MXU's forms
     vector_max_rows: int
     vector_blocks: tuple[int, int]
     # int4 weights whose groups are whole 128-byte chunks' halves (G a
@@ -203,7 +203,7 @@ TPU = TpuRule(
     int8_kernel_max_rows=64,
     int8_blocks=(512, 1024, 2048),
     vector_max_rows=1,
-    vector_blocks=(512, 4096),
+    vector_blocks=(256, 8192),
     int4_bytes_max_rows=512,
     int4_groups_max_rows=64,
     int4_groups_blocks=(512, 1024, 1024),

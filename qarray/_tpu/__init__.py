@@ -9,5 +9,4 @@ from ._int4 import reads_bytes as reads_bytes
 from ._int8 import int8_product as int8_product
 from ._parts import INT8_PARTS as INT8_PARTS
 from ._parts import parts_for as parts_for
-from ._vector import int4_vector as int4_vector
 from ._vector import int8_vector as int8_vector

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from .._rules import xla_only
 from ._int4 import int4_product
 from ._int8 import int8_product
-from ._vector import int4_vector, int8_vector
+from ._vector import int8_vector
 
 _log = logging.getLogger("qarray")
 
@@ -48,10 +48,7 @@ def available() -> bool:
         )
         for mode, mxu in (("groups", "int8"), ("groups", "bf16"), ("tile", "bf16"))
     ]
-    probes += [
-        (int8_vector, (x, int8)),
-        (functools.partial(int4_vector, group_size=128), (x, packed, groups)),
-    ]
+    probes.append((int8_vector, (x, int8)))
     try:
         for kernel, shapes in probes:
             jax.jit(kernel).lower(*shapes).compile()

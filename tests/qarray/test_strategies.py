@@ -287,6 +287,18 @@ def test_linear_weight_only_strategies(rng, shape, strategy):
     assert rel_err(got, want) <= TOLERANCE[strategy]
 
 
+@pytest.mark.parametrize("shape", [(1, 64, 48), (3, 1000, 40), (8, 96, 4096)], ids=str)
+def test_linear_vector_strategy(rng, shape):
+    """The TPU's vector-unit kernel (interpreted off a TPU), linear's layout
+    only, up to its 8 rows: float32's products and sums."""
+    x, qvalue, scale = linear_data(rng, *shape)
+    f = jax.jit(lambda x, q, s: _formulations.linear(x, q, s, "float32", "vector"))
+    got = f(x, qvalue, scale)
+    want = ref.linear_q(x, qvalue, scale)
+    assert got.shape == want.shape and got.dtype == np.float32
+    assert rel_err(got, want) <= 1e-6
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("strategy", strategies(_formulations.INT8_STRATEGIES))
 def test_linear_int8_activation_strategies(rng, shape, strategy):
