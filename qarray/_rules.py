@@ -184,10 +184,10 @@ class TpuRule:
     # and for one row ahead of the MXU's forms
     vector_max_rows: int
     vector_blocks: tuple[int, int]
-    # int4 weights whose groups are whole 128-byte chunks' halves (G a
-    # multiple of 128): their bytes a word at a time into the int8 MXU,
-    # x as int8 parts (mode "groups"), weight-only or W4A8, up to
-    # int4_bytes_max_rows; past them XLA's dequantized dot keeps up
+    # int4 weights with G a multiple of 128: their bytes read four to a word
+    # into the int8 MXU, x as int8 parts (mode "groups", _tpu.reads_bytes),
+    # weight-only or W4A8, up to int4_bytes_max_rows; past them XLA's
+    # dequantized dot keeps up
     int4_bytes_max_rows: int
     # other group sizes, weight-only: nibbles unpacked by shifts and each
     # group's sums scaled (mode "groups") up to int4_groups_max_rows; each

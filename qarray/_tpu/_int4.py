@@ -68,10 +68,11 @@ _HIGH_NIBBLES = -0x0F0F0F10
 
 
 def _byte_nibbles(block):
-    """uint8 (a, c) packed bytes -> (low, high) int32 words (a / 4, c):
-    each byte of ``low`` is its low nibble times 16, of ``high`` its high
-    nibble times 16 (as int8, exactly: the nibble's bits in the byte's high
-    half). Three bitwise operations a word unpack four bytes at once, where
+    """uint8 (a, c) packed bytes -> (low, high) int32 words (a / 4, c),
+    four bytes a word, whose bytes masked by ``_HIGH_NIBBLES`` are each
+    byte's low nibble times 16 (``low``: shifted up) or its high nibble
+    times 16 (``high``), as int8 exactly (the nibble's bits in the byte's
+    high half). A shift and a mask a word unpack four bytes, where
     ``_unpack`` widens every byte to a word of its own."""
     words = pltpu.bitcast(block, jnp.int32)
     return words << 4, words
