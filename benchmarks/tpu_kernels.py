@@ -115,11 +115,11 @@ def variants(k: int, n: int, only: set[str]):
             out.append(("w8a8", f"int8x1 rows {blocks}", MANY, fn))
     if "int4" in only:
         int4_blocks = [(512, 1024), (1024, 1024), (512, 2048)]
-        for (bn, bk2), (mxu, parts) in itertools.product(int4_blocks, ways[::-1]):
+        for bn, bk2 in int4_blocks:  # the shifts (int8 MXU: int4_bytes)
             fn = functools.partial(
-                _int4, mode="groups", mxu=mxu, parts=parts, blocks=(512, bn, bk2)
+                _int4, mode="groups", mxu="bf16", parts=1, blocks=(512, bn, bk2)
             )
-            name = f"groups {mxu}x{parts} bn{bn} bk2 {bk2}"
+            name = f"groups shifts bf16x1 bn{bn} bk2 {bk2}"
             out.append(("int4", name, FEW + MANY[:1], fn))
         for blocks in [(512, 512, 512), (512, 1024, 512), (256, 512, 1024)]:
             fn = functools.partial(_int4, mode="tile", parts=1, blocks=blocks)
@@ -134,7 +134,7 @@ def variants(k: int, n: int, only: set[str]):
             out.append(("int4", f"bytes int8x2 {blocks}", MANY, fn))
         fn = functools.partial(_int4, mxu="int8", parts=1, blocks=(512, 1024, 1024))
         out.append(("int4", "bytes int8x1 (W4A8)", FEW + MANY, fn))
-    if "vector" in only:  # one row on the vector unit (float32-exact)
+    if "vector" in only:  # one row on the vector unit (float32's sums)
         for blocks in [(256, 8192), (512, 4096), (1024, 4096), (1024, 2048)]:
             fn = functools.partial(_int8_vector, blocks=blocks)
             out.append(("int8", f"vector {blocks}", (1,), fn))

@@ -38,9 +38,10 @@ pallas     (TPU) qarray/_tpu's kernel: the  Few rows are bound by the weights' b
            parts                            by precision) are at least as fine as the
                                             bf16 passes asked for.
 vector     (TPU, layout nk) qarray/_tpu's   One row uses each weight once: the MXU
-           vector-unit kernel: the weights  takes them in slower than they arrive,
-           converted to float32 in VMEM,    the vector unit keeps up; float32's
-           multiplied by ``v``'s row        products and sums at any precision.
+           vector-unit kernel: the weights  takes them in no faster than they
+           converted to float32 in VMEM,    arrive, the vector unit keeps up;
+           multiplied by ``v``'s row        float32's products and sums (~1e-7)
+                                            at any precision.
 ========== ================================ =========================================
 
 Weight-only products keep the activations at float32 precision: the only
@@ -166,7 +167,8 @@ def choose_strategy(
             kernels = _tpu_available() and not _partitioned()
         rule = _rules.for_tpu()
         if kernels and activations == "float32":
-            if layout == "nk" and m <= rule.vector_max_rows:
+            vector_rows = min(rule.vector_max_rows, _tpu_module().VECTOR_MAX_ROWS)
+            if layout == "nk" and m <= vector_rows:
                 return "vector"
             if m <= rule.int8_kernel_max_rows:
                 return "pallas"
@@ -274,7 +276,9 @@ def linear_int4(
     into its panel and each group's sums scaled in the tile), chosen up to the
     rule's ``int4_kernel_max_rows`` (``make bench``, suite int4);
     ``"dequantize"``: W in float32, then one dot (the reference formulation,
-    and what runs elsewhere). ``bf16_x`` as ``linear``'s.
+    and what runs elsewhere). ``bf16_x`` as ``linear``'s, where a bf16 x is
+    one bf16 part of the TPU's kernel: exact, except on the bytes kernel
+    (G a multiple of 128), which takes x as int8 parts whatever its dtype.
     """
     lead, k = x.shape[:-1], x.shape[-1]
     n = packed.shape[0]
@@ -301,8 +305,11 @@ def linear_int4(
                     raise ValueError(f"{strategy} is weight-only: activations int8")
                 mxu, parts = "int8", 1
             elif mode == "groups" and tpu.reads_bytes(group, "int8"):
+                # a bf16 x too: its two int8 parts are finer than the bf16
+                # pass the default asks for, and the bytes kernel leads the
+                # bf16 forms (benchmarks.tpu_kernels, int4_bytes)
                 mxu, parts = "int8", tpu.INT8_PARTS[parts]
-            else:  # a bf16 x is its own one bf16 part
+            else:  # a bf16 x is its own one bf16 part: exact
                 mxu, parts = "bf16", 1 if bf16_x else parts
             return tpu.int4_product(
                 x2,

@@ -168,7 +168,8 @@ class TpuRule:
     """When and how qarray/_tpu's kernels run on a TPU (off it: never).
 
     Blocks are (rows of x, output columns, K) upper bounds, K in packed
-    bytes for int4; rows count rows of x.
+    bytes for int4; rows count rows of x; the vector unit's are (output
+    columns, K).
     """
 
     name: str
@@ -180,14 +181,14 @@ class TpuRule:
     int8_kernel_max_rows: int
     int8_blocks: tuple[int, int, int]
     # weight-only products on int8 weights, layout nk (linear's), of up to
-    # vector_max_rows rows on the vector unit (_tpu._vector): float32-exact,
-    # and for one row ahead of the MXU's forms
+    # vector_max_rows rows on the vector unit (_tpu._vector, at most 8):
+    # float32's products and sums, and for one row ahead of the MXU's forms
     vector_max_rows: int
     vector_blocks: tuple[int, int]
     # int4 weights with G a multiple of 128: their bytes read four to a word
     # into the int8 MXU, x as int8 parts (mode "groups", _tpu.reads_bytes),
     # weight-only or W4A8, up to int4_bytes_max_rows; past them XLA's
-    # dequantized dot keeps up
+    # dequantized dot keeps up (blocks: int4_groups_blocks)
     int4_bytes_max_rows: int
     # other group sizes, weight-only: nibbles unpacked by shifts and each
     # group's sums scaled (mode "groups") up to int4_groups_max_rows; each

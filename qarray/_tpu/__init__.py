@@ -9,4 +9,5 @@ from ._int4 import reads_bytes as reads_bytes
 from ._int8 import int8_product as int8_product
 from ._parts import INT8_PARTS as INT8_PARTS
 from ._parts import parts_for as parts_for
+from ._vector import VECTOR_MAX_ROWS as VECTOR_MAX_ROWS
 from ._vector import int8_vector as int8_vector

@@ -130,8 +130,8 @@ def _bytes_kernel(x_ref, w_ref, s_ref, xs_ref, out_ref, acc_ref, *, parts, half)
     Each group's operand is its low nibbles, then its high ones, each
     times 16 (``_byte_nibbles``), against x's entries of that group in the
     same order (its even entries, then its odd ones: ``_halves_by_group``):
-    one int8 product a group, each weight entering the MXU once and no byte
-    widened. ``s_ref``: the group scales / 16 (groups, bn)."""
+    one int8 product a group's 128 entries, each weight entering the MXU
+    once and no byte widened. ``s_ref``: the group scales / 16 (groups, bn)."""
     kk = pl.program_id(2)
 
     @pl.when(kk == 0)
@@ -158,11 +158,11 @@ def _bytes_kernel(x_ref, w_ref, s_ref, xs_ref, out_ref, acc_ref, *, parts, half)
     for g in range(scales.shape[0]):
         start = 2 * half * g  # the group's entries in x's block
         if half == turn:
-            at = g // 2 * lanes
-            pieces = [(start, operands[g % 2][:, at : at + lanes])]
+            chunk = g // 2 * lanes
+            pieces = [(start, operands[g % 2][:, chunk : chunk + lanes])]
         else:
             pieces = [
-                (start + h * half + c, w[:, g * half + c :][:, :lanes])
+                (start + h * half + c, w[:, g * half + c : g * half + c + lanes])
                 for h, w in enumerate(operands)
                 for c in range(0, half, lanes)
             ]
@@ -239,9 +239,9 @@ def _k_blocks(k2: int, half: int, largest: int) -> tuple[int, int]:
     """(_layout.padded k / 2, packed bk): whole groups a block; a block of several
     holds a multiple of 8 groups (the scales' block tiles by 8 rows)."""
     kp2 = _layout.padded(k2, math.lcm(_layout.LANES, half))
-    if kp2 <= largest:
-        return kp2, kp2
     unit = math.lcm(_layout.LANES, 8 * half)
+    if kp2 <= max(largest, unit):  # one block: no padding to 8 groups
+        return kp2, kp2
     kp2 = _layout.padded(k2, unit)
     return kp2, _layout.divisor_block(kp2, max(largest, unit), unit)
 

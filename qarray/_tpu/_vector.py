@@ -27,7 +27,7 @@ from .._rules import for_tpu
 from . import _layout
 
 # rows of x a call takes: one (8, 128) tile of float32
-MAX_ROWS = 8
+VECTOR_MAX_ROWS = 8
 
 
 def _int8_kernel(x_ref, w_ref, o_ref, acc_ref, *, rows):
@@ -57,7 +57,7 @@ def _int8_kernel(x_ref, w_ref, o_ref, acc_ref, *, rows):
 def _rows(x, width: int):
     """x (m, k) -> float32 (8, width), zeros past m rows and k entries."""
     m, k = x.shape
-    return jnp.pad(x.astype(jnp.float32), ((0, MAX_ROWS - m), (0, width - k)))
+    return jnp.pad(x.astype(jnp.float32), ((0, VECTOR_MAX_ROWS - m), (0, width - k)))
 
 
 def _int8_vector(x, qvalue, *, blocks, interpret=False):
@@ -70,16 +70,16 @@ def _int8_vector(x, qvalue, *, blocks, interpret=False):
     w = jnp.pad(qvalue, ((0, np_ - n), (0, kp - k)))
     out = pl.pallas_call(
         functools.partial(_int8_kernel, rows=m),
-        out_shape=jax.ShapeDtypeStruct((np_, MAX_ROWS), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((np_, VECTOR_MAX_ROWS), jnp.float32),
         grid=(np_ // bn, kp // bk),
         in_specs=[
-            pl.BlockSpec((MAX_ROWS, bk), lambda j, kk: (0, kk)),
+            pl.BlockSpec((VECTOR_MAX_ROWS, bk), lambda j, kk: (0, kk)),
             pl.BlockSpec((bn, bk), lambda j, kk: (j, kk)),
         ],
-        out_specs=pl.BlockSpec((bn, MAX_ROWS), lambda j, kk: (j, 0)),
+        out_specs=pl.BlockSpec((bn, VECTOR_MAX_ROWS), lambda j, kk: (j, 0)),
         scratch_shapes=[pltpu.VMEM((m, bn, _layout.LANES), jnp.float32)],
         compiler_params=_layout.compiler_params(
-            MAX_ROWS * bk * 4, bn * bk, m * bn * _layout.LANES * 4, grid_rank=2
+            VECTOR_MAX_ROWS * bk * 4, bn * bk, m * bn * _layout.LANES * 4, grid_rank=2
         ),
         interpret=interpret,
     )(_rows(x, kp), w)
@@ -94,9 +94,9 @@ def int8_vector(x, qvalue, *, blocks=None, interpret: bool = False):
     ``x @ qvalue.T``, unscaled (the caller's per-channel scales multiply
     the output). ``blocks``: (bn, bk) upper bounds (default: the TPU rule's
     ``vector_blocks``). TypeError where the operands do not agree."""
-    if x.ndim != 2 or x.shape[0] > MAX_ROWS:
+    if x.ndim != 2 or x.shape[0] > VECTOR_MAX_ROWS:
         raise TypeError(
-            f"int8_vector takes x (m, k) with m <= {MAX_ROWS}, got {x.shape}"
+            f"int8_vector takes x (m, k) with m <= {VECTOR_MAX_ROWS}, got {x.shape}"
         )
     if qvalue.ndim != 2 or qvalue.dtype != jnp.int8 or qvalue.shape[1] != x.shape[1]:
         raise TypeError(

@@ -178,7 +178,8 @@ def dequantized_int4(packed, scale, group_size):
 )
 def test_int4_weights_match_numpy(rng, shape, group_size, mode, mxu, parts):
     """Groups several to a 128-byte chunk (G 32, 128) and a chunk to a group
-    (256); padded rows and columns; blocks of K (packed bk 256 for G < 256)."""
+    (256); padded rows and columns; blocks of K for G 32 (packed bk 256;
+    G 128 and 256 take one here: test_int4_bytes_over_several_blocks_of_k)."""
     m, k, n = shape
     options = dict(mode=mode, mxu=mxu, parts=parts, blocks=(32, 256, 256))
     got, want = int4_case(rng, m, k, n, group_size, **options)
@@ -218,8 +219,8 @@ def test_int4_weights_held_as_jnp_int4_match_numpy(rng, group_size, mxu, parts):
     ],
 )
 def test_the_vector_kernel_matches_numpy(rng, m, k, n, blocks):
-    """The vector unit's product: float32 sums of exact products, ~1e-7 of
-    the float64 reference whatever the precision."""
+    """The vector unit's product: float32 products and sums, ~1e-7 of the
+    float64 reference whatever the precision."""
     x = rng.standard_normal((m, k)).astype(np.float32)
     qvalue, _ = int8_weights(rng, n, k)
     got = _tpu.int8_vector(jnp.asarray(x), qvalue, blocks=blocks, interpret=INTERPRET)
@@ -375,13 +376,17 @@ def test_a_tpu_takes_the_kernel_for_few_rows_of_weight_only_products(layout):
     assert choose(1, 4096, 4096, "float32", "tpu", layout, kernels=True) == first
     if layout == "nk":  # linear's: the vector unit up to vector_max_rows
         few = rule.vector_max_rows
-        assert choose(few, 4096, 4096, "float32", "tpu", "nk", kernels=True) in (
-            "vector",
-            "pallas",
-        )
+        if few >= 1:
+            assert choose(few, 4096, 4096, "float32", "tpu", "nk", kernels=True) == (
+                "vector"
+            )
         assert choose(few + 1, 4096, 4096, "float32", "tpu", "nk", kernels=True) == (
             "pallas"
         )
+        with _rules.overriding(vector_max_rows=20):  # the kernel takes 8
+            assert choose(9, 4096, 4096, "float32", "tpu", "nk", kernels=True) == (
+                "pallas"
+            )
         with _rules.overriding(vector_max_rows=0):
             assert choose(1, 4096, 4096, "float32", "tpu", "nk", kernels=True) == (
                 "pallas"
@@ -468,6 +473,35 @@ def test_int8_sums_do_not_overflow_over_a_long_k():
             x, w if nk else w.T, scale, nk=nk, mxu="int8", parts=2, interpret=INTERPRET
         )
         np.testing.assert_allclose(np.asarray(got), k, rtol=1e-6)
+
+
+@pytest.mark.parametrize("group_size", [128, 512])
+def test_int4_bytes_over_several_blocks_of_k(rng, group_size):
+    """The bytes kernel's sums carried across blocks of K (packed bk 512:
+    eight groups of 128, or one of 512 in its 128-byte chunks), padded rows
+    and columns."""
+    options = dict(mode="groups", mxu="int8", parts=3, blocks=(32, 256, 512))
+    got, want = int4_case(rng, 9, 4096, 300, group_size, **options)
+    assert rel_err(got, want) <= INT8_TOLERANCE[3]
+
+
+def test_int4_bytes_take_a_bf16_x_as_int8_parts(rng):
+    """linear_int4 on bf16 x: G = 64 takes it as its one bf16 part (exact),
+    G = 128 the bytes kernel with x's int8 parts, finer than the one bf16
+    pass the default precision asks for (2**-9)."""
+    x = jnp.asarray(rng.standard_normal((5, 1024)), jnp.bfloat16).astype(jnp.float32)
+    for group_size, tolerance in ((64, 1e-6), (128, INT8_TOLERANCE[2])):
+        packed, scale = quantize_groups_np(rng.standard_normal((96, 1024)), group_size)
+        want = np.asarray(x, np.float64) @ dequantized_int4(packed, scale, group_size).T
+        got = _formulations.linear_int4(
+            x,
+            packed,
+            scale,
+            strategy="pallas_groups",
+            bf16_x=True,
+            precision=lax.Precision.DEFAULT,
+        )
+        assert rel_err(got, want) <= tolerance
 
 
 @pytest.mark.parametrize("mode", ["groups", "tile"])
