@@ -52,23 +52,24 @@ def _vjp(x, w, **options):
     return _tpu.int8_product(x, *w["q8"], nk=False, interpret=INTERPRET, **options)
 
 
-def _int4(x, w, **options):
-    group = min(128, w["q4"][0].shape[1] * 2)
+def _int4(x, w, stored=False, **options):
+    """linear_q's int4 G=128 product on qarray's bytes, or (``stored``) on
+    the same weights held as jnp.int4 (no bitcast a call)."""
+    packed, scale = w["q4"]
+    group = min(128, packed.shape[1] * 2)
     return _tpu.int4_product(
-        x, *w["q4"], group_size=group, interpret=INTERPRET, **options
+        x,
+        w["q4_int4"] if stored else packed,
+        scale,
+        group_size=group,
+        interpret=INTERPRET,
+        **options,
     )
 
 
 def _int8_vector(x, w, **options):
     """The vector unit's product (unscaled: the scales multiply after)."""
     return _tpu.int8_vector(x, w["q8"][0], interpret=INTERPRET, **options) * w["q8"][1]
-
-
-def _int4_stored(x, w, **options):
-    group = min(128, w["q4"][0].shape[1] * 2)
-    return _tpu.int4_product(
-        x, w["q4_int4"], w["q4"][1], group_size=group, interpret=INTERPRET, **options
-    )
 
 
 def _int4_xla_bf16(x, w):
@@ -141,7 +142,8 @@ def variants(k: int, n: int, only: set[str]):
     if "int4_stored" in only:  # weights kept as jnp.int4 (no bitcast a call)
         for mxu, parts in ways[::-1]:
             fn = functools.partial(
-                _int4_stored,
+                _int4,
+                stored=True,
                 mode="groups",
                 mxu=mxu,
                 parts=parts,
