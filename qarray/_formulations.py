@@ -32,11 +32,12 @@ int8_dot   (``activations="int8"``) ``v``   int8 x int8 -> int32, rows padded to
                                             slow for a single row).
 dequantize ``v @ qvalue.astype(f32)``       Backends that fuse the convert into the
                                             dot (GPU); the reference formulation.
-pallas     (TPU) qarray/_tpu's kernel: the  Few rows are bound by the weights' bytes:
-           int8 weights streamed once into  they enter the MXU as they are, with no
-           the int8 MXU, ``v`` as int8      convert. ``v``'s parts (``_tpu.INT8_PARTS``
-           parts                            by precision) are at least as fine as the
-                                            bf16 passes asked for.
+pallas     (TPU) qarray/_tpu's kernel: the  Few rows are bound by the weights' bytes,
+           int8 weights streamed once into  read once. At the default precision ``v``
+           the MXU, ``v`` as its one bf16   is its one bf16 part (the pass asked for;
+           part or as int8 parts            the weights are exact in bf16); above it
+                                            int8 parts (``_tpu.INT8_PARTS``) at least
+                                            as fine as the bf16 passes asked for.
 vector     (TPU, layout nk) qarray/_tpu's   One row uses each weight once: the MXU
            vector-unit kernel: the weights  takes them in no faster than they
            converted to float32 in VMEM,    arrive, the vector unit keeps up;
@@ -304,10 +305,15 @@ def linear_int4(
                 if mode != "groups":
                     raise ValueError(f"{strategy} is weight-only: activations int8")
                 mxu, parts = "int8", 1
-            elif mode == "groups" and tpu.reads_bytes(group, "int8"):
+            elif (
+                mode == "groups"
+                and tpu.reads_bytes(group, "int8")
+                and not (parts == 1 and m <= _rules.for_tpu().int4_bf16_max_rows)
+            ):
                 # a bf16 x too: its two int8 parts are finer than the bf16
                 # pass the default asks for, and the bytes kernel leads the
-                # bf16 forms (benchmarks.tpu_kernels, int4_bytes)
+                # bf16 forms past int4_bf16_max_rows (benchmarks.tpu_kernels,
+                # int4 and int4_bytes)
                 mxu, parts = "int8", tpu.INT8_PARTS[parts]
             else:  # a bf16 x is its own one bf16 part: exact
                 mxu, parts = "bf16", 1 if bf16_x else parts
@@ -465,7 +471,11 @@ def _weight_only(v, qvalue, strategy, dims=_ROWS_BY_COLS, precision=None, bf16_x
         parts = tpu.parts_for(precision, jax.default_backend())
         nk = dims == _LAST_BY_LAST
         ones = jnp.ones(qvalue.shape[0 if nk else 1], jnp.float32)
-        mxu, count = ("bf16", 1) if bf16_x else ("int8", tpu.INT8_PARTS[parts])
+        # the default precision's one bf16 pass is x's one bf16 part (bf16
+        # MXU), as is all of a bf16 x; finer precisions take int8 parts
+        # (benchmarks.tpu_kernels, int8: two int8 parts cost more at 64 rows)
+        one_part = bf16_x or parts == 1
+        mxu, count = ("bf16", 1) if one_part else ("int8", tpu.INT8_PARTS[parts])
         return tpu.int8_product(
             v,
             qvalue,

@@ -174,10 +174,10 @@ class TpuRule:
 
     name: str
     # weight-only products on int8 weights, either layout: up to these rows
-    # the weights stream once at HBM rate into the int8 MXU, x as int8 parts
-    # (_tpu.INT8_PARTS: finer than the bf16 pass asked for, at no cost while
-    # rows are few); past them the MXU's work, not the weights' bytes, sets
-    # the pace and XLA's dequantized dot keeps up
+    # the weights stream once at HBM rate into the MXU, x as its one bf16
+    # part at the default precision (the pass it asks for) and as int8 parts
+    # above it (_tpu.INT8_PARTS); past them the MXU's work, not the weights'
+    # bytes, sets the pace and XLA's dequantized dot keeps up
     int8_kernel_max_rows: int
     int8_blocks: tuple[int, int, int]
     # weight-only products on int8 weights, layout nk (linear's), of up to
@@ -188,8 +188,11 @@ class TpuRule:
     # int4 weights with G a multiple of 128: their bytes read four to a word
     # into the int8 MXU, x as int8 parts (mode "groups", _tpu.reads_bytes),
     # weight-only or W4A8, up to int4_bytes_max_rows; past them XLA's
-    # dequantized dot keeps up (blocks: int4_groups_blocks)
+    # dequantized dot keeps up (blocks: int4_groups_blocks); at the default
+    # precision, up to int4_bf16_max_rows the shifts below with x as its one
+    # bf16 part lead them (benchmarks.tpu_kernels, int4 against int4_bytes)
     int4_bytes_max_rows: int
+    int4_bf16_max_rows: int
     # other group sizes, weight-only: nibbles unpacked by shifts and each
     # group's sums scaled (mode "groups") up to int4_groups_max_rows; each
     # block dequantized in VMEM (mode "tile") up to int4_tile_max_rows
@@ -206,6 +209,7 @@ TPU = TpuRule(
     vector_max_rows=1,
     vector_blocks=(256, 8192),
     int4_bytes_max_rows=512,
+    int4_bf16_max_rows=1,
     int4_groups_max_rows=64,
     int4_groups_blocks=(512, 1024, 1024),
     int4_tile_max_rows=512,

@@ -241,19 +241,27 @@ def test_the_vector_kernel_says_what_it_takes():
         )
 
 
-def test_bf16_x_is_its_own_one_bf16_part(rng):
-    """linear's kernel on x whose values are bf16's takes x as one bf16 part
-    (the bf16 MXU): exact, where the int8 parts it takes for float32 x at
-    the default precision round x."""
+def test_the_kernel_takes_x_at_the_precision_asked_for(rng):
+    """linear's MXU kernel: at the default precision x is its one bf16 part
+    (the pass asked for: exact for x whose values are bf16's, as for a bf16
+    x, one bf16 rounding of each entry otherwise); above it int8 parts,
+    finer."""
     m, k, n = 5, 1024, 300
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16).astype(jnp.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x16 = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
     qvalue, scale = int8_weights(rng, n, k)
-    want = np.asarray(x, np.float64) @ (qvalue * scale[:, None].astype(np.float64)).T
-    exact = _formulations.linear(x, qvalue, scale, strategy="pallas", bf16_x=True)
-    rounded = _formulations.linear(
-        x, qvalue, scale, strategy="pallas", precision=lax.Precision.DEFAULT
-    )
-    assert rel_err(exact, want) <= 1e-6 < rel_err(rounded, want)
+    w = qvalue * scale[:, None].astype(np.float64)
+
+    def err(x, **options):
+        got = _formulations.linear(x, qvalue, scale, strategy="pallas", **options)
+        return rel_err(got, np.asarray(x, np.float64) @ w.T)
+
+    P = lax.Precision
+    assert err(x16, bf16_x=True) <= 1e-6
+    assert err(x16, precision=P.DEFAULT) <= 1e-6
+    assert 1e-4 < err(x, precision=P.DEFAULT) < 4e-3  # one bf16 rounding
+    assert err(x, precision=P.HIGH) <= INT8_TOLERANCE[3]
+    assert err(x, precision=P.HIGHEST) <= INT8_TOLERANCE[3]
 
 
 def test_linear_q_says_when_x_is_bf16(monkeypatch):
@@ -427,6 +435,43 @@ def test_the_int4_modes_follow_the_tpu_rule(monkeypatch):
     assert mode(1, 0, "float32") is None  # k = 0: no groups
     monkeypatch.setattr(_formulations, "_tpu_available", lambda: False)
     assert mode(1, 128, "float32") is None
+
+
+def test_each_precision_takes_its_mxu_form(monkeypatch):
+    """Which form of x each kernel is handed: int8 weights, x's one bf16
+    part at the default precision and int8 parts above it (a bf16 x: its
+    one bf16 part always); int4 G=128, the shifts with x's one bf16 part up
+    to int4_bf16_max_rows rows at the default precision, else the bytes
+    kernel's int8 parts."""
+    seen = []
+
+    def spy(real):
+        def kernel(*args, mxu, parts, **options):
+            seen.append((mxu, parts))
+            return real(*args, mxu=mxu, parts=parts, **options)
+
+        return kernel
+
+    monkeypatch.setattr(_tpu, "int8_product", spy(_tpu.int8_product))
+    monkeypatch.setattr(_tpu, "int4_product", spy(_tpu.int4_product))
+    P = lax.Precision
+    qvalue, scale = jnp.ones((256, 256), jnp.int8), jnp.ones((256,))
+    cases = ((P.DEFAULT, False), (P.HIGHEST, False), (P.HIGHEST, True))
+    for precision, bf16_x in cases:
+        _formulations.linear(
+            jnp.ones((3, 256)), qvalue, scale, strategy="pallas",
+            precision=precision, bf16_x=bf16_x,
+        )  # fmt: skip
+    assert seen == [("bf16", 1), ("int8", 3), ("bf16", 1)]
+    seen.clear()
+    packed, scales = jnp.zeros((256, 128), jnp.uint8), jnp.ones((256, 2))
+    few = _rules.for_tpu().int4_bf16_max_rows
+    for rows, precision in ((few, P.DEFAULT), (few + 1, P.DEFAULT), (few, P.HIGHEST)):
+        _formulations.linear_int4(
+            jnp.ones((rows, 256)), packed, scales, strategy="pallas_groups",
+            precision=precision,
+        )  # fmt: skip
+    assert seen == [("bf16", 1), ("int8", 2), ("int8", 3)]
 
 
 def test_partitioned_programs_keep_xlas_formulations(monkeypatch):
