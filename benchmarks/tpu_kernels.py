@@ -5,7 +5,7 @@ the measurements behind ``qarray/_tpu``'s defaults and the TPU rule.
     python -m benchmarks.tpu_kernels [--k 8192 --n 8192] [--calls 50]
         [--repeats 3] [--budget 420]
         [--only int8,w8a8,vector,int4,int4_bytes,int4_stored,int4_tile_rows,
-                int4_xla_bf16,vjp]
+                int4_xla_bf16,vjp,read]
         [--out FILE.json]
 
 Each variant times ``--calls`` dependent products in one jitted
@@ -16,7 +16,9 @@ timed in the same run as the baseline, and its relative error against
 float32 ``x @ W.T`` at the highest precision (the weights' dequantized
 values). A variant Mosaic refuses is recorded with its error, not fatal;
 results are written after every variant, and no new variant starts after
-``--budget`` seconds (the chip's calls are time-limited).
+``--budget`` seconds (the chip's calls are time-limited). ``read`` is no
+product: a kernel that only reads the int8 weights through the same block
+pipeline, the most any kernel on them could do at few rows.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from benchmarks.bench_tpu import device_ms, weights
 from qarray import _tpu
@@ -72,6 +76,39 @@ def _int4(x, w, stored=False, **options):
 def _int8_vector(x, w, **options):
     """The vector unit's product (unscaled: the scales multiply after)."""
     return _tpu.int8_vector(x, w["q8"][0], interpret=INTERPRET, **options) * w["q8"][1]
+
+
+def _read_only(x, w, *, blocks):
+    """Reads every int8 weight once, (bn, bk) blocks at a time, computing
+    nothing from them but one tile's sum: the pipeline's bound. The output
+    depends on x, so the loop cannot hoist the kernel out."""
+    weights = w["q8"][0]
+    (n, k), (bn, bk) = weights.shape, blocks
+
+    def kernel(x_ref, w_ref, o_ref):
+        @pl.when((pl.program_id(0) == 0) & (pl.program_id(1) == 0))
+        def _():
+            o_ref[...] = x_ref[...]
+
+        o_ref[...] += w_ref[0:8, 0:128].astype(jnp.float32)
+
+    tile = jnp.zeros((8, 128), jnp.float32).at[: x.shape[0]].set(x[:8, :128])
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        grid=(n // bn, k // bk),
+        in_specs=[
+            pl.BlockSpec((8, 128), lambda j, kk: (0, 0)),
+            pl.BlockSpec((bn, bk), lambda j, kk: (j, kk)),
+        ],
+        out_specs=pl.BlockSpec((8, 128), lambda j, kk: (0, 0)),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary", "arbitrary"),
+            vmem_limit_bytes=4 * bn * bk + (16 << 20),
+        ),
+        interpret=INTERPRET,
+    )(tile, weights)
+    return jnp.full((x.shape[0], n), out[0, 0])
 
 
 def _int4_xla_bf16(x, w):
@@ -160,6 +197,11 @@ def variants(k: int, n: int, only: set[str]):
             out.append(("int4", f"tile bf16x1 bm{bm} bn512 bk2 512", MANY, fn))
     if "int4_xla_bf16" in only:  # dequantized to bf16 in HBM once, bf16 dot
         out.append(("int4", "xla dequantized bf16", MANY, _int4_xla_bf16))
+    if "read" in only:  # no product: the weights' read alone
+        for bn, bk in [(256, 8192), (1024, 8192), (512, 4096), (1024, 2048)]:
+            blocks = (min(bn, n), min(bk, k))
+            fn = functools.partial(_read_only, blocks=blocks)
+            out.append(("read", f"read only {blocks}", (1,), fn))
     if "vjp" in only:
         vjp_blocks = [(1024, 2048), (1024, 4096), (2048, 4096)]  # the rule's first
         for (bn, bk), (mxu, parts) in itertools.product(vjp_blocks, ways):
@@ -190,7 +232,7 @@ def main(argv=None) -> dict:
         "--only",
         default=(
             "int8,w8a8,vector,int4,int4_bytes,int4_stored,int4_tile_rows,"
-            "int4_xla_bf16,vjp"
+            "int4_xla_bf16,vjp,read"
         ),
     )
     parser.add_argument("--out", type=Path)
@@ -227,11 +269,12 @@ def main(argv=None) -> dict:
             entry = {"family": family, "name": name, "m": m}
             try:
                 x = xs[m]
-                got = jax.jit(fn)(x, w)
-                want = reference(family, x, w)
-                entry["rel_err"] = float(
-                    jnp.linalg.norm(got - want) / jnp.linalg.norm(want)
-                )
+                if family != "read":  # no product to check
+                    got = jax.jit(fn)(x, w)
+                    want = reference(family, x, w)
+                    entry["rel_err"] = float(
+                        jnp.linalg.norm(got - want) / jnp.linalg.norm(want)
+                    )
                 entry["ms"] = device_ms(fn, x, w, k, args.calls, args.repeats)
                 entry["vs_bf16"] = report["bf16_ms"][m] / entry["ms"]
             except Exception as error:
