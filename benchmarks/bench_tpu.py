@@ -16,6 +16,9 @@ Rows, for x (m, K) and weights W (N, K):
 - ``int8_dot``: a raw int8 x int8 -> int32 dot (XLA alone, no scales);
 - ``xla_int8_convert`` / ``xla_int4_convert``: bf16 x with int8 / ``jnp.int4``
   weights converted to bf16 inside the program (XLA's own fusion);
+- ``xla_int8_mixed``: bf16 x and qarray's int8 weights as they are in one
+  ``dot_general`` (mixed dtypes: JAX converts both inside it, as qwix's
+  weight-only product does), the scales after: a candidate formulation;
 - ``int4_dot``: ``jnp.int4`` x ``jnp.int4`` -> int32 (on a TPU only);
 - ``linear_q``, ``linear_q_w8a8``, ``linear_q_int4``: qarray's products on
   float32 x (weight-only, int8 activations, int4 G=128 weight-only) at the
@@ -119,6 +122,10 @@ def products(k: int, n: int) -> dict[str, tuple[str, Callable]]:
         "xla_int4_convert": (
             "bfloat16",
             lambda x, w: _nt(x, w["int4"].astype(jnp.bfloat16), jnp.float32),
+        ),
+        "xla_int8_mixed": (
+            "bfloat16",
+            lambda x, w: _nt(x, w["q8"][0], jnp.float32) * w["q8"][1],
         ),
         "int4_dot": ("int4", lambda x, w: _nt(x, w["int4"], jnp.int32)),
         # qarray's products, on float32 x and on bf16 x
