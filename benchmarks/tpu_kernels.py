@@ -84,6 +84,8 @@ def _read_only(x, w, *, blocks):
     depends on x, so the loop cannot hoist the kernel out."""
     weights = w["q8"][0]
     (n, k), (bn, bk) = weights.shape, blocks
+    if n % bn or k % bk or bn % 32 or bk % 128:
+        raise ValueError(f"read only: blocks {blocks} must tile {weights.shape}")
 
     def kernel(x_ref, w_ref, o_ref):
         @pl.when((pl.program_id(0) == 0) & (pl.program_id(1) == 0))
@@ -92,7 +94,9 @@ def _read_only(x, w, *, blocks):
 
         o_ref[...] += w_ref[0:8, 0:128].astype(jnp.float32)
 
-    tile = jnp.zeros((8, 128), jnp.float32).at[: x.shape[0]].set(x[:8, :128])
+    corner = x[:8, :128]
+    tile = jnp.zeros((8, 128), jnp.float32).at[: corner.shape[0], : corner.shape[1]]
+    tile = tile.set(corner)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
@@ -135,7 +139,9 @@ def variants(k: int, n: int, only: set[str]):
         (256, 512, 2048),
         (512, 512, 2048),
     ]
-    ways = [("bf16", 1), ("int8", 2)]  # x's parts: one bf16 pass, two int8
+    # x's parts: one bf16 pass (the default precision's), two int8 (int4's
+    # bytes kernel at the default), three int8 ("high" and "highest")
+    ways = [("bf16", 1), ("int8", 2), ("int8", 3)]
     out = []
     if "int8" in only:
         for (bn, bk), (mxu, parts) in itertools.product(few_blocks, ways):
@@ -198,8 +204,9 @@ def variants(k: int, n: int, only: set[str]):
     if "int4_xla_bf16" in only:  # dequantized to bf16 in HBM once, bf16 dot
         out.append(("int4", "xla dequantized bf16", MANY, _int4_xla_bf16))
     if "read" in only:  # no product: the weights' read alone
-        for bn, bk in [(256, 8192), (1024, 8192), (512, 4096), (1024, 2048)]:
-            blocks = (min(bn, n), min(bk, k))
+        sizes = [(256, 8192), (1024, 8192), (512, 4096), (1024, 2048)]
+        # small shapes: each block cut to the weights, once
+        for blocks in dict.fromkeys((min(bn, n), min(bk, k)) for bn, bk in sizes):
             fn = functools.partial(_read_only, blocks=blocks)
             out.append(("read", f"read only {blocks}", (1,), fn))
     if "vjp" in only:

@@ -310,7 +310,7 @@ def linear_int4(
                 and tpu.reads_bytes(group, "int8")
                 and not (parts == 1 and m <= _rules.for_tpu().int4_bf16_max_rows)
             ):
-                # a bf16 x too: its two int8 parts are finer than the bf16
+                # a bf16 x too: its int8 parts are finer than the bf16
                 # pass the default asks for, and the bytes kernel leads the
                 # bf16 forms past int4_bf16_max_rows (benchmarks.tpu_kernels,
                 # int4 and int4_bytes)
@@ -452,8 +452,8 @@ def _weight_only(v, qvalue, strategy, dims=_ROWS_BY_COLS, precision=None, bf16_x
 
     ``bf16_x``: v's values are bf16's. The Pallas kernel then takes v as its
     one bf16 part, against the weights converted to bf16 in VMEM: exact at
-    any precision, where two int8 parts would round v, and ahead of them on
-    the chip (``benchmarks.bench_tpu``'s pallas_int8 against linear_q)."""
+    any precision. A float32 v is its one bf16 part at the default precision
+    (the pass asked for) and int8 parts above it (``_tpu.INT8_PARTS``)."""
     if strategy == "chunked":
         return _chunked(v, qvalue) if dims == _ROWS_BY_COLS else _chunked_nk(v, qvalue)
     if strategy == "split_int8":

@@ -182,15 +182,17 @@ class TpuRule:
     int8_blocks: tuple[int, int, int]
     # weight-only products on int8 weights, layout nk (linear's), of up to
     # vector_max_rows rows on the vector unit (_tpu._vector, at most 8):
-    # float32's products and sums, and for one row ahead of the MXU's forms
+    # float32's products and sums at any precision, within a few percent of
+    # the MXU's one bf16 part at one row (docs/accelerators.md)
     vector_max_rows: int
     vector_blocks: tuple[int, int]
     # int4 weights with G a multiple of 128: their bytes read four to a word
     # into the int8 MXU, x as int8 parts (mode "groups", _tpu.reads_bytes),
     # weight-only or W4A8, up to int4_bytes_max_rows; past them XLA's
-    # dequantized dot keeps up (blocks: int4_groups_blocks); at the default
-    # precision, up to int4_bf16_max_rows the shifts below with x as its one
-    # bf16 part lead them (benchmarks.tpu_kernels, int4 against int4_bytes)
+    # dequantized dot keeps up (blocks: int4_groups_blocks); weight-only at
+    # the default precision, up to int4_bf16_max_rows the shifts below with x
+    # as its one bf16 part lead them (benchmarks.tpu_kernels, int4 against
+    # int4_bytes)
     int4_bytes_max_rows: int
     int4_bf16_max_rows: int
     # other group sizes, weight-only: nibbles unpacked by shifts and each

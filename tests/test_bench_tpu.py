@@ -64,7 +64,7 @@ def test_the_kernel_sweep_records_each_variant(tmp_path):
     )
     report = json.loads(out.read_text())
     families = [entry["family"] for entry in report["variants"]]
-    assert families == ["read"] * 4 + ["vjp"] * 6
+    assert families == ["read"] + ["vjp"] * 9  # the blocks cut to 256: one read
     for entry in report["variants"]:
         assert "error" not in entry, entry
         assert math.isfinite(entry["vs_bf16"]) and entry["vs_bf16"] > 0

@@ -39,8 +39,9 @@ def available() -> bool:
     groups = jax.ShapeDtypeStruct((256, 2), jnp.float32)
     # one of every kernel the strategies pick: a libtpu may take some only
     probes = [
-        (functools.partial(int8_product, nk=nk, mxu="int8", parts=2), (x, int8, ones))
+        (functools.partial(int8_product, nk=nk, mxu=mxu, parts=parts), (x, int8, ones))
         for nk in (True, False)
+        for mxu, parts in (("bf16", 1), ("int8", 3))
     ] + [
         (
             functools.partial(int4_product, group_size=128, mode=mode, mxu=mxu),

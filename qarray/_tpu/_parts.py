@@ -20,6 +20,8 @@ from .._numerics import dequantize_rows, quantize_rows
 
 # int8 parts standing in for the bf16 parts of each precision: one int8
 # part is coarser than one bf16 pass (module doc), so the default takes two
+# where a kernel takes no bf16 x (int4's bytes kernel); int8 weights take
+# the default's one bf16 part itself
 INT8_PARTS = {1: 2, 2: 3, 3: 3}
 
 

@@ -7,11 +7,12 @@ memory; the vector unit converts each block of weights to float32 and
 multiplies it by x's row broadcast over the block's rows, summing 128 lanes
 at a time, and each output's 128 lanes are summed once at the end. Every
 product and sum is float32's, so the result is float32's at any precision
-asked for, and on a v5e one row was as fast or faster than the MXU's forms
-(``benchmarks/tpu_kernels.py --only vector,int8``). Each further row of x
-costs the vector unit as much again: the TPU rule's ``vector_max_rows``
-says how many rows it takes. (int4 weights, whose nibbles take more work to
-unpack, were slower here than on the MXU: docs/accelerators.md.)
+asked for, within a few percent of the MXU's one bf16 part at one row on a
+v5e (``benchmarks/tpu_kernels.py --only vector,int8``; docs/accelerators.md).
+Each further row of x costs the vector unit as much again: the TPU rule's
+``vector_max_rows`` says how many rows it takes. (int4 weights, whose
+nibbles take more work to unpack, were slower here than on the MXU:
+docs/accelerators.md.)
 """
 
 from __future__ import annotations

@@ -420,7 +420,8 @@ def test_the_int4_modes_follow_the_tpu_rule(monkeypatch):
     monkeypatch.setattr(_formulations, "_tpu_available", lambda: True)
     monkeypatch.setattr(_formulations, "_partitioned", lambda: False)
     mode = _formulations.int4_tpu_mode
-    # G a multiple of 128: the bytes kernel, weight-only and W4A8
+    # G a multiple of 128: the groups mode, weight-only and W4A8 (the bytes
+    # kernel, or at one row of the default precision the shifts: below)
     for activations in ("float32", "int8"):
         assert mode(1, 128, activations) == "pallas_groups"
         assert mode(rule.int4_bytes_max_rows, 256, activations) == "pallas_groups"
@@ -462,16 +463,29 @@ def test_each_precision_takes_its_mxu_form(monkeypatch):
             jnp.ones((3, 256)), qvalue, scale, strategy="pallas",
             precision=precision, bf16_x=bf16_x,
         )  # fmt: skip
-    assert seen == [("bf16", 1), ("int8", 3), ("bf16", 1)]
+    with jax.default_matmul_precision("default"):  # precision None: the default
+        _formulations.matmul(jnp.ones((3, 256)), qvalue, scale, strategy="pallas")
+    assert seen == [("bf16", 1), ("int8", 3), ("bf16", 1), ("bf16", 1)]
     seen.clear()
     packed, scales = jnp.zeros((256, 128), jnp.uint8), jnp.ones((256, 2))
     few = _rules.for_tpu().int4_bf16_max_rows
-    for rows, precision in ((few, P.DEFAULT), (few + 1, P.DEFAULT), (few, P.HIGHEST)):
+
+    def int4(rows, precision, activations="float32", bf16_x=False):
         _formulations.linear_int4(
-            jnp.ones((rows, 256)), packed, scales, strategy="pallas_groups",
-            precision=precision,
+            jnp.ones((rows, 256)), packed, scales, activations, "pallas_groups",
+            precision=precision, bf16_x=bf16_x,
         )  # fmt: skip
-    assert seen == [("bf16", 1), ("int8", 2), ("int8", 3)]
+
+    int4(few, P.DEFAULT)
+    int4(few + 1, P.DEFAULT)
+    int4(few, P.HIGHEST)
+    int4(few, P.DEFAULT, bf16_x=True)
+    int4(few, P.DEFAULT, activations="int8")  # W4A8: x's one int8 part
+    with _rules.overriding(int4_bf16_max_rows=0):
+        int4(1, P.DEFAULT)
+    assert seen == [
+        ("bf16", 1), ("int8", 2), ("int8", 3), ("bf16", 1), ("int8", 1), ("int8", 2),
+    ]  # fmt: skip
 
 
 def test_partitioned_programs_keep_xlas_formulations(monkeypatch):
