@@ -45,11 +45,13 @@ vector     (TPU, layout nk) qarray/_tpu's   One row uses each weight once: the M
                                             at any precision.
 ========== ================================ =========================================
 
-Weight-only products keep the activations at float32 precision: the only
-approximation is the weights' quantization. (Two int8 parts, or ``v`` in bf16,
-are faster again at some shapes, but their relative noise on the activations
-breaks finite-difference checks of the exact gradients; docs/performance-notes.md
-records what they measured.)
+Weight-only products keep the activations at the precision asked for: on CPU
+float32's at any precision, so the only approximation is the weights'
+quantization (two int8 parts, or ``v`` in bf16, are faster again at some
+shapes, but their relative noise on the activations breaks finite-difference
+checks of the exact gradients; docs/performance-notes.md records what they
+measured); on a TPU, as its dots, one bf16 pass over ``v`` at the default
+precision and finer passes as asked.
 
 Operands sharded over explicit mesh axes take the ``dequantize`` / plain int8
 formulations, which keep every axis in place for sharding propagation. On CPU:
@@ -301,15 +303,13 @@ def linear_int4(
             mode = strategy.removeprefix("pallas_")
             tpu = _tpu_module()
             parts = tpu.parts_for(precision, jax.default_backend())
+            one_bf16_pass = parts == 1 and m <= _rules.for_tpu().int4_bf16_max_rows
+            bytes_kernel = mode == "groups" and tpu.reads_bytes(group, "int8")
             if activations == "int8":  # one int8 part: quantize_rows(x)
                 if mode != "groups":
                     raise ValueError(f"{strategy} is weight-only: activations int8")
                 mxu, parts = "int8", 1
-            elif (
-                mode == "groups"
-                and tpu.reads_bytes(group, "int8")
-                and not (parts == 1 and m <= _rules.for_tpu().int4_bf16_max_rows)
-            ):
+            elif bytes_kernel and not one_bf16_pass:
                 # a bf16 x too: its int8 parts are finer than the bf16
                 # pass the default asks for, and the bytes kernel leads the
                 # bf16 forms past int4_bf16_max_rows (benchmarks.tpu_kernels,

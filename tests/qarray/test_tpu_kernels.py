@@ -8,10 +8,7 @@ entry). One int8 part is the int8-activation product, exact in its integer
 sums.
 
 Covers: qarray/_tpu/__init__.py, qarray/_tpu/_int8.py, qarray/_tpu/_int4.py,
-qarray/_tpu/_vector.py, qarray/_tpu/_layout.py, qarray/_tpu/_parts.py,
-qarray/_tpu/_available.py"""
-
-import logging
+qarray/_tpu/_vector.py, qarray/_tpu/_layout.py, qarray/_tpu/_parts.py"""
 
 import jax
 import jax.numpy as jnp
@@ -19,10 +16,8 @@ import numpy as np
 import pytest
 from jax import lax
 
-import qarray as qa
-from qarray import _formulations, _rules, _tpu
+from qarray import _formulations, _tpu
 from qarray._numerics import quantize_groups_np, quantize_rows_np
-from qarray._tpu import _available
 
 # interpreted wherever they do not compile (off a TPU, or a TPU whose libtpu
 # refuses this JAX's Mosaic modules: there the strategies take XLA's too)
@@ -264,23 +259,6 @@ def test_the_kernel_takes_x_at_the_precision_asked_for(rng):
     assert err(x, precision=P.HIGHEST) <= INT8_TOLERANCE[3]
 
 
-def test_linear_q_says_when_x_is_bf16(monkeypatch):
-    """The primitive passes x's dtype on (x is upcast to float32 before the
-    products): bf16 x only, not float16 (11 bits) nor float32."""
-    seen = []
-    real = _formulations.linear
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs["bf16_x"])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(_formulations, "linear", spy)
-    qw = qa.quantize(jnp.ones((5, 192)))
-    for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
-        jax.jit(lambda x: qa.linear_q(x, qw))(jnp.ones((3, 192), dtype))
-    assert seen == [True, False, False]
-
-
 def test_empty_axes_give_zeros():
     for m, k, n in [(0, 256, 8), (2, 0, 3), (2, 256, 0)]:
         got = _tpu.int8_product(
@@ -332,192 +310,6 @@ def test_bad_static_parameters_are_value_errors():
             orient="columns",
             interpret=INTERPRET,
         )
-
-
-def test_parts_follow_the_precision_asked_for():
-    P = lax.Precision
-    assert _tpu.parts_for(P.DEFAULT, "tpu") == 1
-    assert _tpu.parts_for(P.HIGH, "cpu") == 2
-    assert _tpu.parts_for(P.HIGHEST, "tpu") == 3
-    assert _tpu.parts_for((P.DEFAULT, P.HIGHEST), "tpu") == 1  # x's precision
-    with jax.default_matmul_precision("default"):
-        assert _tpu.parts_for(None, "cpu") == 1
-    with jax.default_matmul_precision("highest"):
-        assert _tpu.parts_for(None, "tpu") == 3
-    if jax.config.jax_default_matmul_precision is None:
-        # the platform's default: one pass on a TPU, float32 elsewhere
-        assert (_tpu.parts_for(None, "tpu"), _tpu.parts_for(None, "cpu")) == (1, 3)
-    # int8 parts at least as fine as the bf16 parts they stand in for
-    assert [_tpu.INT8_PARTS[p] for p in (1, 2, 3)] == [2, 3, 3]
-
-
-def test_the_kernels_run_only_on_a_tpu_that_compiles_them(monkeypatch, caplog):
-    """Off a TPU, and under QARRAY_KERNELS=xla, never; on a TPU whose libtpu
-    refuses this JAX's Mosaic modules, a logged line and XLA's formulations
-    instead of a failure when the program compiles."""
-    probe = _available.available.__wrapped__  # uncached
-    if jax.default_backend() != "tpu":
-        assert not _tpu.available()
-    monkeypatch.setenv("QARRAY_KERNELS", "xla")
-    assert not probe()
-    monkeypatch.delenv("QARRAY_KERNELS")
-    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-
-    def refused(*args, **kwargs):
-        raise RuntimeError("Failed to parse the Mosaic module: unknown attribute code")
-
-    monkeypatch.setattr(_available, "int8_product", refused)
-    with caplog.at_level(logging.WARNING, logger="qarray"):
-        assert not probe()
-    assert "do not compile here (Failed to parse the Mosaic module" in caplog.text
-
-
-@pytest.mark.parametrize("layout", ["nk", "kn"])
-def test_a_tpu_takes_the_kernel_for_few_rows_of_weight_only_products(layout):
-    """By the TPU rule: weight-only up to int8_kernel_max_rows rows, XLA's
-    dequantized dot past them; int8 activations always XLA's int8 dot;
-    nothing of qarray's where its kernels do not compile."""
-    rule = _rules.for_tpu()
-    rows = rule.int8_kernel_max_rows
-    choose = _formulations.choose_strategy
-    first = "vector" if layout == "nk" and rule.vector_max_rows >= 1 else "pallas"
-    assert choose(1, 4096, 4096, "float32", "tpu", layout, kernels=True) == first
-    if layout == "nk":  # linear's: the vector unit up to vector_max_rows
-        few = rule.vector_max_rows
-        if few >= 1:
-            assert choose(few, 4096, 4096, "float32", "tpu", "nk", kernels=True) == (
-                "vector"
-            )
-        assert choose(few + 1, 4096, 4096, "float32", "tpu", "nk", kernels=True) == (
-            "pallas"
-        )
-        with _rules.overriding(vector_max_rows=20):  # the kernel takes 8
-            assert choose(9, 4096, 4096, "float32", "tpu", "nk", kernels=True) == (
-                "pallas"
-            )
-        with _rules.overriding(vector_max_rows=0):
-            assert choose(1, 4096, 4096, "float32", "tpu", "nk", kernels=True) == (
-                "pallas"
-            )
-    assert choose(rows, 4096, 4096, "float32", "tpu", layout, kernels=True) == "pallas"
-    assert (
-        choose(rows + 1, 4096, 4096, "float32", "tpu", layout, kernels=True)
-        == "dequantize"
-    )
-    assert choose(1, 4096, 4096, "int8", "tpu", layout, kernels=True) == "int8_dot"
-    assert (
-        choose(1, 4096, 4096, "float32", "tpu", layout, kernels=False) == "dequantize"
-    )
-    with _rules.overriding(int8_kernel_max_rows=rows + 1):
-        assert (
-            choose(rows + 1, 4096, 4096, "float32", "tpu", layout, kernels=True)
-            == "pallas"
-        )
-
-
-def test_the_int4_modes_follow_the_tpu_rule(monkeypatch):
-    rule = _rules.for_tpu()
-    monkeypatch.setattr(_formulations, "_tpu_available", lambda: True)
-    monkeypatch.setattr(_formulations, "_partitioned", lambda: False)
-    mode = _formulations.int4_tpu_mode
-    # G a multiple of 128: the groups mode, weight-only and W4A8 (the bytes
-    # kernel, or at one row of the default precision the shifts: below)
-    for activations in ("float32", "int8"):
-        assert mode(1, 128, activations) == "pallas_groups"
-        assert mode(rule.int4_bytes_max_rows, 256, activations) == "pallas_groups"
-        assert mode(rule.int4_bytes_max_rows + 1, 128, activations) is None
-    # other sizes: the shifts, then the tile, weight-only
-    assert mode(rule.int4_groups_max_rows, 32, "float32") == "pallas_groups"
-    assert mode(rule.int4_groups_max_rows + 1, 64, "float32") == "pallas_tile"
-    assert mode(rule.int4_tile_max_rows + 1, 64, "float32") is None
-    assert mode(1, 64, "int8") is None  # W4A8: XLA's
-    assert mode(1, 96, "float32") is None  # G / 2 neither divides 128 nor is a multiple
-
-    assert mode(1, 0, "float32") is None  # k = 0: no groups
-    monkeypatch.setattr(_formulations, "_tpu_available", lambda: False)
-    assert mode(1, 128, "float32") is None
-
-
-def test_each_precision_takes_its_mxu_form(monkeypatch):
-    """Which form of x each kernel is handed: int8 weights, x's one bf16
-    part at the default precision and int8 parts above it (a bf16 x: its
-    one bf16 part always); int4 G=128, the shifts with x's one bf16 part up
-    to int4_bf16_max_rows rows at the default precision, else the bytes
-    kernel's int8 parts."""
-    seen = []
-
-    def spy(real):
-        def kernel(*args, mxu, parts, **options):
-            seen.append((mxu, parts))
-            return real(*args, mxu=mxu, parts=parts, **options)
-
-        return kernel
-
-    monkeypatch.setattr(_tpu, "int8_product", spy(_tpu.int8_product))
-    monkeypatch.setattr(_tpu, "int4_product", spy(_tpu.int4_product))
-    P = lax.Precision
-    qvalue, scale = jnp.ones((256, 256), jnp.int8), jnp.ones((256,))
-    cases = ((P.DEFAULT, False), (P.HIGHEST, False), (P.HIGHEST, True))
-    for precision, bf16_x in cases:
-        _formulations.linear(
-            jnp.ones((3, 256)), qvalue, scale, strategy="pallas",
-            precision=precision, bf16_x=bf16_x,
-        )  # fmt: skip
-    with jax.default_matmul_precision("default"):  # precision None: the default
-        _formulations.matmul(jnp.ones((3, 256)), qvalue, scale, strategy="pallas")
-    assert seen == [("bf16", 1), ("int8", 3), ("bf16", 1), ("bf16", 1)]
-    seen.clear()
-    packed, scales = jnp.zeros((256, 128), jnp.uint8), jnp.ones((256, 2))
-    few = _rules.for_tpu().int4_bf16_max_rows
-
-    def int4(rows, precision, activations="float32", bf16_x=False):
-        _formulations.linear_int4(
-            jnp.ones((rows, 256)), packed, scales, activations, "pallas_groups",
-            precision=precision, bf16_x=bf16_x,
-        )  # fmt: skip
-
-    int4(few, P.DEFAULT)
-    int4(few + 1, P.DEFAULT)
-    int4(few, P.HIGHEST)
-    int4(few, P.DEFAULT, bf16_x=True)
-    int4(few, P.DEFAULT, activations="int8")  # W4A8: x's one int8 part
-    with _rules.overriding(int4_bf16_max_rows=0):
-        int4(1, P.DEFAULT)
-    assert seen == [
-        ("bf16", 1), ("int8", 2), ("int8", 3), ("bf16", 1), ("int8", 1), ("int8", 2),
-    ]  # fmt: skip
-
-
-def test_partitioned_programs_keep_xlas_formulations(monkeypatch):
-    """A Pallas kernel is one device's program: where XLA may partition the
-    computation over several devices (any second device: jit's in_shardings
-    are not seen at trace time), the weights would be gathered to every
-    device, so the TPU keeps XLA's formulations there; inside shard_map each
-    device runs the kernel on its own block."""
-    monkeypatch.setattr(_formulations, "_tpu_available", lambda: True)
-    kernels = ("pallas", "pallas_groups")
-
-    def chosen():
-        return (
-            _formulations.choose_strategy(8, 1024, 1024, "float32", "tpu", "nk"),
-            _formulations.int4_tpu_mode(8, 128, "float32"),
-        )
-
-    one_device = jax.device_count() == 1
-    assert chosen() == (kernels if one_device else ("dequantize", None))
-    size = min(2, jax.device_count())
-    mesh = jax.make_mesh((size,), ("i",), axis_types=(jax.sharding.AxisType.Explicit,))
-    with jax.set_mesh(mesh):
-        assert chosen() == (kernels if size == 1 else ("dequantize", None))
-        seen = []
-
-        def per_device(x):
-            seen.append(chosen())
-            return x
-
-        x = jax.reshard(jnp.ones((size, 4)), jax.P("i"))
-        jax.shard_map(per_device, in_specs=jax.P("i"), out_specs=jax.P("i"))(x)
-        assert seen == [kernels]
 
 
 def test_int8_sums_do_not_overflow_over_a_long_k():
@@ -574,38 +366,6 @@ def test_int4_over_several_row_blocks(rng, mode, group_size):
     assert rel_err(got, want) <= BF16_TOLERANCE[3]
 
 
-def test_the_rules_blocks_are_read_at_each_call(monkeypatch):
-    """The default blocks come from the TPU rule before the compiled
-    function's cache is asked: an ``overriding`` in force after a first call
-    reaches the kernel (what a block sweep through the rule relies on)."""
-    from qarray._tpu import _int4, _int8
-
-    seen = []
-    for module in (_int8, _int4):
-        original = module._jitted
-        monkeypatch.setattr(
-            module,
-            "_jitted",
-            lambda *a, original=original, **kw: (
-                seen.append(kw["blocks"]) or original(*a, **kw)
-            ),
-        )
-    x, w, s = jnp.ones((2, 256)), jnp.ones((128, 256), jnp.int8), jnp.ones(128)
-    packed, groups = jnp.ones((128, 128), jnp.uint8), jnp.ones((128, 2))
-    for override in ((32, 128, 128), None):
-        with _rules.overriding(
-            **(
-                {"int8_blocks": override, "int4_groups_blocks": override}
-                if override
-                else {}
-            )
-        ):
-            _tpu.int8_product(x, w, s, nk=True, interpret=INTERPRET)
-            _tpu.int4_product(x, packed, groups, group_size=128, interpret=INTERPRET)
-    rule = _rules.for_tpu()
-    assert seen == [(32, 128, 128)] * 2 + [rule.int8_blocks, rule.int4_groups_blocks]
-
-
 def test_operands_that_do_not_agree_are_type_errors():
     x = jnp.ones((2, 300))
     with pytest.raises(TypeError, match=r"x \(2, 300\), weights \(n, k\) \(4, 256\)"):
@@ -626,22 +386,6 @@ def test_operands_that_do_not_agree_are_type_errors():
             jnp.ones((4, 2)),
             group_size=0,
         )
-
-
-def test_dot_algorithm_names_give_their_parts():
-    """jax.default_matmul_precision also takes JAX's dot algorithms by name:
-    each gets the bf16 parts that carry its precision."""
-    for name, parts in [
-        ("BF16_BF16_F32", 1),
-        ("BF16_BF16_F32_X3", 2),
-        ("BF16_BF16_F32_X6", 3),
-        ("TF32_TF32_F32", 2),
-        ("F32_F32_F32", 3),
-        ("bfloat16", 1),
-        ("float32", 3),
-    ]:
-        with jax.default_matmul_precision(name):
-            assert _tpu.parts_for(None, "tpu") == parts, name
 
 
 def test_bf16_parts_survive_xlas_excess_precision(rng):
