@@ -44,7 +44,9 @@ PADDINGS = ("VALID", "SAME", "SAME_LOWER")
 # qarray's CPU kernel (an implicit int8 GEMM over a padded channels-last copy
 # of x, qarray/_cpu/conv.cc), the default for int8 activations on CPU
 # (weight-only, its three int8 parts of x measured slower than the
-# dequantized float32 convolution: make bench, suite conv).
+# dequantized float32 convolution: make bench, suite conv). A TPU keeps
+# "float_sums" (its integer-valued operands take one exact bf16 pass): XLA's
+# int8 convolution there measured no faster (benchmarks.bench_tpu_conv).
 CONV_STRATEGIES = ("dequantized", "float_sums", "int8_conv", "kernel")
 
 

@@ -5,8 +5,10 @@ error, each in jnp (traced: the primitives, ``qarray.nn``) and in NumPy
 
 int8, per row: ``scale = max|row| / QMAX``, ``qvalue = round_half_even(x /
 scale)`` clipped to ``[-QMAX, QMAX]``; an all-zero row has scale 0 and
-qvalues 0 (the division is guarded: NaN -> int8 casts are
-platform-defined), and NaN entries quantize to 0.
+qvalues 0 (the division is guarded), and NaN entries quantize to 0: XLA
+converts a NaN to integer 0 on every platform, so the traced forms leave it
+to the cast (a select per entry cost W8A8's x 3-4% on a TPU: docs/
+accelerators.md), where NumPy's cast is undefined and its forms select 0.
 
 int4, per group of ``G`` entries of a row: the same with ``QMAX4``, values
 in ``[-7, 7]`` packed two a byte as 4-bit two's complement, the low nibble
@@ -50,7 +52,9 @@ def absmax(x, qmax: float, xp=jnp):
     )
     divisor = xp.where(scale > 0, scale, xp.float32(1))[..., None]
     levels = on_grid(x, divisor, qmax, xp)
-    return xp.where(xp.isnan(levels), 0, levels).astype(xp.int8), scale
+    if xp is not jnp:  # module doc: XLA's cast gives NaN 0, NumPy's is undefined
+        levels = xp.where(xp.isnan(levels), 0, levels)
+    return levels.astype(xp.int8), scale
 
 
 # --- jnp (traced)

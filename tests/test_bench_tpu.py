@@ -2,15 +2,15 @@
 backend (int4 x int4 on a TPU only) and reports finite ratios; the chip's
 figures are what the benchmark measures there, not asserted here.
 
-Covers: benchmarks/bench_tpu.py, benchmarks/tpu_kernels.py,
-benchmarks/tpu_kernels_host.py"""
+Covers: benchmarks/bench_tpu.py, benchmarks/bench_tpu_conv.py,
+benchmarks/tpu_kernels.py, benchmarks/tpu_kernels_host.py"""
 
 import json
 import math
 
 import jax
 
-from benchmarks import bench_tpu
+from benchmarks import bench_tpu, bench_tpu_conv
 
 
 def test_every_row_reports_its_time_and_ratios(tmp_path):
@@ -26,6 +26,19 @@ def test_every_row_reports_its_time_and_ratios(tmp_path):
         assert row["vs_bf16"]["bf16"] == row["vs_f32"]["f32"] == 1.0
         for ratios in (row["vs_bf16"], row["vs_f32"]):
             assert all(math.isfinite(r) and r > 0 for r in ratios.values())
+
+
+def test_every_conv_row_reports_its_time_and_ratios(tmp_path):
+    out = tmp_path / "conv.json"
+    report = bench_tpu_conv.main(["--quick", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    (row,) = report["rows"]
+    assert row["shape"] == [2, 16, [12, 12], [3, 3]]
+    assert "errors" not in row, row["errors"]
+    assert set(row["ms"]) == set(bench_tpu_conv.products((3, 3)))
+    assert row["vs_f32"]["f32"] == row["vs_bf16"]["bf16"] == 1.0
+    for ratios in (row["vs_f32"], row["vs_bf16"]):
+        assert all(math.isfinite(r) and r > 0 for r in ratios.values())
 
 
 def test_the_kernel_sweep_records_each_variant(tmp_path):

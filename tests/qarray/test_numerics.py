@@ -333,6 +333,22 @@ def _awkward_rows(rng):
     return x
 
 
+def test_xla_casts_nan_levels_to_zero():
+    """What the traced quantizers rely on instead of a select (qarray/
+    _numerics.py's doc): XLA casts a NaN level to int8 0, and the clip keeps
+    infinities in range; a NaN entry's int4 nibble is 0 too."""
+    from qarray import _numerics as nm
+
+    levels = jnp.array([np.nan, -np.nan, np.inf, -np.inf, 2.5, -300.0], jnp.float32)
+    cast = jax.jit(lambda v: nm.on_grid(v, 1.0, nm.QMAX).astype(jnp.int8))(levels)
+    np.testing.assert_array_equal(cast, [0, 0, 127, -127, 2, -127])
+    x = np.ones((1, 4), np.float32)
+    x[0, 1] = np.nan
+    packed, scale = jax.jit(nm.quantize_groups, static_argnums=1)(x, 4)
+    assert np.isnan(np.asarray(scale)).all()  # the group's scale carries the NaN
+    np.testing.assert_array_equal(nm.unpack_nibbles(packed)[0, 1], 0)
+
+
 def test_numerics_row_quantizers_agree(rng):
     from qarray import _numerics as nm
 
