@@ -18,7 +18,9 @@ Rows, for x (m, K) and weights W (N, K):
   weights converted to bf16 inside the program (XLA's own fusion);
 - ``xla_int8_mixed``: bf16 x and qarray's int8 weights as they are in one
   ``dot_general`` (mixed dtypes: JAX converts both inside it, as qwix's
-  weight-only product does), the scales after: a candidate formulation;
+  weight-only product does), the scales after: qwix's form as qarray's
+  (measured level with the other XLA forms, under the vector kernel at one
+  row: docs/accelerators.md);
 - ``int4_dot``: ``jnp.int4`` x ``jnp.int4`` -> int32 (on a TPU only);
 - ``linear_q``, ``linear_q_w8a8``, ``linear_q_int4``: qarray's products on
   float32 x (weight-only, int8 activations, int4 G=128 weight-only) at the
