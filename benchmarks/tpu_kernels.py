@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from benchmarks.bench_tpu import device_ms, weights
+from benchmarks.int4_tile_candidate import tile_product
 from qarray import _tpu
 from qarray._numerics import dequantize_groups
 
@@ -70,6 +71,15 @@ def _int4(x, w, stored=False, **options):
         group_size=group,
         interpret=INTERPRET,
         **options,
+    )
+
+
+def _int4_tile_candidate(x, w, **options):
+    """``benchmarks.int4_tile_candidate``'s tile kernel, G=128."""
+    packed, scale = w["q4"]
+    group = min(128, packed.shape[1] * 2)
+    return tile_product(
+        x, packed, scale, group_size=group, interpret=INTERPRET, **options
     )
 
 
@@ -198,9 +208,13 @@ def variants(k: int, n: int, only: set[str]):
                 ("int4", f"stored-int4 groups {mxu}x{parts}", FEW + MANY[:1], fn)
             )
     if "int4_tile_rows" in only:  # fewer row blocks: each weight unpacked once
-        for bm in (1024, 2048, 4096):
-            fn = functools.partial(_int4, mode="tile", parts=1, blocks=(bm, 512, 512))
-            out.append(("int4", f"tile bf16x1 bm{bm} bn512 bk2 512", MANY, fn))
+        tile_blocks = [(1024, 1024, 512), (2048, 1024, 512), (1024, 2048, 512)]
+        tile_blocks += [(2048, 512, 1024), (4096, 512, 512), (2048, 2048, 256)]
+        for blocks in tile_blocks:
+            fn = functools.partial(_int4, mode="tile", parts=1, blocks=blocks)
+            out.append(("int4", f"tile bf16x1 {blocks}", MANY, fn))
+            fn = functools.partial(_int4_tile_candidate, blocks=blocks)
+            out.append(("int4", f"candidate tile bf16x1 {blocks}", MANY, fn))
     if "int4_xla_bf16" in only:  # dequantized to bf16 in HBM once, bf16 dot
         out.append(("int4", "xla dequantized bf16", MANY, _int4_xla_bf16))
     if "read" in only:  # no product: the weights' read alone

@@ -246,6 +246,18 @@ def _k_blocks(k2: int, half: int, largest: int) -> tuple[int, int]:
     return kp2, _layout.divisor_block(kp2, max(largest, unit), unit)
 
 
+def padded_blocks(m: int, k2: int, n: int, half: int, dtype, blocks):
+    """x's rows, the output columns and K's packed bytes, each padded to its
+    block, and the blocks: ((mp, bm), (np, bn), (kp2, bk2)) for x (m, 2 k2)
+    in ``dtype``'s parts, n output columns, groups of 2 ``half`` entries and
+    ``blocks`` (bm, bn, packed bk) upper bounds."""
+    bm, bn, bk2 = blocks
+    kp2, bk2 = _k_blocks(k2, half, bk2)
+    mp, bm = _layout.row_blocks(m, dtype, bm)
+    np_ = _layout.padded(n, _layout.LANES)
+    return (mp, bm), (np_, _layout.divisor_block(np_, bn)), (kp2, bk2)
+
+
 def _int4_product(
     x,
     packed,
@@ -290,11 +302,9 @@ def _int4_product(
         nibbles = "shifts"
     split, _ = MXU["bf16" if mode == "tile" else mxu]
     xparts, xscales = split(x, parts)
-    bm, bn, bk2 = blocks
-    kp2, bk2 = _k_blocks(k // 2, half, bk2)
-    mp, bm = _layout.row_blocks(m, xparts.dtype, bm)
-    np_ = _layout.padded(n, _layout.LANES)
-    bn = _layout.divisor_block(np_, bn)
+    (mp, bm), (np_, bn), (kp2, bk2) = padded_blocks(
+        m, k // 2, n, half, xparts.dtype, blocks
+    )
     # a group's lanes in the weights' block, and x's lanes a block and which
     # of its entries: int4 entries (x as it is, and so for bytes, reordered
     # by _halves_by_group), or bytes unpacked by shifts (x's even entries,
