@@ -27,9 +27,11 @@ Rows, for x (m, K) and weights W (N, K):
   default precision; the same with ``_bf16``: on bf16 x, as a bf16 model
   calls them and as the bf16 baseline and qwix read x (half float32's bytes);
 - ``xla_int4_packed``: bf16 x with qarray's packed int4 weights read as
-  ``jnp.int4`` (a bitcast, low nibble first as qarray packs) and their group
-  scales applied inside the program: whether XLA fuses qarray's own layout
-  as it does ``jnp.int4`` (``xla_int4_convert``), a candidate formulation;
+  ``jnp.int4`` (a bitcast, low nibble first as qarray packs), their group
+  scales applied in float32 and rounded once to bf16 inside the program
+  (``_numerics.dequantize_groups_bf16``): whether XLA fuses qarray's own
+  layout as it does ``jnp.int4`` (``xla_int4_convert``); ``linear_q``'s
+  int4_bf16, which a TPU takes past its kernels' rows;
 - ``pallas_int8``, ``pallas_w8a8``, ``pallas_int4``: qarray's Pallas kernels
   (``qarray/_tpu``) called directly with their default blocks: int8 weights
   with x in bf16 parts, with x as one int8 part, int4 G=128 weights;
@@ -59,6 +61,7 @@ from jax import lax
 
 import qarray as qa
 from qarray import _tpu
+from qarray._numerics import dequantize_groups_bf16
 
 ROWS = (1, 8, 64, 512, 4096)
 GROUP = 128
@@ -95,16 +98,6 @@ def _qarray_products(group: int) -> dict[str, Callable]:
     }
 
 
-def _int4_as_xla_dtype(packed, scale, group: int):
-    """qarray's int4 weights, packed uint8 (N, K / 2) and scales (N, K / G),
-    as bf16 (N, K): the bytes read as ``jnp.int4`` (low nibble first, as
-    qarray packs), each group times its scale, all inside the program."""
-    n = packed.shape[0]
-    values = _tpu.as_int4(packed).reshape(n, -1, group)
-    scaled = values.astype(jnp.bfloat16) * scale[..., None].astype(jnp.bfloat16)
-    return scaled.reshape(n, -1)
-
-
 def _nt(a, b, out=None):
     """a (m, K) . b (N, K) over K."""
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=out)
@@ -138,7 +131,7 @@ def products(k: int, n: int) -> dict[str, tuple[str, Callable]]:
         },
         "xla_int4_packed": (
             "bfloat16",
-            lambda x, w: _nt(x, _int4_as_xla_dtype(*w["q4"], group), jnp.float32),
+            lambda x, w: _nt(x, dequantize_groups_bf16(*w["q4"]), jnp.float32),
         ),
         # qarray's Pallas kernels (qarray/_tpu), called directly
         "pallas_int8": (

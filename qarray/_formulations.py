@@ -100,6 +100,7 @@ from . import _ffi, _rules
 from ._numerics import (
     INT32_EXACT_TERMS,
     dequantize_groups,
+    dequantize_groups_bf16,
     dequantize_rows,
     quantize_rows,
 )
@@ -279,9 +280,14 @@ def linear_int4(
     into its panel and each group's sums scaled in the tile), chosen up to the
     rule's ``int4_kernel_max_rows`` (``make bench``, suite int4);
     ``"dequantize"``: W in float32, then one dot (the reference formulation,
-    and what runs elsewhere). ``bf16_x`` as ``linear``'s, where a bf16 x is
-    one bf16 part of the TPU's kernel: exact, except on the bytes kernel
-    (G a multiple of 128), which takes x as int8 parts whatever its dtype.
+    and what runs elsewhere); ``"int4_bf16"`` (weight-only): W rounded to
+    bf16 as ``dequantize_groups_bf16`` reads it, x rounded to bf16, one bf16
+    dot summing in float32 (the default precision's one pass, which XLA's
+    dot on a TPU takes: ``int4_tpu_strategy``); ``"pallas_groups"`` and
+    ``"pallas_tile"``: the TPU's kernels. ``bf16_x`` as ``linear``'s, where
+    a bf16 x is one bf16 part of the TPU's kernel: exact, except on the
+    bytes kernel (G a multiple of 128), which takes x as int8 parts whatever
+    its dtype.
     """
     lead, k = x.shape[:-1], x.shape[-1]
     n = packed.shape[0]
@@ -327,6 +333,14 @@ def linear_int4(
                 parts=parts,
                 interpret=not _tpu_available(),  # forced where none compile
             )
+        if strategy == "int4_bf16":
+            if activations == "int8":
+                raise ValueError("int4_bf16 is weight-only: activations int8")
+            w = dequantize_groups_bf16(packed, scale)
+            v = x2.astype(jnp.bfloat16)
+            return lax.dot_general(
+                v, w, _LAST_BY_LAST, preferred_element_type=jnp.float32
+            )
         if strategy == "dequantize":
             v = x2
             if activations == "int8":
@@ -344,9 +358,10 @@ def linear_int4(
             and group % 32 == 0
         )
         cpu = "kernel" if kernel else "dequantize"
-        tpu = (
-            int4_tpu_mode(m, group, activations) if _on_tpu() else None
-        ) or "dequantize"
+        tpu = "dequantize"
+        if _on_tpu():
+            parts = _tpu_module().parts_for(precision, "tpu")
+            tpu = int4_tpu_strategy(m, group, activations, parts)
         if cpu == tpu == "dequantize":
             y = run("dequantize")
         else:
@@ -360,23 +375,29 @@ def linear_int4(
     return y.reshape(*lead, n)
 
 
-def int4_tpu_mode(m: int, group: int, activations: str) -> str | None:
-    """The TPU kernel an int4 product of ``m`` rows takes (``"pallas_groups"``
-    / ``"pallas_tile"``, by the TPU rule), or None: XLA's ``dequantize``."""
+def int4_tpu_strategy(m: int, group: int, activations: str, parts: int) -> str:
+    """The strategy an int4 product of ``m`` rows takes on a TPU, x in
+    ``parts`` bf16 parts (its precision's, ``_tpu.parts_for``): a kernel
+    by the TPU rule (``"pallas_groups"`` / ``"pallas_tile"``); else XLA's,
+    weight-only at one bf16 pass ``"int4_bf16"`` (the bytes read as
+    jnp.int4, which XLA unpacks inside its fusions: ahead of ``dequantize``
+    at every row benchmarks.bench_tpu timed, docs/accelerators.md) and
+    ``"dequantize"`` otherwise."""
+    xla = "int4_bf16" if activations == "float32" and parts == 1 else "dequantize"
     rule = _rules.for_tpu()
     half = group // 2
     fits = half > 0 and group % 2 == 0 and (128 % half == 0 or half % 128 == 0)
     if not fits or not _tpu_available() or _partitioned():
-        return None
+        return xla
     if _tpu_module().reads_bytes(group, "int8"):
-        return "pallas_groups" if m <= rule.int4_bytes_max_rows else None
+        return "pallas_groups" if m <= rule.int4_bytes_max_rows else xla
     if activations != "float32":
-        return None
+        return xla
     if m <= rule.int4_groups_max_rows:
         return "pallas_groups"
     if m <= rule.int4_tile_max_rows:
         return "pallas_tile"
-    return None
+    return xla
 
 
 def _by_platform(run, problem, strategy, layout):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 QMAX = 127.0  # int8 values in [-QMAX, QMAX]
 # terms of int8 x int8 products whose sum int32 holds exactly, whatever
@@ -100,6 +101,25 @@ def dequantize_groups(packed, scale):
     *lead, n = values.shape
     groups = values.reshape(*lead, scale.shape[-1], -1) * scale[..., None]
     return groups.reshape(*lead, n)
+
+
+def as_int4(packed):
+    """uint8[..., n / 2] -> jnp.int4[..., n], the same bytes: a bitcast (the
+    low nibble is the even entry in both)."""
+    nibbles = lax.bitcast_convert_type(packed, jnp.int4)
+    return nibbles.reshape(*packed.shape[:-1], -1)
+
+
+def dequantize_groups_bf16(packed, scale):
+    """``dequantize_groups`` rounded once to bf16, the bytes read as
+    ``jnp.int4`` (``as_int4``): XLA on a TPU unpacks jnp.int4 inside its
+    fusions, where ``unpack_nibbles``' shifts cost a pass over the weights
+    through device memory (docs/accelerators.md, the int4 rows). The
+    product with each group's scale is float32's, as ``dequantize_groups``'."""
+    values = as_int4(packed).astype(jnp.float32)
+    *lead, n = values.shape
+    groups = values.reshape(*lead, scale.shape[-1], -1) * scale[..., None]
+    return groups.reshape(*lead, n).astype(jnp.bfloat16)
 
 
 def relative_error(w, w_hat):

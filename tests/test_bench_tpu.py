@@ -87,22 +87,6 @@ def test_the_kernel_sweep_records_each_variant(tmp_path):
             assert entry["rel_err"] < 2.0**-8
 
 
-def test_packed_int4_read_as_xlas_dtype_is_qarrays_dequantization():
-    """The xla_int4_packed row's weights: qarray's packed nibbles read as
-    jnp.int4 are qarray's values (low nibble first), each group scaled: the
-    NumPy dequantization, within bf16's rounding of the scale and of the
-    product (2**-9 each)."""
-    import numpy as np
-
-    import qarray as qa
-    from support import reference as ref
-
-    w = np.random.default_rng(0).standard_normal((6, 64)).astype(np.float32)
-    packed, scale = qa.unpack(qa.quantize(w, 4, 16))
-    got = np.asarray(bench_tpu._int4_as_xla_dtype(packed, scale, 16), np.float32)
-    np.testing.assert_allclose(got, ref.roundtrip4(w, 16), rtol=2.0**-7, atol=1e-6)
-
-
 @pytest.mark.parametrize("parts,tolerance", [(1, 2.0**-7), (3, 1e-6)])
 @pytest.mark.parametrize("group_size", [32, 128, 256])
 def test_the_int4_tile_candidate_matches_numpy(group_size, parts, tolerance):

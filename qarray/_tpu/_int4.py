@@ -39,6 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from .._numerics import as_int4 as as_int4
 from .._rules import for_tpu
 from . import _layout
 from ._int8 import MXU
@@ -76,12 +77,6 @@ def _byte_nibbles(block):
     ``_unpack`` widens every byte to a word of its own."""
     words = pltpu.bitcast(block, jnp.int32)
     return words << 4, words
-
-
-def as_int4(packed):
-    """qarray's packed uint8 (a, b) -> jnp.int4 (a, 2 b), the same bytes:
-    a bitcast (the low nibble is the even entry in both)."""
-    return lax.bitcast_convert_type(packed, jnp.int4).reshape(packed.shape[0], -1)
 
 
 def _groups_kernel(*refs, parts, mxu, width, nibbles):

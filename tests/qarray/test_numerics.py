@@ -388,6 +388,25 @@ def test_numerics_group_quantizers_and_nibbles_agree(rng):
     )
 
 
+@pytest.mark.parametrize("group_size", [16, 128])
+def test_int4_read_as_jnp_int4_is_the_dequantization_rounded_once(rng, group_size):
+    """dequantize_groups_bf16 (the bytes bitcast to jnp.int4, as the TPU's
+    int4_bf16 product reads them): NumPy's dequantized values (every nibble
+    value -8..7 among them) rounded once to bf16 by NumPy's own cast, bit
+    for bit, in a leading batch axis too."""
+    from qarray import _numerics as nm
+
+    values = rng.integers(-8, 8, (2, 3, 256)).astype(np.int8)
+    values[0, 0, :16] = np.arange(-8, 8)
+    scale = rng.uniform(0.01, 2.0, (2, 3, 256 // group_size)).astype(np.float32)
+    packed = ref.pack4(values)
+    want = ref.dequantize4(values, scale).astype(jnp.bfloat16)  # ml_dtypes' cast
+    got = jax.jit(nm.dequantize_groups_bf16)(packed, scale)
+    assert got.dtype == jnp.bfloat16 and got.shape == (2, 3, 256)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert nm.as_int4(packed).dtype == jnp.int4
+
+
 def test_numerics_relative_errors_agree(rng):
     from qarray import _numerics as nm
 

@@ -116,27 +116,64 @@ def test_a_tpu_takes_the_kernel_for_few_rows_of_weight_only_products(layout):
         )
 
 
-def test_the_int4_modes_follow_the_tpu_rule(monkeypatch):
+def test_the_int4_strategies_follow_the_tpu_rule(monkeypatch):
     rule = _rules.for_tpu()
     monkeypatch.setattr(_formulations, "_tpu_available", lambda: True)
     monkeypatch.setattr(_formulations, "_partitioned", lambda: False)
-    mode = _formulations.int4_tpu_mode
-    # G a multiple of 128: the groups mode, weight-only and W4A8 (the bytes
-    # kernel, or at one row of the default precision the shifts: below)
-    for activations in ("float32", "int8"):
-        assert mode(1, 128, activations) == "pallas_groups"
-        assert mode(rule.int4_bytes_max_rows, 256, activations) == "pallas_groups"
-        assert mode(rule.int4_bytes_max_rows + 1, 128, activations) is None
-    # other sizes: the shifts, then the tile, weight-only
-    assert mode(rule.int4_groups_max_rows, 32, "float32") == "pallas_groups"
-    assert mode(rule.int4_groups_max_rows + 1, 64, "float32") == "pallas_tile"
-    assert mode(rule.int4_tile_max_rows + 1, 64, "float32") is None
-    assert mode(1, 64, "int8") is None  # W4A8: XLA's
-    assert mode(1, 96, "float32") is None  # G / 2 neither divides 128 nor is a multiple
 
-    assert mode(1, 0, "float32") is None  # k = 0: no groups
+    def strategy(m, group, activations, parts=1):
+        return _formulations.int4_tpu_strategy(m, group, activations, parts)
+
+    # G a multiple of 128: the groups mode, weight-only and W4A8 (the bytes
+    # kernel, or at one row of the default precision the shifts: below);
+    # past its rows XLA's, weight-only on the bytes read as jnp.int4 at one
+    # bf16 pass, the float32 dequantization at finer precisions and for W4A8
+    for activations in ("float32", "int8"):
+        assert strategy(1, 128, activations) == "pallas_groups"
+        assert strategy(rule.int4_bytes_max_rows, 256, activations) == "pallas_groups"
+    past = rule.int4_bytes_max_rows + 1
+    assert strategy(past, 128, "float32") == "int4_bf16"
+    assert strategy(past, 128, "float32", parts=3) == "dequantize"
+    assert strategy(past, 128, "int8") == "dequantize"
+    # other sizes: the shifts, then the tile, weight-only
+    assert strategy(rule.int4_groups_max_rows, 32, "float32") == "pallas_groups"
+    assert strategy(rule.int4_groups_max_rows + 1, 64, "float32") == "pallas_tile"
+    assert strategy(rule.int4_tile_max_rows + 1, 64, "float32") == "int4_bf16"
+    assert strategy(1, 64, "int8") == "dequantize"  # W4A8: XLA's
+    # G / 2 neither divides 128 nor is a multiple of it: XLA's
+    assert strategy(1, 96, "float32") == "int4_bf16"
+    assert strategy(1, 96, "float32", parts=2) == "dequantize"
+    assert strategy(1, 0, "float32") == "int4_bf16"  # k = 0: no groups
     monkeypatch.setattr(_formulations, "_tpu_available", lambda: False)
-    assert mode(1, 128, "float32") is None
+    assert strategy(1, 128, "float32") == "int4_bf16"
+    assert strategy(1, 128, "int8") == "dequantize"
+
+
+def test_int4_on_a_tpu_lowers_the_strategy_its_precision_takes(monkeypatch):
+    """linear_q on int4 weights exported for a TPU here (``jax.export``, the
+    TPU's branch traced as on a chip, whose kernels do not compile here):
+    at the default precision XLA's int4_bf16 (the bytes read as jnp.int4,
+    so the program holds int4 values), at the highest the float32
+    dequantization (no int4 values), and on CPU (this backend's lowering)
+    neither."""
+    from jax import export
+
+    import qarray as qa
+
+    monkeypatch.setattr(_formulations, "_on_tpu", lambda: True)
+    q = qa.quantize(jnp.ones((256, 256)), bits=4, group_size=128)
+    x = jax.ShapeDtypeStruct((4, 256), jnp.float32)
+
+    def product(precision):
+        return jax.jit(lambda x: qa.linear_q(x, q, precision=precision))
+
+    def on_a_tpu(precision):
+        return export.export(product(precision), platforms=["tpu"])(x).mlir_module()
+
+    assert "xi4>" in on_a_tpu(lax.Precision.DEFAULT)
+    assert "xi4>" not in on_a_tpu(lax.Precision.HIGHEST)
+    monkeypatch.setattr(_formulations, "_on_tpu", lambda: False)
+    assert "xi4>" not in product(lax.Precision.DEFAULT).lower(x).as_text()
 
 
 def test_each_precision_takes_its_mxu_form(monkeypatch):
@@ -197,19 +234,20 @@ def test_partitioned_programs_keep_xlas_formulations(monkeypatch):
     device runs the kernel on its own block."""
     monkeypatch.setattr(_formulations, "_tpu_available", lambda: True)
     kernels = ("pallas", "pallas_groups")
+    xla = ("dequantize", "int4_bf16")
 
     def chosen():
         return (
             _formulations.choose_strategy(8, 1024, 1024, "float32", "tpu", "nk"),
-            _formulations.int4_tpu_mode(8, 128, "float32"),
+            _formulations.int4_tpu_strategy(8, 128, "float32", 1),
         )
 
     one_device = jax.device_count() == 1
-    assert chosen() == (kernels if one_device else ("dequantize", None))
+    assert chosen() == (kernels if one_device else xla)
     size = min(2, jax.device_count())
     mesh = jax.make_mesh((size,), ("i",), axis_types=(jax.sharding.AxisType.Explicit,))
     with jax.set_mesh(mesh):
-        assert chosen() == (kernels if size == 1 else ("dequantize", None))
+        assert chosen() == (kernels if size == 1 else xla)
         seen = []
 
         def per_device(x):
