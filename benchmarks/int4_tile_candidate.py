@@ -112,8 +112,16 @@ def tile_product(x, packed, scale, *, group_size, parts=1, blocks, interpret=Fal
     )
     scales = scales.reshape(np_, kp2 // bk2, groups).transpose(1, 0, 2)
     r = parts * bm
+    # x's, the bytes' and the scales' blocks, the output's, the bf16 tile,
+    # the float32 sums (scratch) and one dot's sums (a temporary)
     params = _layout.compiler_params(
-        r * 2 * bk2 * 2, bn * bk2, bn * groups * 4, bm * bn * 4, parts * bn * bk2 * 2
+        r * 2 * bk2 * 2,
+        bn * bk2,
+        bn * groups * 4,
+        bm * bn * 4,
+        parts * bn * bk2 * 2,
+        bm * bn * 4,
+        r * bn * 4,
     )
     out = pl.pallas_call(
         functools.partial(_kernel, parts=parts, half=half),

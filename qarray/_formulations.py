@@ -360,7 +360,9 @@ def linear_int4(
         cpu = "kernel" if kernel else "dequantize"
         tpu = "dequantize"
         if _on_tpu():
-            parts = _tpu_module().parts_for(precision, "tpu")
+            # the weights' precision too: int4_bf16 rounds them to bf16
+            pair = precision if isinstance(precision, tuple) else (precision,)
+            parts = max(_tpu_module().parts_for(p, "tpu") for p in pair)
             tpu = int4_tpu_strategy(m, group, activations, parts)
         if cpu == tpu == "dequantize":
             y = run("dequantize")
@@ -376,12 +378,13 @@ def linear_int4(
 
 
 def int4_tpu_strategy(m: int, group: int, activations: str, parts: int) -> str:
-    """The strategy an int4 product of ``m`` rows takes on a TPU, x in
-    ``parts`` bf16 parts (its precision's, ``_tpu.parts_for``): a kernel
-    by the TPU rule (``"pallas_groups"`` / ``"pallas_tile"``); else XLA's,
-    weight-only at one bf16 pass ``"int4_bf16"`` (the bytes read as
-    jnp.int4, which XLA unpacks inside its fusions: ahead of ``dequantize``
-    at every row benchmarks.bench_tpu timed, docs/accelerators.md) and
+    """The strategy an int4 product of ``m`` rows takes on a TPU at a
+    precision of ``parts`` bf16 parts (the finer of x's and the weights',
+    ``_tpu.parts_for``): a kernel by the TPU rule (``"pallas_groups"`` /
+    ``"pallas_tile"``); else XLA's, weight-only at one bf16 pass
+    ``"int4_bf16"`` (the bytes bitcast to jnp.int4: a relayout of the
+    weights in device memory, and still ahead of ``dequantize``'s shifts at
+    every row benchmarks.bench_tpu timed, docs/accelerators.md) and
     ``"dequantize"`` otherwise."""
     xla = "int4_bf16" if activations == "float32" and parts == 1 else "dequantize"
     rule = _rules.for_tpu()

@@ -112,10 +112,11 @@ def as_int4(packed):
 
 def dequantize_groups_bf16(packed, scale):
     """``dequantize_groups`` rounded once to bf16, the bytes read as
-    ``jnp.int4`` (``as_int4``): XLA on a TPU unpacks jnp.int4 inside its
-    fusions, where ``unpack_nibbles``' shifts cost a pass over the weights
-    through device memory (docs/accelerators.md, the int4 rows). The
-    product with each group's scale is float32's, as ``dequantize_groups``'."""
+    ``jnp.int4`` (``as_int4``): on a TPU the bitcast is a relayout of the
+    weights in device memory, and still XLA ran this ahead of
+    ``unpack_nibbles``' shifts at every row timed (docs/accelerators.md, the
+    int4 rows). The product with each group's scale is float32's, as
+    ``dequantize_groups``'."""
     values = as_int4(packed).astype(jnp.float32)
     *lead, n = values.shape
     groups = values.reshape(*lead, scale.shape[-1], -1) * scale[..., None]

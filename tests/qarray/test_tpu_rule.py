@@ -150,17 +150,19 @@ def test_the_int4_strategies_follow_the_tpu_rule(monkeypatch):
 
 
 def test_int4_on_a_tpu_lowers_the_strategy_its_precision_takes(monkeypatch):
-    """linear_q on int4 weights exported for a TPU here (``jax.export``, the
-    TPU's branch traced as on a chip, whose kernels do not compile here):
-    at the default precision XLA's int4_bf16 (the bytes read as jnp.int4,
-    so the program holds int4 values), at the highest the float32
-    dequantization (no int4 values), and on CPU (this backend's lowering)
-    neither."""
+    """linear_q on int4 weights exported for a TPU (``jax.export``, the TPU's
+    branch traced as on a chip, its kernels taken as not compiling, as on a
+    chip whose libtpu refuses them): at the default precision XLA's
+    int4_bf16 (the bytes read as jnp.int4, so the program holds int4
+    values), at the highest, or with the weights' precision the highest, the
+    float32 dequantization (no int4 values), and on CPU (this backend's
+    lowering) neither."""
     from jax import export
 
     import qarray as qa
 
     monkeypatch.setattr(_formulations, "_on_tpu", lambda: True)
+    monkeypatch.setattr(_formulations, "_tpu_available", lambda: False)
     q = qa.quantize(jnp.ones((256, 256)), bits=4, group_size=128)
     x = jax.ShapeDtypeStruct((4, 256), jnp.float32)
 
@@ -172,6 +174,7 @@ def test_int4_on_a_tpu_lowers_the_strategy_its_precision_takes(monkeypatch):
 
     assert "xi4>" in on_a_tpu(lax.Precision.DEFAULT)
     assert "xi4>" not in on_a_tpu(lax.Precision.HIGHEST)
+    assert "xi4>" not in on_a_tpu((lax.Precision.DEFAULT, lax.Precision.HIGHEST))
     monkeypatch.setattr(_formulations, "_on_tpu", lambda: False)
     assert "xi4>" not in product(lax.Precision.DEFAULT).lower(x).as_text()
 
