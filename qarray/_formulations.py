@@ -360,9 +360,7 @@ def linear_int4(
         cpu = "kernel" if kernel else "dequantize"
         tpu = "dequantize"
         if _on_tpu():
-            # the weights' precision too: int4_bf16 rounds them to bf16
-            pair = precision if isinstance(precision, tuple) else (precision,)
-            parts = max(_tpu_module().parts_for(p, "tpu") for p in pair)
+            parts = int4_tpu_parts(precision)
             tpu = int4_tpu_strategy(m, group, activations, parts)
         if cpu == tpu == "dequantize":
             y = run("dequantize")
@@ -375,6 +373,21 @@ def linear_int4(
     else:
         y = run(strategy)
     return y.reshape(*lead, n)
+
+
+def int4_tpu_parts(precision) -> int:
+    """bf16 parts an int4 product at ``precision`` takes on a TPU: the finer
+    of x's and the weights' (``int4_bf16`` rounds the dequantized weights to
+    bf16 as well as x)."""
+    pair = precision if isinstance(precision, tuple) else (precision,)
+    return max(_tpu_module().parts_for(p, "tpu") for p in pair)
+
+
+def int4_bf16_on_tpu(precision) -> bool:
+    """Whether products run on a TPU here and an int4 product at
+    ``precision`` takes one bf16 pass there (``int4_bf16``'s read of the
+    weights, the VJP's product for x included)."""
+    return _on_tpu() and int4_tpu_parts(precision) == 1
 
 
 def int4_tpu_strategy(m: int, group: int, activations: str, parts: int) -> str:

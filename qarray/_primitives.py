@@ -454,31 +454,64 @@ def quantize(x, bits=8, group_size=None):
 # float32 bytes of int4 weights dequantized at once by a backward pass
 # (``_int4_rows_product``): a small fraction of a large layer's payload, so
 # that training adapters over an int4 model holds no float copy of it
-# (``benchmarks/bench_lora.py``, the memory rows)
+# (``benchmarks/bench_lora.py``, the memory rows). On a TPU at one bf16 pass
+# the blocks are bf16 and larger: a block of 32 rows (1 MiB at K = 8192)
+# would be a dot contracting 32 entries, a sliver of the MXU's 128, while
+# 2048 rows (32 MiB) stay a small fraction of the chip's memory
 _INT4_BLOCK_BYTES = 1 << 20
+_INT4_BLOCK_BYTES_TPU = 32 << 20
 
 
 def _int4_rows_product(g, qw, precision=None):
+    """``g[..., n] . W[n, k]`` over n for int4 ``qw (N, K)``: float32 blocks
+    of rows (``_int4_rows``), or where a TPU runs it at one bf16 pass, bf16
+    blocks read as ``int4_bf16`` reads the weights."""
+    if not _formulations.int4_bf16_on_tpu(precision):
+        return _int4_rows(g, qw, precision)
+    return lax.platform_dependent(
+        tpu=lambda: _int4_rows(g, qw, bf16=True),
+        default=lambda: _int4_rows(g, qw, precision),
+    )
+
+
+def _int4_rows(g, qw, precision=None, *, bf16=False):
     """``g[..., n] . W[n, k]`` over n for int4 ``qw (N, K)``, a block of rows
-    dequantized at a time (whole for a small layer), in float32."""
+    dequantized at a time (whole for a small layer): in float32 at
+    ``precision``, or (``bf16``) rounded once to bf16 by
+    ``_numerics.dequantize_groups_bf16``, g rounded to bf16, one bf16 dot
+    summing in float32."""
     ty = jax.typeof(qw)
     n, k = ty.shape
-    rows = max(1, _INT4_BLOCK_BYTES // (4 * k))
+    block_bytes, itemsize = (
+        (_INT4_BLOCK_BYTES_TPU, 2) if bf16 else (_INT4_BLOCK_BYTES, 4)
+    )
+    rows = max(1, block_bytes // (itemsize * k))
     g = g.astype(FLOAT32)
-    if rows >= n:
-        return jnp.matmul(g, dequantize(qw), precision=precision)
     qvalue, scale = unpack(qw)
     flat = g.reshape(-1, n)
 
-    def block(start, size):
+    def product(rows_of_g, start, size):
+        if bf16:
+            w = _numerics.dequantize_groups_bf16(
+                lax.dynamic_slice_in_dim(qvalue, start, size, 0),
+                lax.dynamic_slice_in_dim(scale, start, size, 0),
+            )
+            return jnp.matmul(
+                rows_of_g.astype(jnp.bfloat16), w, preferred_element_type=FLOAT32
+            )
         part = pack(
             lax.dynamic_slice_in_dim(qvalue, start, size, 0),
             lax.dynamic_slice_in_dim(scale, start, size, 0),
             4,
             ty.group_size,
         )
-        rows_of_g = lax.dynamic_slice_in_dim(flat, start, size, 1)
         return jnp.matmul(rows_of_g, dequantize(part), precision=precision)
+
+    if rows >= n:
+        return product(flat, 0, n).reshape(*g.shape[:-1], k)
+
+    def block(start, size):
+        return product(lax.dynamic_slice_in_dim(flat, start, size, 1), start, size)
 
     def step(total, i):
         return total + block(i * rows, rows), None

@@ -179,6 +179,33 @@ def test_int4_on_a_tpu_lowers_the_strategy_its_precision_takes(monkeypatch):
     assert "xi4>" not in product(lax.Precision.DEFAULT).lower(x).as_text()
 
 
+def test_int4s_x_cotangent_on_a_tpu_reads_the_weights_as_int4(monkeypatch):
+    """The VJP's product for x on int4 weights, exported for a TPU: at one
+    bf16 pass it reads the bytes as jnp.int4 (bf16 blocks), at the highest
+    precision, or with the weights' the highest, float32 blocks by shifts
+    (the forward held to dequantize here, so only the backward can hold
+    int4 values)."""
+    from jax import export
+
+    import qarray as qa
+
+    monkeypatch.setattr(_formulations, "_on_tpu", lambda: True)
+    monkeypatch.setattr(_formulations, "int4_tpu_strategy", lambda *args: "dequantize")
+    q = qa.quantize(jnp.ones((256, 256)), bits=4, group_size=128)
+    x = jax.ShapeDtypeStruct((4, 256), jnp.float32)
+
+    def backward(precision):
+        def ct_x(x):
+            y, pull = jax.vjp(lambda x: qa.linear_q(x, q, precision=precision), x)
+            return pull(y)[0]
+
+        return export.export(jax.jit(ct_x), platforms=["tpu"])(x).mlir_module()
+
+    assert "xi4>" in backward(lax.Precision.DEFAULT)
+    assert "xi4>" not in backward(lax.Precision.HIGHEST)
+    assert "xi4>" not in backward((lax.Precision.DEFAULT, lax.Precision.HIGHEST))
+
+
 def test_each_precision_takes_its_mxu_form(monkeypatch):
     """Which form of x each kernel is handed: int8 weights, x's one bf16
     part at the default precision and int8 parts above it (a bf16 x: its
