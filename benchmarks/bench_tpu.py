@@ -40,7 +40,8 @@ Rows, for x (m, K) and weights W (N, K):
   128-entry tiles): the peer made for this chip (rows left out where qwix
   is not installed);
 - ``vjp_x``: the VJP's product for x (``y_bar @ W``, qarray's ``matmul_q`` on
-  the same int8 weights).
+  the same int8 weights); ``vjp_x_int4``: the same through ``linear_q``'s
+  pullback on the int4 weights.
 
 ``--quick`` runs small shapes (a check that every row runs, on any backend).
 """
@@ -98,6 +99,15 @@ def _qarray_products(group: int) -> dict[str, Callable]:
     }
 
 
+def _int4_x_cotangent(y_bar, w, group: int):
+    """linear_q's pullback for x on the int4 weights (N, K): y_bar (m, N) @ W
+    (the forward's output unused, so the program keeps only the pullback)."""
+    q = qa.pack(*w["q4"], 4, group)
+    x = jnp.zeros((y_bar.shape[0], q.shape[1]), y_bar.dtype)
+    _, pullback = jax.vjp(lambda x: qa.linear_q(x, q), x)
+    return pullback(y_bar)[0]
+
+
 def _nt(a, b, out=None):
     """a (m, K) . b (N, K) over K."""
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=out)
@@ -153,6 +163,7 @@ def products(k: int, n: int) -> dict[str, tuple[str, Callable]]:
         # the VJP's product for x: y_bar (m, N) @ W (N, K), on (N, K) weights
         # read as matmul_q's (k, n) = (N, K); with K == N the loop keeps shape
         "vjp_x": ("float32", lambda x, w: qa.matmul_q(x, qa.pack(*w["q8"]))),
+        "vjp_x_int4": ("float32", lambda x, w: _int4_x_cotangent(x, w, group)),
         **_qwix_products(),
     }
 
