@@ -54,11 +54,12 @@ def _chunk_scales(scales, c: int, half: int):
     return by_lane
 
 
-def _kernel(x_ref, w_ref, s_ref, out_ref, acc_ref, w_tile, *, parts, half):
+def _kernel(x_ref, w_ref, s_ref, out_ref, acc_ref, w_tile, *, parts, half, per_byte):
     """``x_ref``: x's bf16 parts stacked (parts * bm, 2 bk2), each block of K
     its even entries, then its odd ones; ``w_ref``: packed bytes (bn, bk2);
-    ``s_ref``: the block's group scales (bn, groups); ``w_tile``: the
-    dequantized weights' bf16 parts (parts, bn, 2 bk2)."""
+    ``s_ref``: the block's group scales (bn, groups), or (``per_byte``)
+    each byte's group's scale (bn, bk2); ``w_tile``: the dequantized
+    weights' bf16 parts (parts, bn, 2 bk2)."""
     kk = pl.program_id(2)
 
     @pl.when(kk == 0)
@@ -66,10 +67,10 @@ def _kernel(x_ref, w_ref, s_ref, out_ref, acc_ref, w_tile, *, parts, half):
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
     bk2 = w_ref.shape[1]
-    scales = s_ref[...]
+    scales = None if per_byte else s_ref[...]
     for c in range(bk2 // _layout.LANES):
         cols = slice(c * _layout.LANES, (c + 1) * _layout.LANES)
-        by_lane = _chunk_scales(scales, c, half)
+        by_lane = s_ref[:, cols] if per_byte else _chunk_scales(scales, c, half)
         for h, nibbles in enumerate(_unpack(w_ref[:, cols])):
             w = nibbles.astype(jnp.float32) * by_lane
             at = slice(h * bk2 + c * _layout.LANES, h * bk2 + (c + 1) * _layout.LANES)
@@ -91,12 +92,21 @@ def _kernel(x_ref, w_ref, s_ref, out_ref, acc_ref, w_tile, *, parts, half):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("group_size", "parts", "blocks", "interpret")
+    jax.jit,
+    static_argnames=("group_size", "parts", "blocks", "per_byte", "interpret"),
 )
-def tile_product(x, packed, scale, *, group_size, parts=1, blocks, interpret=False):
+def tile_product(
+    x, packed, scale, *, group_size, parts=1, blocks, per_byte=False, interpret=False
+):
     """x f32 (m, k) times int4 weights (qarray's layout: packed uint8
     (n, k / 2), scale f32 (n, k / G)) -> f32 (m, n); ``blocks``: (bm, bn,
-    packed bk) upper bounds, as ``qarray._tpu.int4_product``'s."""
+    packed bk) upper bounds, as ``qarray._tpu.int4_product``'s.
+
+    ``per_byte``: each packed byte's scale repeated in device memory (n,
+    k / 2), so that a chunk's scales are a plain block, no lane slices of a
+    value: four times the bytes of the weights read again per row block, a
+    fallback whose time says what the kernel costs should Mosaic refuse the
+    column slices."""
     m, k = x.shape
     n, half = packed.shape[0], group_size // 2
     xparts, xscales = bf16_parts(x, parts)
@@ -110,27 +120,34 @@ def tile_product(x, packed, scale, *, group_size, parts=1, blocks, interpret=Fal
     scales = jnp.pad(
         scale.astype(jnp.float32), ((0, np_ - n), (0, kp2 // half - scale.shape[1]))
     )
-    scales = scales.reshape(np_, kp2 // bk2, groups).transpose(1, 0, 2)
+    if per_byte:
+        scales = jnp.repeat(scales, half, axis=1)  # (np, kp2)
+        scale_spec = pl.BlockSpec((bn, bk2), lambda i, j, kk: (j, kk))
+        scale_bytes = bn * bk2 * 4
+    else:
+        scales = scales.reshape(np_, kp2 // bk2, groups).transpose(1, 0, 2)
+        scale_spec = pl.BlockSpec((None, bn, groups), lambda i, j, kk: (kk, j, 0))
+        scale_bytes = bn * groups * 4
     r = parts * bm
     # x's, the bytes' and the scales' blocks, the output's, the bf16 tile,
     # the float32 sums (scratch) and one dot's sums (a temporary)
     params = _layout.compiler_params(
         r * 2 * bk2 * 2,
         bn * bk2,
-        bn * groups * 4,
+        scale_bytes,
         bm * bn * 4,
         parts * bn * bk2 * 2,
         bm * bn * 4,
         r * bn * 4,
     )
     out = pl.pallas_call(
-        functools.partial(_kernel, parts=parts, half=half),
+        functools.partial(_kernel, parts=parts, half=half, per_byte=per_byte),
         out_shape=jax.ShapeDtypeStruct((mp, np_), jnp.float32),
         grid=(mp // bm, np_ // bn, kp2 // bk2),
         in_specs=[
             pl.BlockSpec((r, 2 * bk2), lambda i, j, kk: (i, kk)),
             pl.BlockSpec((bn, bk2), lambda i, j, kk: (j, kk)),
-            pl.BlockSpec((None, bn, groups), lambda i, j, kk: (kk, j, 0)),
+            scale_spec,
         ],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
         scratch_shapes=[

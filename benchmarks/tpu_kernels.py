@@ -215,6 +215,10 @@ def variants(k: int, n: int, only: set[str]):
             out.append(("int4", f"tile bf16x1 {blocks}", MANY, fn))
             fn = functools.partial(_int4_tile_candidate, blocks=blocks)
             out.append(("int4", f"candidate tile bf16x1 {blocks}", MANY, fn))
+        for blocks in tile_blocks[:2]:  # its fallback: scales a plain block
+            fn = functools.partial(_int4_tile_candidate, blocks=blocks, per_byte=True)
+            name = f"candidate tile bf16x1 {blocks}, scales per byte"
+            out.append(("int4", name, MANY, fn))
     if "int4_xla_bf16" in only:  # dequantized to bf16 in HBM once, bf16 dot
         out.append(("int4", "xla dequantized bf16", MANY, _int4_xla_bf16))
     if "read" in only:  # no product: the weights' read alone

@@ -87,16 +87,18 @@ def test_the_kernel_sweep_records_each_variant(tmp_path):
             assert entry["rel_err"] < 2.0**-8
 
 
+@pytest.mark.parametrize("per_byte", [False, True], ids=["group_scales", "per_byte"])
 @pytest.mark.parametrize("parts,tolerance", [(1, 2.0**-7), (3, 1e-6)])
 @pytest.mark.parametrize("group_size", [32, 128, 256])
-def test_the_int4_tile_candidate_matches_numpy(group_size, parts, tolerance):
+def test_the_int4_tile_candidate_matches_numpy(group_size, parts, tolerance, per_byte):
     """benchmarks.int4_tile_candidate (timed by tpu_kernels' int4_tile_rows)
     against NumPy's dequantized product, in Pallas' interpreter off the chip:
     70 rows in blocks of 32, 300 columns in blocks of 128, K 1216, 1280 or
     2048 (every axis padded to its blocks; several blocks of K for G 32 and
     128), the groups several to a 128-byte chunk (G 32, 128) or a chunk to a
-    group (256); one bf16 part rounds the dequantized weights to bf16 as
-    well as x."""
+    group (256), its scales as whole rows by block of K or repeated per
+    byte; one bf16 part rounds the dequantized weights to bf16 as well as
+    x."""
     import numpy as np
 
     import qarray as qa
@@ -116,6 +118,7 @@ def test_the_int4_tile_candidate_matches_numpy(group_size, parts, tolerance):
         group_size=group_size,
         parts=parts,
         blocks=(32, 128, 256),
+        per_byte=per_byte,
         interpret=jax.default_backend() != "tpu",
     )
     want = x.astype(np.float64) @ ref.roundtrip4(w, group_size).astype(np.float64).T

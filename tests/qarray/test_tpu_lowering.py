@@ -92,14 +92,17 @@ def test_int4_weights_held_as_jnp_int4_lower_for_a_tpu():
     _lowers_to_mosaic(fn, x, w, scale)
 
 
+@pytest.mark.parametrize("per_byte", [False, True])
 @pytest.mark.parametrize(
     "blocks", [(1024, 1024, 512), (4096, 512, 512), (2048, 2048, 256)], ids=str
 )
-def test_the_int4_tile_candidate_lowers_for_a_tpu(blocks):
+def test_the_int4_tile_candidate_lowers_for_a_tpu(blocks, per_byte):
     """benchmarks.int4_tile_candidate at tpu_kernels' blocks, 4096 rows."""
     x, packed = _operands(4096, 8192, 8192, weights="int4")
     scale = jax.ShapeDtypeStruct((8192, 64), jnp.float32)
-    fn = functools.partial(tile_product, group_size=128, blocks=blocks)
+    fn = functools.partial(
+        tile_product, group_size=128, blocks=blocks, per_byte=per_byte
+    )
     _lowers_to_mosaic(fn, x, packed, scale)
 
 
