@@ -13,6 +13,8 @@ and linear_q like ``x @ dequantize(qw).T``.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -465,12 +467,28 @@ _INT4_BLOCK_BYTES_TPU = 32 << 20
 def _int4_rows_product(g, qw, precision=None):
     """``g[..., n] . W[n, k]`` over n for int4 ``qw (N, K)``: float32 blocks
     of rows (``_int4_rows``), or where a TPU runs it at one bf16 pass, bf16
-    blocks read as ``int4_bf16`` reads the weights."""
-    if not _formulations.int4_bf16_on_tpu(precision):
+    blocks read as ``int4_bf16`` reads the weights. A layer the float32 form
+    takes whole keeps it everywhere: that product carries the weights'
+    tangent (the x cotangent's derivative in w, a mixed second derivative),
+    which the blocks' parts do not."""
+    ty = jax.typeof(qw)
+    n, k = ty.shape
+    whole = n * k * 4 <= _INT4_BLOCK_BYTES
+    if whole or not _formulations.int4_bf16_on_tpu(precision):
         return _int4_rows(g, qw, precision)
+    # the weights pass the platform's branches as plain arrays: cond's
+    # batching rule (vmap over stacked weights) takes no QArray
+    qvalue, scale = unpack(qw)
+
+    def rows(g, qvalue, scale, **form):
+        return _int4_rows(g, pack(qvalue, scale, 4, ty.group_size), **form)
+
     return lax.platform_dependent(
-        tpu=lambda: _int4_rows(g, qw, bf16=True),
-        default=lambda: _int4_rows(g, qw, precision),
+        g,
+        qvalue,
+        scale,
+        tpu=functools.partial(rows, bf16=True),
+        default=functools.partial(rows, precision=precision),
     )
 
 
@@ -487,6 +505,8 @@ def _int4_rows(g, qw, precision=None, *, bf16=False):
     )
     rows = max(1, block_bytes // (itemsize * k))
     g = g.astype(FLOAT32)
+    if rows >= n and not bf16:  # the whole layer, differentiable in its scales
+        return jnp.matmul(g, dequantize(qw), precision=precision)
     qvalue, scale = unpack(qw)
     flat = g.reshape(-1, n)
 

@@ -10,6 +10,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 
@@ -180,30 +181,53 @@ def test_int4_on_a_tpu_lowers_the_strategy_its_precision_takes(monkeypatch):
 
 
 def test_int4s_x_cotangent_on_a_tpu_reads_the_weights_as_int4(monkeypatch):
-    """The VJP's product for x on int4 weights, exported for a TPU: at one
-    bf16 pass it reads the bytes as jnp.int4 (bf16 blocks), at the highest
-    precision, or with the weights' the highest, float32 blocks by shifts
-    (the forward held to dequantize here, so only the backward can hold
-    int4 values)."""
+    """The VJP's product for x on int4 weights, exported for a TPU: for a
+    layer past one float32 block (256 x 2048: 2 MiB) at one bf16 pass it
+    reads the bytes as jnp.int4 (bf16 blocks); at the highest precision, or
+    with the weights' the highest, float32 blocks by shifts; a layer within
+    one block keeps the float32 whole form at any precision (its product
+    carries the weights' tangent). The forward is held to dequantize here,
+    so only the backward can hold int4 values; and it still transforms:
+    vmap of grad over stacked int4 weights, the platform's branches taking
+    their parts as plain arrays."""
     from jax import export
 
     import qarray as qa
 
     monkeypatch.setattr(_formulations, "_on_tpu", lambda: True)
     monkeypatch.setattr(_formulations, "int4_tpu_strategy", lambda *args: "dequantize")
-    q = qa.quantize(jnp.ones((256, 256)), bits=4, group_size=128)
-    x = jax.ShapeDtypeStruct((4, 256), jnp.float32)
 
-    def backward(precision):
+    def backward(q, precision):
         def ct_x(x):
             y, pull = jax.vjp(lambda x: qa.linear_q(x, q, precision=precision), x)
             return pull(y)[0]
 
+        x = jax.ShapeDtypeStruct((4, jax.typeof(q).shape[1]), jnp.float32)
         return export.export(jax.jit(ct_x), platforms=["tpu"])(x).mlir_module()
 
-    assert "xi4>" in backward(lax.Precision.DEFAULT)
-    assert "xi4>" not in backward(lax.Precision.HIGHEST)
-    assert "xi4>" not in backward((lax.Precision.DEFAULT, lax.Precision.HIGHEST))
+    large = qa.quantize(jnp.ones((256, 2048)), bits=4, group_size=128)
+    assert "xi4>" in backward(large, lax.Precision.DEFAULT)
+    assert "xi4>" not in backward(large, lax.Precision.HIGHEST)
+    pair = (lax.Precision.DEFAULT, lax.Precision.HIGHEST)
+    assert "xi4>" not in backward(large, pair)
+    small = qa.quantize(jnp.ones((256, 256)), bits=4, group_size=128)
+    assert "xi4>" not in backward(small, lax.Precision.DEFAULT)
+
+    ws = jnp.stack([jnp.ones((256, 2048)), -jnp.ones((256, 2048))])
+    stacked = jax.vmap(
+        lambda w: qa.quantize(w, bits=4, group_size=128), out_axes=qa.QArraySpec()
+    )(ws)
+
+    def loss(x, q):
+        return jnp.sum(qa.linear_q(x, q, precision=lax.Precision.DEFAULT) ** 2)
+
+    grads = jax.jit(jax.vmap(jax.grad(loss), in_axes=(0, qa.QArraySpec())))(
+        jnp.ones((2, 3, 2048)), stacked
+    )
+    # this CPU runs the default branch: g = 2 y, y = x @ W.T, W = +-1
+    want = 2 * 2048.0 * 256.0
+    np.testing.assert_allclose(np.asarray(grads[0]), want, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(grads[1]), want, rtol=1e-6)
 
 
 def test_each_precision_takes_its_mxu_form(monkeypatch):
