@@ -59,16 +59,21 @@ def _vjp(x, w, **options):
     return _tpu.int8_product(x, *w["q8"], nk=False, interpret=INTERPRET, **options)
 
 
+def _group(w) -> int:
+    """The int4 weights' group size (``bench_tpu.weights``': 128, or K)."""
+    packed, scale = w["q4"]
+    return 2 * packed.shape[1] // scale.shape[1]
+
+
 def _int4(x, w, stored=False, **options):
     """linear_q's int4 G=128 product on qarray's bytes, or (``stored``) on
     the same weights held as jnp.int4 (no bitcast a call)."""
     packed, scale = w["q4"]
-    group = min(128, packed.shape[1] * 2)
     return _tpu.int4_product(
         x,
         w["q4_int4"] if stored else packed,
         scale,
-        group_size=group,
+        group_size=_group(w),
         interpret=INTERPRET,
         **options,
     )
@@ -76,10 +81,8 @@ def _int4(x, w, stored=False, **options):
 
 def _int4_tile_candidate(x, w, **options):
     """``benchmarks.int4_tile_candidate``'s tile kernel, G=128."""
-    packed, scale = w["q4"]
-    group = min(128, packed.shape[1] * 2)
     return tile_product(
-        x, packed, scale, group_size=group, interpret=INTERPRET, **options
+        x, *w["q4"], group_size=_group(w), interpret=INTERPRET, **options
     )
 
 

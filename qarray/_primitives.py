@@ -465,73 +465,58 @@ _INT4_BLOCK_BYTES_TPU = 32 << 20
 
 
 def _int4_rows_product(g, qw, precision=None):
-    """``g[..., n] . W[n, k]`` over n for int4 ``qw (N, K)``: float32 blocks
-    of rows (``_int4_rows``), or where a TPU runs it at one bf16 pass, bf16
-    blocks read as ``int4_bf16`` reads the weights. A layer the float32 form
-    takes whole keeps it everywhere: that product carries the weights'
-    tangent (the x cotangent's derivative in w, a mixed second derivative),
-    which the blocks' parts do not."""
+    """``g[..., n] . W[n, k]`` over n for int4 ``qw (N, K)``. A layer within
+    one float32 block is one product on ``dequantize(qw)``, which carries
+    the weights' tangent (the x cotangent's derivative in w, a mixed second
+    derivative); a larger one goes by blocks of rows (``_int4_blocks``):
+    float32, or where a TPU runs it at one bf16 pass, bf16 read as
+    ``int4_bf16`` reads the weights."""
     ty = jax.typeof(qw)
     n, k = ty.shape
-    whole = n * k * 4 <= _INT4_BLOCK_BYTES
-    if whole or not _formulations.int4_bf16_on_tpu(precision):
-        return _int4_rows(g, qw, precision)
-    # the weights pass the platform's branches as plain arrays: cond's
-    # batching rule (vmap over stacked weights) takes no QArray
+    g = g.astype(FLOAT32)
+    if n <= max(1, _INT4_BLOCK_BYTES // (4 * k)):
+        return jnp.matmul(g, dequantize(qw), precision=precision)
     qvalue, scale = unpack(qw)
-
-    def rows(g, qvalue, scale, **form):
-        return _int4_rows(g, pack(qvalue, scale, 4, ty.group_size), **form)
-
+    blocks = functools.partial(_int4_blocks, group_size=ty.group_size)
+    if not _formulations.int4_bf16_on_tpu(precision):
+        return blocks(g, qvalue, scale, precision=precision)
+    # the weights pass the platform's branches as their parts: cond's
+    # batching rule (vmap over stacked weights) takes no QArray
     return lax.platform_dependent(
         g,
         qvalue,
         scale,
-        tpu=functools.partial(rows, bf16=True),
-        default=functools.partial(rows, precision=precision),
+        tpu=functools.partial(blocks, bf16=True),
+        default=functools.partial(blocks, precision=precision),
     )
 
 
-def _int4_rows(g, qw, precision=None, *, bf16=False):
-    """``g[..., n] . W[n, k]`` over n for int4 ``qw (N, K)``, a block of rows
-    dequantized at a time (whole for a small layer): in float32 at
-    ``precision``, or (``bf16``) rounded once to bf16 by
-    ``_numerics.dequantize_groups_bf16``, g rounded to bf16, one bf16 dot
-    summing in float32."""
-    ty = jax.typeof(qw)
-    n, k = ty.shape
+def _int4_blocks(g, qvalue, scale, *, group_size, precision=None, bf16=False):
+    """``g[..., n] . W[n, k]`` over n for int4 weights as their parts
+    (packed ``qvalue (N, K / 2)``, ``scale (N, K / G)``), a block of rows
+    dequantized at a time: in float32 at ``precision`` (1 MiB blocks), or
+    (``bf16``) rounded once to bf16 by ``_numerics.dequantize_groups_bf16``,
+    g rounded to bf16, one bf16 dot summing in float32 (32 MiB blocks)."""
+    n, k = qvalue.shape[0], 2 * qvalue.shape[1]
     block_bytes, itemsize = (
         (_INT4_BLOCK_BYTES_TPU, 2) if bf16 else (_INT4_BLOCK_BYTES, 4)
     )
     rows = max(1, block_bytes // (itemsize * k))
-    g = g.astype(FLOAT32)
-    if rows >= n and not bf16:  # the whole layer, differentiable in its scales
-        return jnp.matmul(g, dequantize(qw), precision=precision)
-    qvalue, scale = unpack(qw)
     flat = g.reshape(-1, n)
 
-    def product(rows_of_g, start, size):
+    def block(start, size):
+        rows_of_g = lax.dynamic_slice_in_dim(flat, start, size, 1)
+        part = [lax.dynamic_slice_in_dim(a, start, size, 0) for a in (qvalue, scale)]
         if bf16:
-            w = _numerics.dequantize_groups_bf16(
-                lax.dynamic_slice_in_dim(qvalue, start, size, 0),
-                lax.dynamic_slice_in_dim(scale, start, size, 0),
-            )
+            w = _numerics.dequantize_groups_bf16(*part)
             return jnp.matmul(
                 rows_of_g.astype(jnp.bfloat16), w, preferred_element_type=FLOAT32
             )
-        part = pack(
-            lax.dynamic_slice_in_dim(qvalue, start, size, 0),
-            lax.dynamic_slice_in_dim(scale, start, size, 0),
-            4,
-            ty.group_size,
-        )
-        return jnp.matmul(rows_of_g, dequantize(part), precision=precision)
+        w = dequantize(pack(*part, 4, group_size))
+        return jnp.matmul(rows_of_g, w, precision=precision)
 
     if rows >= n:
-        return product(flat, 0, n).reshape(*g.shape[:-1], k)
-
-    def block(start, size):
-        return product(lax.dynamic_slice_in_dim(flat, start, size, 1), start, size)
+        return block(0, n).reshape(*g.shape[:-1], k)
 
     def step(total, i):
         return total + block(i * rows, rows), None

@@ -2,8 +2,8 @@
 CPUs): each runs compiled on a TPU and in Pallas' interpreter elsewhere (the
 tests, on CPU)."""
 
+from .._numerics import as_int4 as as_int4
 from ._available import available as available
-from ._int4 import as_int4 as as_int4
 from ._int4 import int4_product as int4_product
 from ._int4 import reads_bytes as reads_bytes
 from ._int8 import int8_product as int8_product

@@ -39,7 +39,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .._numerics import as_int4 as as_int4
 from .._rules import for_tpu
 from . import _layout
 from ._int8 import MXU

@@ -306,12 +306,16 @@ def test_the_x_cotangent_in_bf16_blocks_matches_numpy(rng, monkeypatch, block_ro
     packed, scale = unpacked(q)
     dense = ref.dequantize4(ref.unpack4(np.asarray(packed)), np.asarray(scale))
     want = g.astype(np.float64) @ dense.astype(np.float64)
-    rows = jax.jit(functools.partial(_primitives._int4_rows, bf16=True))
-    got = np.asarray(rows(g, q), np.float64)
+    rows = jax.jit(
+        functools.partial(_primitives._int4_blocks, group_size=128, bf16=True)
+    )
+    got = np.asarray(rows(g, *unpacked(q)), np.float64)
     assert got.shape == (2, 4, k)
     err = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert 0 < err <= 2.0**-7, err
-    batched = jax.vmap(rows, in_axes=(0, None))(np.stack([g, 2 * g]), q)
+    batched = jax.vmap(rows, in_axes=(0, None, None))(
+        np.stack([g, 2 * g]), *unpacked(q)
+    )
     np.testing.assert_allclose(batched[1], 2 * got, rtol=1e-6, atol=1e-5)
 
 
