@@ -203,14 +203,20 @@ def _check_shed_for_the_python_client(limited, rng):
         yield chunk[len(chunk) // 2 :]
 
     def hold():
-        held.append(
-            requests.post(
-                f"{limited}/apply",
-                data=slow_body(),
-                headers={"Content-Type": "application/json"},
-                timeout=60,
+        try:
+            held.append(
+                requests.post(
+                    f"{limited}/apply",
+                    data=slow_body(),
+                    headers={"Content-Type": "application/json"},
+                    timeout=60,
+                )
             )
-        )
+        except requests.ConnectionError:
+            # a holder shed while its streamed body is still being sent: the
+            # server answers 503 and closes the connection under the client's
+            # upload, which requests reports as a reset (seen once in CI)
+            held.append("reset")
 
     holders = [threading.Thread(target=hold) for _ in range(12)]
     for t in holders:
@@ -229,7 +235,7 @@ def _check_shed_for_the_python_client(limited, rng):
     assert shed is not None, "no request was shed"
     print(f"the client's error: {shed!r}"[:400])
     assert "503" in str(shed) and "QARRAY_MAX_INFLIGHT_BYTES" in str(shed), shed
-    assert all(r.status_code in (200, 503) for r in held)
+    assert all(r == "reset" or r.status_code in (200, 503) for r in held), held
 
 
 def test_unknown_keys_get_a_small_422(limited):
