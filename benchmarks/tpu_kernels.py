@@ -4,8 +4,8 @@ the measurements behind ``qarray/_tpu``'s defaults and the TPU rule.
 
     python -m benchmarks.tpu_kernels [--k 8192 --n 8192] [--calls 50]
         [--repeats 3] [--budget 420]
-        [--only int8,w8a8,vector,int4,int4_bytes,int4_stored,int4_tile_rows,
-                int4_xla_bf16,vjp,read]
+        [--only int8,w8a8,vector,int4,int4_bytes,int4_pair,int4_stored,
+                int4_tile_rows,int4_xla_bf16,vjp,read]
         [--out FILE.json]
 
 Each variant times ``--calls`` dependent products in one jitted
@@ -193,6 +193,11 @@ def variants(k: int, n: int, only: set[str]):
             out.append(("int4", f"bytes int8x2 {blocks}", MANY, fn))
         fn = functools.partial(_int4, mxu="int8", parts=1, blocks=(512, 1024, 1024))
         out.append(("int4", "bytes int8x1 (W4A8)", FEW + MANY, fn))
+    if "int4_pair" in only:  # x as int8_pair: its parts meet in int32
+        for bn, bk2 in [(1024, 1024), (2048, 1024), (1024, 2048), (2048, 2048)]:
+            blocks = (512, bn, bk2)
+            fn = functools.partial(_int4, mxu="int8", parts=2, pair=True, blocks=blocks)
+            out.append(("int4", f"bytes int8 pair {blocks}", FEW + MANY[:1], fn))
     if "vector" in only:  # one row on the vector unit (float32's sums)
         for blocks in [(256, 8192), (512, 4096), (1024, 4096), (1024, 2048)]:
             fn = functools.partial(_int8_vector, blocks=blocks)
@@ -259,7 +264,7 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--only",
         default=(
-            "int8,w8a8,vector,int4,int4_bytes,int4_stored,int4_tile_rows,"
+            "int8,w8a8,vector,int4,int4_bytes,int4_pair,int4_stored,int4_tile_rows,"
             "int4_xla_bf16,vjp,read"
         ),
     )

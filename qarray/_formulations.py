@@ -323,6 +323,12 @@ def linear_int4(
                 mxu, parts = "int8", tpu.INT8_PARTS[parts]
             else:  # a bf16 x is its own one bf16 part: exact
                 mxu, parts = "bf16", 1 if bf16_x else parts
+            pair = (
+                bytes_kernel
+                and mxu == "int8"
+                and parts == 2
+                and m <= _rules.for_tpu().int4_pair_max_rows
+            )
             return tpu.int4_product(
                 x2,
                 packed,
@@ -331,6 +337,7 @@ def linear_int4(
                 mode=mode,
                 mxu=mxu,
                 parts=parts,
+                pair=pair,
                 interpret=not _tpu_available(),  # forced where none compile
             )
         if strategy == "int4_bf16":

@@ -42,7 +42,7 @@ from jax.experimental.pallas import tpu as pltpu
 from .._rules import for_tpu
 from . import _layout
 from ._int8 import MXU
-from ._parts import bf16_head
+from ._parts import PAIR_RATIO, bf16_head, int8_pair
 
 _NT = (((1,), (1,)), ((), ()))  # contract the last axes: a (r, c) . b (s, c)
 _NN = (((1,), (0,)), ((), ()))
@@ -119,13 +119,22 @@ def _groups_kernel(*refs, parts, mxu, width, nibbles):
         )
 
 
-def _bytes_kernel(x_ref, w_ref, s_ref, xs_ref, out_ref, acc_ref, *, parts, half):
+def _bytes_kernel(
+    x_ref, w_ref, s_ref, xs_ref, out_ref, acc_ref, *, parts, half, live, pair
+):
     """Mode groups on qarray's bytes with the int8 MXU (``reads_bytes``).
     Each group's operand is its low nibbles, then its high ones, each
     times 16 (``_byte_nibbles``), against x's entries of that group in the
     same order (its even entries, then its odd ones: ``_halves_by_group``):
     one int8 product a group's 128 entries, each weight entering the MXU
-    once and no byte widened. ``s_ref``: the group scales / 16 (groups, bn)."""
+    once and no byte widened. ``s_ref``: the group scales / 16 (groups, bn).
+
+    Each group's sums are scaled on the vector unit, the kernel's main cost
+    past a few rows, so only x's ``live`` rows of each part are (its rows
+    padded to 8, where int8's tiles pad them to 32); with ``pair`` (x as
+    ``int8_pair``) the two parts' sums meet in int32 first (exact: at most
+    255 * 127 * 128 per entry of a group), one scaled array where two were.
+    ``xs_ref``: the row scales of the rows kept (``pair``: part 1's)."""
     kk = pl.program_id(2)
 
     @pl.when(kk == 0)
@@ -148,7 +157,10 @@ def _bytes_kernel(x_ref, w_ref, s_ref, xs_ref, out_ref, acc_ref, *, parts, half)
         arrays = [low, high]
     # the block's operands as int8, unpacked once (each nibble times 16)
     operands = [pltpu.bitcast(a & _HIGH_NIBBLES, jnp.int8) for a in arrays]
-    x, scales, acc = x_ref[...], s_ref[...], acc_ref[...]
+    x, scales = x_ref[...], s_ref[...]
+    bm = x.shape[0] // parts
+    kept = [slice(p * bm, p * bm + live) for p in range(parts)]
+    accs = [acc_ref[i * live : (i + 1) * live] for i in range(1 if pair else parts)]
     for g in range(scales.shape[0]):
         start = 2 * half * g  # the group's entries in x's block
         if half == turn:
@@ -166,14 +178,19 @@ def _bytes_kernel(x_ref, w_ref, s_ref, xs_ref, out_ref, acc_ref, *, parts, half)
             )
             for at, w in pieces
         )
-        acc += sums.astype(jnp.float32) * scales[g : g + 1]
-    acc_ref[...] = acc
+        rows = [sums[r] for r in kept]
+        if pair:
+            rows = [rows[0] * PAIR_RATIO + rows[1]]
+        accs = [
+            a + r.astype(jnp.float32) * scales[g : g + 1]
+            for a, r in zip(accs, rows, strict=True)
+        ]
+    for i, a in enumerate(accs):
+        acc_ref[i * live : (i + 1) * live] = a
 
     @pl.when(kk == pl.num_programs(2) - 1)
     def _():
-        out_ref[...] = _layout.combine_parts(
-            acc_ref[...], xs_ref[...], parts, out_ref.shape[0]
-        )
+        out_ref[...] = _layout.combine_parts(acc_ref[...], xs_ref[...], len(accs), live)
 
 
 def reads_bytes(group_size: int, mxu: str) -> bool:
@@ -261,6 +278,7 @@ def _int4_product(
     mode: str = "groups",
     mxu: str = "bf16",
     parts: int = 1,
+    pair: bool = False,
     blocks: tuple[int, int, int] | None = None,
     interpret: bool = False,
 ):
@@ -273,8 +291,9 @@ def _int4_product(
 
     ``mode``: ``"groups"`` or ``"tile"`` (module doc); ``mxu`` (groups):
     ``"bf16"`` or ``"int8"``; ``parts``: x's parts of that kind (``_parts``;
-    in mode tile the weights' bf16 parts too). ``blocks``: (bm, bn, packed
-    bk) upper bounds."""
+    in mode tile the weights' bf16 parts too); ``pair`` (the bytes kernel,
+    two int8 parts): x as ``int8_pair``, whose parts meet in int32.
+    ``blocks``: (bm, bn, packed bk) upper bounds."""
     m, k = x.shape
     n = packed.shape[0]
     if 0 in (m, k, n):
@@ -294,8 +313,13 @@ def _int4_product(
         nibbles = "bytes"
     else:
         nibbles = "shifts"
+    if pair and (nibbles != "bytes" or parts != 2):
+        raise ValueError(
+            "pair: the bytes kernel (int8 MXU, G a multiple of "
+            f"128) on two int8 parts of x, not {nibbles} x{parts}"
+        )
     split, _ = MXU["bf16" if mode == "tile" else mxu]
-    xparts, xscales = split(x, parts)
+    xparts, xscales = int8_pair(x) if pair else split(x, parts)
     (mp, bm), (np_, bn), (kp2, bk2) = padded_blocks(
         m, k // 2, n, half, xparts.dtype, blocks
     )
@@ -335,21 +359,32 @@ def _int4_product(
         pl.BlockSpec((bn, w_bk), lambda i, j, kk: (j, kk)),
         pl.BlockSpec((bk2 // half, bn), lambda i, j, kk: (kk, j)),
     ]
+    # x's rows the bytes kernel scales and writes: one block of rows keeps
+    # only its rows padded to 8 (int8 pads them to 32: _bytes_kernel)
+    live = min(bm, _layout.padded(m, 8)) if mp == bm else bm
+    out_rows, acc_rows = bm, bm
     if nibbles == "bytes":
         groups_t = groups_t / 16  # its nibbles come times 16 (exact)
-        kernel = functools.partial(_bytes_kernel, parts=parts, half=half)
+        kernel = functools.partial(
+            _bytes_kernel, parts=parts, half=half, live=live, pair=pair
+        )
+        row_scales = row_scales.reshape(mp // bm, parts, bm)
+        row_scales = (row_scales[:, 1:] if pair else row_scales)[..., :live]
+        out_rows = live
+        acc_rows = row_scales.shape[1] * live
+        row_scales = row_scales.reshape(-1, 1)
     else:
         kernel = functools.partial(
             _groups_kernel, parts=parts, mxu=mxu, width=width, nibbles=nibbles
         )
     args = [*stacked, w, groups_t]
     if mode == "groups":
-        in_specs.append(pl.BlockSpec((parts * bm, 1), lambda i, j, kk: (i, 0)))
+        if nibbles != "bytes":
+            acc_rows = parts * bm
+        in_specs.append(pl.BlockSpec((acc_rows, 1), lambda i, j, kk: (i, 0)))
         args.append(row_scales)
-        acc_rows = parts * bm
     else:
         kernel = functools.partial(_tile_kernel, parts=parts, half=half)
-        acc_rows = bm
     params = _layout.compiler_params(
         len(stacked) * r * bk * stacked[0].dtype.itemsize,
         9 * bn * bk2,
@@ -357,10 +392,10 @@ def _int4_product(
     )
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((mp, np_), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((mp // bm * out_rows, np_), jnp.float32),
         grid=(mp // bm, np_ // bn, kp2 // bk2),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
+        out_specs=pl.BlockSpec((out_rows, bn), lambda i, j, kk: (i, j)),
         scratch_shapes=[pltpu.VMEM((acc_rows, bn), jnp.float32)],
         compiler_params=params,
         interpret=interpret,
@@ -375,6 +410,7 @@ _jitted = jax.jit(
         "mode",
         "mxu",
         "parts",
+        "pair",
         "blocks",
         "interpret",
     ),
@@ -404,6 +440,8 @@ def int4_product(x, packed, scale, *, group_size: int, **options):
             "(packed uint8 (n, k / 2) or jnp.int4 (n, k), scale (n, k / group_size))"
         )
     mode = options.get("mode", "groups")
+    if mode == "groups" and reads_bytes(group_size, options.get("mxu", "bf16")):
+        mode = "bytes"
     options["blocks"] = options.get("blocks") or getattr(
         for_tpu(), f"int4_{mode}_blocks", None
     )

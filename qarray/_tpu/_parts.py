@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._numerics import dequantize_rows, quantize_rows
+from .._numerics import dequantize_rows, on_grid, quantize_rows
 
 # int8 parts standing in for the bf16 parts of each precision: one int8
 # part is coarser than one bf16 pass (module doc), so the default takes two
@@ -101,3 +101,27 @@ def int8_parts(x, count: int):
         scales.append(s)
         rest = rest - dequantize_rows(q, s)
     return jnp.stack(parts), jnp.stack(scales)
+
+
+# int8_pair's ratio of its two parts' scales: the largest whole number whose
+# second part stays within int8 (what the first leaves is at most half its
+# step: 254 / 2 = 127 steps of the second)
+PAIR_RATIO = 254
+
+
+def int8_pair(x):
+    """x f32 (m, k) -> (parts int8 (2, m, k), scales f32 (2, m)), the
+    contract of ``int8_parts(x, 2)`` whose parts are the two int8 halves of
+    one 16-bit quantization per row: x ~ scales[1] * (254 * parts[0] +
+    parts[1]) (``scales[0]``: ``scales[1] * 254`` in float32). A kernel may
+    then sum part 0's products times 254 and part 1's in int32 and scale them
+    once (int4's bytes kernel, ``pair``). Its precision is two int8 parts':
+    ~(1/254)**2 of each row's largest entry."""
+    x = x.astype(jnp.float32)
+    high, coarse = quantize_rows(x)
+    fine = coarse / PAIR_RATIO
+    coarse = fine * PAIR_RATIO
+    rest = x - dequantize_rows(high, coarse)
+    step = jnp.where(fine > 0, fine, 1)[:, None]
+    low = on_grid(rest, step, 127).astype(jnp.int8)
+    return jnp.stack([high, low]), jnp.stack([coarse, fine])

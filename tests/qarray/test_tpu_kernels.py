@@ -18,6 +18,7 @@ from jax import lax
 
 from qarray import _formulations, _tpu
 from qarray._numerics import quantize_groups_np, quantize_rows_np
+from qarray._tpu import _parts as _tpu_parts
 
 # interpreted wherever they do not compile (off a TPU, or a TPU whose libtpu
 # refuses this JAX's Mosaic modules: there the strategies take XLA's too)
@@ -301,6 +302,17 @@ def test_bad_static_parameters_are_value_errors():
             mode="tile",
             interpret=INTERPRET,
         )
+    with pytest.raises(ValueError, match="pair: the bytes kernel"):
+        _tpu.int4_product(
+            jnp.ones((2, 128)),
+            jnp.ones((4, 64), jnp.uint8),
+            jnp.ones((4, 1)),
+            group_size=128,
+            mxu="int8",
+            parts=3,
+            pair=True,
+            interpret=INTERPRET,
+        )
     with pytest.raises(ValueError, match="orient='columns'"):
         _tpu.int8_product(
             jnp.ones((2, 128)),
@@ -334,6 +346,48 @@ def test_int4_bytes_over_several_blocks_of_k(rng, group_size):
     options = dict(mode="groups", mxu="int8", parts=3, blocks=(32, 256, 512))
     got, want = int4_case(rng, 9, 4096, 300, group_size, **options)
     assert rel_err(got, want) <= INT8_TOLERANCE[3]
+
+
+def test_int8_pair_is_one_16_bit_quantization_in_two_halves(rng):
+    """``int8_pair``: x ~ s1 (254 q0 + q1) per row within half a step s1 =
+    max|row| / (127 * 254), q0 the int8-activation quantization itself, s0
+    = 254 s1; a zero row is all zeros with scales 0."""
+    x = rng.standard_normal((6, 300)).astype(np.float32) * np.float32(
+        [[1], [1e-3], [1e4], [1], [1], [1]]
+    )
+    x[3] = 0
+    x[4, 7] = -40  # one entry far past the others
+    parts, scales = (np.asarray(a) for a in _tpu_parts.int8_pair(jnp.asarray(x)))
+    assert parts.dtype == np.int8 and parts.shape == (2, 6, 300)
+    q0, s0 = quantize_rows_np(x)
+    np.testing.assert_array_equal(parts[0][[0, 1, 2, 3, 5]], q0[[0, 1, 2, 3, 5]])
+    np.testing.assert_allclose(scales[0], 254 * scales[1].astype(np.float64), rtol=1e-7)
+    np.testing.assert_allclose(scales[1], s0 / 254, rtol=1e-6)
+    assert np.abs(parts[1]).max() <= 127
+    value = scales[1][:, None] * (254.0 * parts[0] + parts[1])
+    np.testing.assert_allclose(scales[1], np.abs(x).max(1) / (127 * 254), rtol=1e-6)
+    # within half a step of the fine grid (its rounding, and float32's in x's rest)
+    assert (np.abs(value - x).max(1) <= 0.501 * scales[1]).all()
+    assert not value[3].any() and not scales[:, 3].any()
+
+
+@pytest.mark.parametrize("group_size", [128, 256, 512])
+@pytest.mark.parametrize(
+    "m,blocks", [(1, None), (8, None), (13, None), (64, None), (70, (32, 256, 256))]
+)
+def test_int4_bytes_on_x_as_a_pair_match_numpy(rng, m, blocks, group_size):
+    """The bytes kernel on ``int8_pair``'s halves, whose sums meet in int32
+    before each group's scale, and on int8 parts, of one block of rows
+    (only its rows padded to 8 scaled: 1, 8 and 13 rows of int8's 32) or
+    several (70 rows in blocks of 32); G 512: a group's int32 sums stay
+    exact (255 * 127 * 128 * 512 < 2**31)."""
+    k, n = 2048, 300
+    for pair in (True, False):
+        options = dict(mode="groups", mxu="int8", parts=2, pair=pair)
+        options["blocks"] = blocks or (512, 256, 512)
+        got, want = int4_case(rng, m, k, n, group_size, **options)
+        assert got.shape == (m, n)
+        assert rel_err(got, want) <= INT8_TOLERANCE[2]
 
 
 def test_int4_bytes_take_a_bf16_x_as_int8_parts(rng):

@@ -68,6 +68,7 @@ def test_the_vector_kernel_lowers_for_a_tpu(shape):
         ("groups", "int8", 1, 128),  # bytes kernel, W4A8
         ("groups", "int8", 2, 128),  # bytes kernel, weight-only
         ("groups", "int8", 2, 256),
+        ("pair", "int8", 2, 128),  # bytes kernel on int8_pair's halves
         ("groups", "bf16", 1, 128),  # shifts
         ("groups", "bf16", 1, 32),  # shifts, several groups a chunk
         ("tile", "bf16", 1, 64),
@@ -78,8 +79,14 @@ def test_int4_kernels_lower_for_a_tpu(shape, mode, mxu, parts, group_size):
     m, k, n = shape
     x, packed = _operands(m, k, n, weights="int4")
     scale = jax.ShapeDtypeStruct((n, k // group_size), jnp.float32)
+    pair = mode == "pair"
     fn = functools.partial(
-        _tpu.int4_product, group_size=group_size, mode=mode, mxu=mxu, parts=parts
+        _tpu.int4_product,
+        group_size=group_size,
+        mode="groups" if pair else mode,
+        mxu=mxu,
+        parts=parts,
+        pair=pair,
     )
     _lowers_to_mosaic(fn, x, packed, scale)
 

@@ -347,6 +347,43 @@ def test_the_rules_blocks_are_read_at_each_call(monkeypatch):
     assert seen == [(32, 128, 128)] * 2 + [rule.int8_blocks, rule.int4_groups_blocks]
 
 
+@pytest.mark.parametrize(
+    "precision,m,pair",
+    [
+        (lax.Precision.DEFAULT, 1, True),
+        (lax.Precision.DEFAULT, 64, True),
+        (lax.Precision.DEFAULT, 65, False),
+        (lax.Precision.HIGHEST, 8, False),
+    ],
+)
+def test_int4_bytes_take_x_as_a_pair_up_to_its_rows(monkeypatch, precision, m, pair):
+    """linear_int4 on the bytes kernel (G = 128) at the default precision
+    (x's two int8 parts) takes them as ``int8_pair`` up to the rule's
+    int4_pair_max_rows, at the rule's int4_bytes_blocks; three parts
+    ("highest") never."""
+    from qarray._tpu import _int4
+
+    seen = []
+    original = _int4._jitted
+    monkeypatch.setattr(
+        _int4,
+        "_jitted",
+        lambda *a, **kw: seen.append(kw) or original(*a, **kw),
+    )
+    packed, scale = jnp.ones((128, 128), jnp.uint8), jnp.ones((128, 2))
+    with _rules.overriding(int4_bf16_max_rows=0):
+        _formulations.linear_int4(
+            jnp.ones((m, 256)),
+            packed,
+            scale,
+            strategy="pallas_groups",
+            precision=precision,
+        )
+    (options,) = seen
+    assert options["pair"] is pair and options["mxu"] == "int8"
+    assert options["blocks"] == _rules.for_tpu().int4_bytes_blocks
+
+
 def test_dot_algorithm_names_give_their_parts():
     """jax.default_matmul_precision also takes JAX's dot algorithms by name:
     each gets the bf16 parts that carry its precision."""
