@@ -39,13 +39,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from benchmarks.bench_tpu import device_ms, weights
-from benchmarks.int4_tile_candidate import tile_product
 from qarray import _tpu
 from qarray._numerics import dequantize_groups
 
 # Pallas' interpreter off the chip: a check that every variant runs
 INTERPRET = jax.default_backend() != "tpu"
 FEW = (1, 8, 64)
+# where int4's bytes kernel hands over to its tile kernel (the TPU rule)
+MIDDLE = (128, 256)
 MANY = (512, 4096)
 
 
@@ -76,13 +77,6 @@ def _int4(x, w, stored=False, **options):
         group_size=_group(w),
         interpret=INTERPRET,
         **options,
-    )
-
-
-def _int4_tile_candidate(x, w, **options):
-    """``benchmarks.int4_tile_candidate``'s tile kernel, G=128."""
-    return tile_product(
-        x, *w["q4"], group_size=_group(w), interpret=INTERPRET, **options
     )
 
 
@@ -187,7 +181,7 @@ def variants(k: int, n: int, only: set[str]):
         for bn, bk2 in [(1024, 1024), (2048, 1024), (1024, 2048), (512, 2048)]:
             blocks = (512, bn, bk2)
             fn = functools.partial(_int4, mxu="int8", parts=2, blocks=blocks)
-            out.append(("int4", f"bytes int8x2 {blocks}", FEW + MANY[:1], fn))
+            out.append(("int4", f"bytes int8x2 {blocks}", FEW + MIDDLE + MANY[:1], fn))
         for blocks in [(2048, 1024, 1024), (1024, 2048, 1024), (4096, 512, 1024)]:
             fn = functools.partial(_int4, mxu="int8", parts=2, blocks=blocks)
             out.append(("int4", f"bytes int8x2 {blocks}", MANY, fn))
@@ -197,7 +191,7 @@ def variants(k: int, n: int, only: set[str]):
         for bn, bk2 in [(1024, 1024), (2048, 1024), (1024, 2048), (2048, 2048)]:
             blocks = (512, bn, bk2)
             fn = functools.partial(_int4, mxu="int8", parts=2, pair=True, blocks=blocks)
-            out.append(("int4", f"bytes int8 pair {blocks}", FEW + MANY[:1], fn))
+            out.append(("int4", f"bytes int8 pair {blocks}", FEW + MIDDLE, fn))
     if "vector" in only:  # one row on the vector unit (float32's sums)
         for blocks in [(256, 8192), (512, 4096), (1024, 4096), (1024, 2048)]:
             fn = functools.partial(_int8_vector, blocks=blocks)
@@ -220,13 +214,7 @@ def variants(k: int, n: int, only: set[str]):
         tile_blocks += [(2048, 512, 1024), (4096, 512, 512), (2048, 2048, 256)]
         for blocks in tile_blocks:
             fn = functools.partial(_int4, mode="tile", parts=1, blocks=blocks)
-            out.append(("int4", f"tile bf16x1 {blocks}", MANY, fn))
-            fn = functools.partial(_int4_tile_candidate, blocks=blocks)
-            out.append(("int4", f"candidate tile bf16x1 {blocks}", MANY, fn))
-        for blocks in tile_blocks[:2]:  # its fallback: scales a plain block
-            fn = functools.partial(_int4_tile_candidate, blocks=blocks, per_byte=True)
-            name = f"candidate tile bf16x1 {blocks}, scales per byte"
-            out.append(("int4", name, MANY, fn))
+            out.append(("int4", f"tile bf16x1 {blocks}", MIDDLE + MANY, fn))
     if "int4_xla_bf16" in only:  # dequantized to bf16 in HBM once, bf16 dot
         out.append(("int4", "xla dequantized bf16", MANY, _int4_xla_bf16))
     if "read" in only:  # no product: the weights' read alone
@@ -276,7 +264,10 @@ def main(argv=None) -> dict:
     w["q4_dense"] = dequantize_groups(*w["q4"])  # (N, K) float32
     w["q4_int4"] = _tpu.as_int4(w["q4"][0])
     rng = np.random.default_rng(1)
-    xs = {m: jnp.asarray(rng.standard_normal((m, k)), jnp.float32) for m in FEW + MANY}
+    xs = {
+        m: jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+        for m in FEW + MIDDLE + MANY
+    }
     baseline = lambda x, w: lax.dot_general(  # noqa: E731
         x, w["bf16"], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
     )

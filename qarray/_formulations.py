@@ -413,6 +413,9 @@ def int4_tpu_strategy(m: int, group: int, activations: str, parts: int) -> str:
     if not fits or not _tpu_available() or _partitioned():
         return xla
     if _tpu_module().reads_bytes(group, "int8"):
+        one_pass = activations == "float32" and parts == 1
+        if one_pass and rule.int4_bytes_pass_max_rows < m <= rule.int4_tile_max_rows:
+            return "pallas_tile"
         return "pallas_groups" if m <= rule.int4_bytes_max_rows else xla
     if activations != "float32":
         return xla

@@ -194,10 +194,13 @@ class TpuRule:
     # as its one bf16 part lead them (benchmarks.tpu_kernels, int4 against
     # int4_bytes); weight-only up to int4_pair_max_rows x's two int8 parts
     # are int8_pair's, whose sums meet in int32 before the group scales
-    # (int4_pair against int4_bytes)
+    # (int4_pair against int4_bytes); weight-only at one bf16 pass past
+    # int4_bytes_pass_max_rows, the tile kernel below to int4_tile_max_rows
+    # (int4_tile_rows against int4_bytes)
     int4_bytes_max_rows: int
     int4_bf16_max_rows: int
     int4_pair_max_rows: int
+    int4_bytes_pass_max_rows: int
     int4_bytes_blocks: tuple[int, int, int]
     # other group sizes, weight-only: nibbles unpacked by shifts and each
     # group's sums scaled (mode "groups") up to int4_groups_max_rows; each
@@ -217,11 +220,12 @@ TPU = TpuRule(
     int4_bytes_max_rows=512,
     int4_bf16_max_rows=1,
     int4_pair_max_rows=64,
+    int4_bytes_pass_max_rows=256,
     int4_bytes_blocks=(512, 1024, 2048),
     int4_groups_max_rows=64,
     int4_groups_blocks=(512, 1024, 1024),
     int4_tile_max_rows=512,
-    int4_tile_blocks=(512, 1024, 512),
+    int4_tile_blocks=(1024, 2048, 512),
 )
 
 _overrides: dict[str, object] = {}

@@ -3,14 +3,12 @@ backend (int4 x int4 on a TPU only) and reports finite ratios; the chip's
 figures are what the benchmark measures there, not asserted here.
 
 Covers: benchmarks/bench_tpu.py, benchmarks/bench_tpu_conv.py,
-benchmarks/tpu_kernels.py, benchmarks/tpu_kernels_host.py,
-benchmarks/int4_tile_candidate.py"""
+benchmarks/tpu_kernels.py, benchmarks/tpu_kernels_host.py"""
 
 import json
 import math
 
 import jax
-import pytest
 
 from benchmarks import bench_tpu, bench_tpu_conv
 
@@ -85,43 +83,3 @@ def test_the_kernel_sweep_records_each_variant(tmp_path):
         assert math.isfinite(entry["vs_bf16"]) and entry["vs_bf16"] > 0
         if entry["family"] == "vjp":
             assert entry["rel_err"] < 2.0**-8
-
-
-@pytest.mark.parametrize("per_byte", [False, True], ids=["group_scales", "per_byte"])
-@pytest.mark.parametrize("parts,tolerance", [(1, 2.0**-7), (3, 1e-6)])
-@pytest.mark.parametrize("group_size", [32, 128, 256])
-def test_the_int4_tile_candidate_matches_numpy(group_size, parts, tolerance, per_byte):
-    """benchmarks.int4_tile_candidate (timed by tpu_kernels' int4_tile_rows)
-    against NumPy's dequantized product, in Pallas' interpreter off the chip:
-    70 rows in blocks of 32, 300 columns in blocks of 128, K 1216, 1280 or
-    2048 (every axis padded to its blocks; several blocks of K for G 32 and
-    128), the groups several to a 128-byte chunk (G 32, 128) or a chunk to a
-    group (256), its scales as whole rows by block of K or repeated per
-    byte; one bf16 part rounds the dequantized weights to bf16 as well as
-    x."""
-    import numpy as np
-
-    import qarray as qa
-    from benchmarks.int4_tile_candidate import tile_product
-    from support import reference as ref
-
-    rng = np.random.default_rng(group_size)
-    m, n = 70, 300
-    k = {32: 1216, 128: 1280, 256: 2048}[group_size]
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    w = rng.standard_normal((n, k)).astype(np.float32)
-    packed, scale = qa.unpack(qa.quantize(w, 4, group_size))
-    got = tile_product(
-        x,
-        packed,
-        scale,
-        group_size=group_size,
-        parts=parts,
-        blocks=(32, 128, 256),
-        per_byte=per_byte,
-        interpret=jax.default_backend() != "tpu",
-    )
-    want = x.astype(np.float64) @ ref.roundtrip4(w, group_size).astype(np.float64).T
-    assert got.shape == (m, n) and got.dtype == np.float32
-    err = np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
-    assert err <= tolerance, err

@@ -16,10 +16,10 @@ scales (``mode``):
   split into its even and odd entries (the low nibbles meet the even ones),
   and where a 128-byte chunk holds several groups x's rows come in copies,
   each zeroed outside one group's lanes (``_groups_kernel``).
-- ``"tile"``: each block of weights is dequantized in VMEM (transposed so
-  that a group's scale is a row broadcast) to float32, split into bf16
-  parts, and multiplied with x's bf16 parts: XLA's dequantized product, the
-  weights never written back.
+- ``"tile"``: each block of weights is dequantized in VMEM where it lies
+  (a group's scale a column broadcast), split into bf16 parts, and
+  multiplied with x's bf16 parts: XLA's dequantized product, the weights
+  never written back (``_tile_kernel``).
 
 Mode groups also takes weights held as ``jnp.int4`` (n, k) (``as_int4``),
 whose blocks Mosaic unpacks itself; qarray holds its bytes, and bitcasting
@@ -42,10 +42,9 @@ from jax.experimental.pallas import tpu as pltpu
 from .._rules import for_tpu
 from . import _layout
 from ._int8 import MXU
-from ._parts import PAIR_RATIO, bf16_head, int8_pair
+from ._parts import PAIR_RATIO, bf16_head, bf16_parts, int8_pair
 
 _NT = (((1,), (1,)), ((), ()))  # contract the last axes: a (r, c) . b (s, c)
-_NN = (((1,), (0,)), ((), ()))
 
 
 def _unpack(packed):
@@ -208,42 +207,115 @@ def _halves_by_group(rows, half: int):
     return rows.reshape(r, c // (2 * half), half, 2).swapaxes(2, 3).reshape(r, c)
 
 
-def _tile_kernel(e_ref, o_ref, w_ref, s_ref, out_ref, acc_ref, *, parts, half):
+def _chunk_scales(scales, c: int, half: int):
+    """The scales of 128-byte chunk ``c`` of a weights' block: scales f32
+    (bn, groups of the block) -> (bn, 1) where one group spans the chunk,
+    else (bn, 128), each lane its group's scale (a group: ``half`` bytes)."""
+    if half >= _layout.LANES:
+        g = c * _layout.LANES // half
+        return scales[:, g : g + 1]
+    first = c * _layout.LANES // half
+    lane = lax.broadcasted_iota(jnp.int32, (scales.shape[0], _layout.LANES), 1)
+    by_lane = jnp.broadcast_to(scales[:, first : first + 1], lane.shape)
+    for t in range(1, _layout.LANES // half):
+        by_lane = jnp.where(
+            lane >= t * half, scales[:, first + t : first + t + 1], by_lane
+        )
+    return by_lane
+
+
+def _tile_kernel(x_ref, w_ref, s_ref, out_ref, acc_ref, w_tile, *, parts, half):
+    """Mode tile. ``x_ref``: x's bf16 parts stacked (parts * bm, 2 bk2),
+    each block of K its even entries, then its odd ones; ``w_ref``: packed
+    bytes (bn, bk2); ``s_ref``: the block's group scales (bn, groups);
+    ``w_tile``: the dequantized weights' bf16 parts (parts, bn, 2 bk2).
+
+    Each 128-byte chunk is dequantized where it lies, a group's scale a
+    column broadcast (no transposes), its low nibbles into the first half of
+    the bf16 tile and its high ones into the second, against x's entries in
+    that order; large row blocks dequantize each weight once or a few times
+    a product."""
     kk = pl.program_id(2)
 
     @pl.when(kk == 0)
     def _():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    low, high = _unpack(w_ref[...])  # (bn, bk2)
-    scales = s_ref[...]  # (bk2 / half, bn)
-    groups, bn = scales.shape
-    by_row = jnp.broadcast_to(scales[:, None, :], (groups, half, bn)).reshape(
-        groups * half, bn
-    )
-    e, o = e_ref[...], o_ref[...]
-    bm = out_ref.shape[0]
+    bk2 = w_ref.shape[1]
+    scales = s_ref[...]
+    for c in range(bk2 // _layout.LANES):
+        cols = slice(c * _layout.LANES, (c + 1) * _layout.LANES)
+        by_lane = _chunk_scales(scales, c, half)
+        for h, nibbles in enumerate(_unpack(w_ref[:, cols])):
+            w = nibbles.astype(jnp.float32) * by_lane
+            at = slice(h * bk2 + c * _layout.LANES, h * bk2 + (c + 1) * _layout.LANES)
+            for j in range(parts):  # bf16 parts, exact but the last
+                head, w = bf16_head(w) if j < parts - 1 else (w, None)
+                w_tile[j, :, at] = head.astype(jnp.bfloat16)
+    x, bm = x_ref[...], out_ref.shape[0]
     acc = acc_ref[...]
-    for nibbles, xs in ((low, e), (high, o)):
-        w = nibbles.T.astype(jnp.float32) * by_row  # (bk2, bn) dequantized
-        for j in range(parts):  # x's parts i < parts - j meet w's part j
-            head, w = bf16_head(w)
-            part = head.astype(jnp.bfloat16)  # exact: on bf16's grid
-            acc += (
-                lax.dot_general(
-                    xs[: (parts - j) * bm],
-                    part,
-                    _NN,
-                    preferred_element_type=jnp.float32,
-                )
-                .reshape(parts - j, bm, bn)
-                .sum(0)
-            )
+    for j in range(parts):  # x's parts i < parts - j meet the weights' part j
+        sums = lax.dot_general(
+            x[: (parts - j) * bm], w_tile[j], _NT, preferred_element_type=jnp.float32
+        )
+        acc += sums.reshape(parts - j, bm, -1).sum(0)
     acc_ref[...] = acc
 
     @pl.when(kk == pl.num_programs(2) - 1)
     def _():
         out_ref[...] = acc_ref[...]
+
+
+def _tile_product(x, packed, scale, *, half: int, parts: int, blocks, interpret):
+    """Mode tile (``_tile_kernel``): x f32 (m, k) times qarray's int4 bytes
+    (n, k / 2) and scales (n, k / G) -> f32 (m, n), x and the dequantized
+    weights each in ``parts`` bf16 parts."""
+    m, k = x.shape
+    n = packed.shape[0]
+    xparts, xscales = bf16_parts(x, parts)
+    (mp, bm), (np_, bn), (kp2, bk2) = padded_blocks(
+        m, k // 2, n, half, xparts.dtype, blocks
+    )
+    rows, _ = _layout.stack_parts(xparts, xscales, mp, bm, 2 * kp2)
+    # each block of K: its even entries, then its odd ones (the tile's order)
+    rows = rows.reshape(-1, kp2 // bk2, bk2, 2).swapaxes(2, 3).reshape(-1, 2 * kp2)
+    w = jnp.pad(packed, ((0, np_ - n), (0, kp2 - packed.shape[1])))
+    groups = bk2 // half
+    scales = jnp.pad(
+        scale.astype(jnp.float32), ((0, np_ - n), (0, kp2 // half - scale.shape[1]))
+    )
+    # by block of K, whole rows: (K blocks, n, groups a block)
+    scales = scales.reshape(np_, kp2 // bk2, groups).transpose(1, 0, 2)
+    r = parts * bm
+    # x's, the bytes' and the scales' blocks, the output's, the bf16 tile,
+    # the float32 sums (scratch) and one dot's sums (a temporary)
+    params = _layout.compiler_params(
+        r * 2 * bk2 * 2,
+        bn * bk2,
+        bn * groups * 4,
+        bm * bn * 4,
+        parts * bn * bk2 * 2,
+        bm * bn * 4,
+        r * bn * 4,
+    )
+    out = pl.pallas_call(
+        functools.partial(_tile_kernel, parts=parts, half=half),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), jnp.float32),
+        grid=(mp // bm, np_ // bn, kp2 // bk2),
+        in_specs=[
+            pl.BlockSpec((r, 2 * bk2), lambda i, j, kk: (i, kk)),
+            pl.BlockSpec((bn, bk2), lambda i, j, kk: (j, kk)),
+            pl.BlockSpec((None, bn, groups), lambda i, j, kk: (kk, j, 0)),
+        ],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
+        scratch_shapes=[
+            pltpu.VMEM((bm, bn), jnp.float32),
+            pltpu.VMEM((parts, bn, 2 * bk2), jnp.bfloat16),
+        ],
+        compiler_params=params,
+        interpret=interpret,
+    )(rows, w, scales)
+    return out[:m, :n]
 
 
 def _k_blocks(k2: int, half: int, largest: int) -> tuple[int, int]:
@@ -318,7 +390,11 @@ def _int4_product(
             "pair: the bytes kernel (int8 MXU, G a multiple of "
             f"128) on two int8 parts of x, not {nibbles} x{parts}"
         )
-    split, _ = MXU["bf16" if mode == "tile" else mxu]
+    if mode == "tile":
+        return _tile_product(
+            x, packed, scale, half=half, parts=parts, blocks=blocks, interpret=interpret
+        )
+    split, _ = MXU[mxu]
     xparts, xscales = int8_pair(x) if pair else split(x, parts)
     (mp, bm), (np_, bn), (kp2, bk2) = padded_blocks(
         m, k // 2, n, half, xparts.dtype, blocks
@@ -332,7 +408,7 @@ def _int4_product(
         entries = [slice(0, None, 2), slice(1, None, 2)]
     else:
         width, span, bk, entries = 2 * half, 2 * kp2, 2 * bk2, [slice(None)]
-    copies = max(1, _layout.LANES // width) if mode == "groups" else 1
+    copies = max(1, _layout.LANES // width)
     stacked = []
     for entry in entries:
         rows, row_scales = _layout.stack_parts(
@@ -362,7 +438,7 @@ def _int4_product(
     # x's rows the bytes kernel scales and writes: one block of rows keeps
     # only its rows padded to 8 (int8 pads them to 32: _bytes_kernel)
     live = min(bm, _layout.padded(m, 8)) if mp == bm else bm
-    out_rows, acc_rows = bm, bm
+    out_rows = bm
     if nibbles == "bytes":
         groups_t = groups_t / 16  # its nibbles come times 16 (exact)
         kernel = functools.partial(
@@ -377,14 +453,9 @@ def _int4_product(
         kernel = functools.partial(
             _groups_kernel, parts=parts, mxu=mxu, width=width, nibbles=nibbles
         )
-    args = [*stacked, w, groups_t]
-    if mode == "groups":
-        if nibbles != "bytes":
-            acc_rows = parts * bm
-        in_specs.append(pl.BlockSpec((acc_rows, 1), lambda i, j, kk: (i, 0)))
-        args.append(row_scales)
-    else:
-        kernel = functools.partial(_tile_kernel, parts=parts, half=half)
+        acc_rows = parts * bm
+    in_specs.append(pl.BlockSpec((acc_rows, 1), lambda i, j, kk: (i, 0)))
+    args = [*stacked, w, groups_t, row_scales]
     params = _layout.compiler_params(
         len(stacked) * r * bk * stacked[0].dtype.itemsize,
         9 * bn * bk2,

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import pytest
 from jax import export
 
-from benchmarks.int4_tile_candidate import tile_product
 from qarray import _tpu
 
 SHAPES = [(1, 8192, 8192), (64, 8192, 8192), (4096, 8192, 8192), (70, 1216, 300)]
@@ -99,16 +98,16 @@ def test_int4_weights_held_as_jnp_int4_lower_for_a_tpu():
     _lowers_to_mosaic(fn, x, w, scale)
 
 
-@pytest.mark.parametrize("per_byte", [False, True])
 @pytest.mark.parametrize(
-    "blocks", [(1024, 1024, 512), (4096, 512, 512), (2048, 2048, 256)], ids=str
+    "blocks", [(1024, 2048, 512), (4096, 512, 512), (2048, 2048, 256)], ids=str
 )
-def test_the_int4_tile_candidate_lowers_for_a_tpu(blocks, per_byte):
-    """benchmarks.int4_tile_candidate at tpu_kernels' blocks, 4096 rows."""
+def test_the_int4_tile_kernel_lowers_for_a_tpu_at_many_rows(blocks):
+    """Mode tile at tpu_kernels' int4_tile_rows blocks, 4096 rows (a row
+    block of up to 4096 rows: each weight dequantized once a product)."""
     x, packed = _operands(4096, 8192, 8192, weights="int4")
     scale = jax.ShapeDtypeStruct((8192, 64), jnp.float32)
     fn = functools.partial(
-        tile_product, group_size=128, blocks=blocks, per_byte=per_byte
+        _tpu.int4_product, group_size=128, mode="tile", blocks=blocks
     )
     _lowers_to_mosaic(fn, x, packed, scale)
 

@@ -127,12 +127,20 @@ def test_the_int4_strategies_follow_the_tpu_rule(monkeypatch):
 
     # G a multiple of 128: the groups mode, weight-only and W4A8 (the bytes
     # kernel, or at one row of the default precision the shifts: below);
-    # past its rows XLA's, weight-only on the bytes read as jnp.int4 at one
-    # bf16 pass, the float32 dequantization at finer precisions and for W4A8
+    # weight-only at one bf16 pass the tile kernel past the bytes' rows at
+    # that pass; past its rows XLA's, weight-only on the bytes read as
+    # jnp.int4 at one bf16 pass, the float32 dequantization at finer
+    # precisions and for W4A8
     for activations in ("float32", "int8"):
         assert strategy(1, 128, activations) == "pallas_groups"
-        assert strategy(rule.int4_bytes_max_rows, 256, activations) == "pallas_groups"
-    past = rule.int4_bytes_max_rows + 1
+    bytes_rows = rule.int4_bytes_max_rows
+    assert strategy(bytes_rows, 256, "int8") == "pallas_groups"
+    assert strategy(bytes_rows, 256, "float32", parts=3) == "pallas_groups"
+    one_pass = rule.int4_bytes_pass_max_rows
+    assert strategy(one_pass, 128, "float32") == "pallas_groups"
+    assert strategy(one_pass + 1, 128, "float32") == "pallas_tile"
+    assert strategy(rule.int4_tile_max_rows, 256, "float32") == "pallas_tile"
+    past = max(rule.int4_bytes_max_rows, rule.int4_tile_max_rows) + 1
     assert strategy(past, 128, "float32") == "int4_bf16"
     assert strategy(past, 128, "float32", parts=3) == "dequantize"
     assert strategy(past, 128, "int8") == "dequantize"
