@@ -5,7 +5,7 @@ the measurements behind ``qarray/_tpu``'s defaults and the TPU rule.
     python -m benchmarks.tpu_kernels [--k 8192 --n 8192] [--calls 50]
         [--repeats 3] [--budget 420]
         [--only int8,w8a8,vector,int4,int4_bytes,int4_pair,int4_stored,
-                int4_tile_rows,int4_xla_bf16,vjp,read]
+                int4_tile_rows,int4_vjp,int4_xla_bf16,vjp,read]
         [--out FILE.json]
 
 Each variant times ``--calls`` dependent products in one jitted
@@ -215,6 +215,10 @@ def variants(k: int, n: int, only: set[str]):
         for blocks in tile_blocks:
             fn = functools.partial(_int4, mode="tile", parts=1, blocks=blocks)
             out.append(("int4", f"tile bf16x1 {blocks}", MIDDLE + MANY, fn))
+    if "int4_vjp" in only:  # y_bar @ W on the int4 weights: the tile kernel
+        for blocks in [(1024, 2048, 512), (1024, 1024, 1024), (512, 4096, 512)]:
+            fn = functools.partial(_int4, mode="tile", parts=1, nk=False, blocks=blocks)
+            out.append(("int4_vjp", f"tile kn bf16x1 {blocks}", FEW + MANY[:1], fn))
     if "int4_xla_bf16" in only:  # dequantized to bf16 in HBM once, bf16 dot
         out.append(("int4", "xla dequantized bf16", MANY, _int4_xla_bf16))
     if "read" in only:  # no product: the weights' read alone
@@ -236,6 +240,8 @@ def reference(family: str, x, w):
     hi = lax.Precision.HIGHEST
     if family == "int4":
         return jnp.dot(x, w["q4_dense"].T, precision=hi)
+    if family == "int4_vjp":  # y_bar (m, N) @ W (N, K)
+        return jnp.dot(x, w["q4_dense"], precision=hi)
     dense = w["q8"][0].astype(jnp.float32)
     if family == "vjp":  # (N, K) read as (k, n): scales on K's columns
         return jnp.dot(x, dense * w["q8"][1][None, :], precision=hi)
@@ -252,7 +258,7 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--only",
         default=(
-            "int8,w8a8,vector,int4,int4_bytes,int4_pair,int4_stored,int4_tile_rows,"
+            "int8,w8a8,vector,int4,int4_bytes,int4_pair,int4_stored,int4_tile_rows,int4_vjp,"
             "int4_xla_bf16,vjp,read"
         ),
     )

@@ -408,9 +408,7 @@ def int4_tpu_strategy(m: int, group: int, activations: str, parts: int) -> str:
     ``"dequantize"`` otherwise."""
     xla = "int4_bf16" if activations == "float32" and parts == 1 else "dequantize"
     rule = _rules.for_tpu()
-    half = group // 2
-    fits = half > 0 and group % 2 == 0 and (128 % half == 0 or half % 128 == 0)
-    if not fits or not _tpu_available() or _partitioned():
+    if not _int4_kernels_run(group):
         return xla
     if _tpu_module().reads_bytes(group, "int8"):
         one_pass = activations == "float32" and parts == 1
@@ -424,6 +422,25 @@ def int4_tpu_strategy(m: int, group: int, activations: str, parts: int) -> str:
     if m <= rule.int4_tile_max_rows:
         return "pallas_tile"
     return xla
+
+
+def int4_cotangent_kernel(m: int, group: int) -> bool:
+    """Whether the VJP's int4 product for x (``y_bar @ W``, ``m`` rows of
+    y_bar) at one bf16 pass on a TPU takes the tile kernel (``nk=False``:
+    each block of weights dequantized in VMEM), up to the TPU rule's
+    ``int4_tile_max_rows``; else bf16 blocks read as ``int4_bf16`` reads the
+    weights (a relayout of them in device memory, which dominated at few
+    rows: docs/accelerators.md)."""
+    return _int4_kernels_run(group) and m <= _rules.for_tpu().int4_tile_max_rows
+
+
+def _int4_kernels_run(group: int) -> bool:
+    """Whether the TPU's int4 kernels run here for groups of ``group``
+    (G / 2 divides 128 or is a multiple of it, kernels that compile, no
+    partitioned mesh)."""
+    half = group // 2
+    fits = half > 0 and group % 2 == 0 and (128 % half == 0 or half % 128 == 0)
+    return fits and _tpu_available() and not _partitioned()
 
 
 def _by_platform(run, problem, strategy, layout):

@@ -486,9 +486,46 @@ def _int4_rows_product(g, qw, precision=None):
         g,
         qvalue,
         scale,
-        tpu=functools.partial(blocks, bf16=True),
+        tpu=functools.partial(_int4_rows_on_tpu, group_size=ty.group_size),
         default=functools.partial(blocks, precision=precision),
     )
+
+
+def _int4_rows_on_tpu(g, qvalue, scale, *, group_size):
+    """``_int4_rows_product`` at one bf16 pass on a TPU, the weights as
+    their parts: the TPU's tile kernel where the rule takes it
+    (``_formulations.int4_cotangent_kernel``), else bf16 blocks."""
+    n, k = qvalue.shape[0], 2 * qvalue.shape[1]
+    flat = g.reshape(-1, n)
+    if not _formulations.int4_cotangent_kernel(flat.shape[0], group_size):
+        return _int4_blocks(g, qvalue, scale, group_size=group_size, bf16=True)
+    out = _int4_tile_cotangent(group_size, flat, qvalue, scale)
+    return out.reshape(*g.shape[:-1], k)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _int4_tile_cotangent(group_size, g, qvalue, scale):
+    """g (m, n) @ W (n, k) for int4 weights as their parts, by the TPU's
+    tile kernel (each block of weights dequantized to bf16 in VMEM, g as
+    its one bf16 part). A Pallas call has no transpose, so its derivatives
+    (the VJP's own, under second-order derivatives) are those of the bf16
+    blocks (``_int4_blocks``), which compute the same product in XLA."""
+    return _formulations._tpu_module().int4_product(
+        g,
+        qvalue,
+        scale,
+        group_size=group_size,
+        mode="tile",
+        nk=False,
+        interpret=not _formulations._tpu_available(),
+    )
+
+
+@_int4_tile_cotangent.defjvp
+def _int4_tile_cotangent_jvp(group_size, primals, tangents):
+    blocks = functools.partial(_int4_blocks, group_size=group_size, bf16=True)
+    _, tangent = jax.jvp(blocks, primals, tangents)
+    return _int4_tile_cotangent(group_size, *primals), tangent
 
 
 def _int4_blocks(g, qvalue, scale, *, group_size, precision=None, bf16=False):

@@ -19,7 +19,8 @@ scales (``mode``):
 - ``"tile"``: each block of weights is dequantized in VMEM where it lies
   (a group's scale a column broadcast), split into bf16 parts, and
   multiplied with x's bf16 parts: XLA's dequantized product, the weights
-  never written back (``_tile_kernel``).
+  never written back (``_tile_kernel``). It also computes the VJP's
+  product for x, y_bar (m, n) @ W (``nk=False``), the sums over N.
 
 Mode groups also takes weights held as ``jnp.int4`` (n, k) (``as_int4``),
 whose blocks Mosaic unpacks itself; qarray holds its bytes, and bitcasting
@@ -45,6 +46,7 @@ from ._int8 import MXU
 from ._parts import PAIR_RATIO, bf16_head, bf16_parts, int8_pair
 
 _NT = (((1,), (1,)), ((), ()))  # contract the last axes: a (r, c) . b (s, c)
+_NN = (((1,), (0,)), ((), ()))  # a (r, c) . b (c, s)
 
 
 def _unpack(packed):
@@ -224,17 +226,19 @@ def _chunk_scales(scales, c: int, half: int):
     return by_lane
 
 
-def _tile_kernel(x_ref, w_ref, s_ref, out_ref, acc_ref, w_tile, *, parts, half):
-    """Mode tile. ``x_ref``: x's bf16 parts stacked (parts * bm, 2 bk2),
-    each block of K its even entries, then its odd ones; ``w_ref``: packed
-    bytes (bn, bk2); ``s_ref``: the block's group scales (bn, groups);
-    ``w_tile``: the dequantized weights' bf16 parts (parts, bn, 2 bk2).
+def _tile_kernel(x_ref, w_ref, s_ref, out_ref, acc_ref, w_tile, *, parts, half, nk):
+    """Mode tile. ``w_ref``: packed bytes (bn, bk2); ``s_ref``: the block's
+    group scales (bn, groups); ``w_tile``: the dequantized weights' bf16
+    parts (parts, bn, 2 bk2). ``nk``: ``x_ref`` holds x's bf16 parts stacked
+    (parts * bm, 2 bk2), each block of K its even entries, then its odd
+    ones, and the sums run over K; else (the VJP's ``y_bar @ W``) ``x_ref``
+    holds y_bar's parts (parts * bm, bn), the sums run over N and come out
+    (bm, 2 bk2) in the tile's order. The grid's last axis is the sums'.
 
     Each 128-byte chunk is dequantized where it lies, a group's scale a
     column broadcast (no transposes), its low nibbles into the first half of
-    the bf16 tile and its high ones into the second, against x's entries in
-    that order; large row blocks dequantize each weight once or a few times
-    a product."""
+    the bf16 tile and its high ones into the second; large row blocks
+    dequantize each weight once or a few times a product."""
     kk = pl.program_id(2)
 
     @pl.when(kk == 0)
@@ -253,10 +257,11 @@ def _tile_kernel(x_ref, w_ref, s_ref, out_ref, acc_ref, w_tile, *, parts, half):
                 head, w = bf16_head(w) if j < parts - 1 else (w, None)
                 w_tile[j, :, at] = head.astype(jnp.bfloat16)
     x, bm = x_ref[...], out_ref.shape[0]
+    dims = _NT if nk else _NN
     acc = acc_ref[...]
     for j in range(parts):  # x's parts i < parts - j meet the weights' part j
         sums = lax.dot_general(
-            x[: (parts - j) * bm], w_tile[j], _NT, preferred_element_type=jnp.float32
+            x[: (parts - j) * bm], w_tile[j], dims, preferred_element_type=jnp.float32
         )
         acc += sums.reshape(parts - j, bm, -1).sum(0)
     acc_ref[...] = acc
@@ -266,20 +271,27 @@ def _tile_kernel(x_ref, w_ref, s_ref, out_ref, acc_ref, w_tile, *, parts, half):
         out_ref[...] = acc_ref[...]
 
 
-def _tile_product(x, packed, scale, *, half: int, parts: int, blocks, interpret):
-    """Mode tile (``_tile_kernel``): x f32 (m, k) times qarray's int4 bytes
-    (n, k / 2) and scales (n, k / G) -> f32 (m, n), x and the dequantized
-    weights each in ``parts`` bf16 parts."""
-    m, k = x.shape
-    n = packed.shape[0]
+def _tile_product(
+    x, packed, scale, *, half: int, parts: int, blocks, nk: bool, interpret
+):
+    """Mode tile (``_tile_kernel``), x and the dequantized weights each in
+    ``parts`` bf16 parts, qarray's int4 bytes (n, k / 2) and scales
+    (n, k / G): ``nk``, x f32 (m, k) -> x @ W.T f32 (m, n); else x f32
+    (m, n) (the VJP's y_bar) -> x @ W f32 (m, k)."""
+    m = x.shape[0]
+    n, k2 = packed.shape
     xparts, xscales = bf16_parts(x, parts)
     (mp, bm), (np_, bn), (kp2, bk2) = padded_blocks(
-        m, k // 2, n, half, xparts.dtype, blocks
+        m, k2, n, half, xparts.dtype, blocks
     )
-    rows, _ = _layout.stack_parts(xparts, xscales, mp, bm, 2 * kp2)
-    # each block of K: its even entries, then its odd ones (the tile's order)
-    rows = rows.reshape(-1, kp2 // bk2, bk2, 2).swapaxes(2, 3).reshape(-1, 2 * kp2)
-    w = jnp.pad(packed, ((0, np_ - n), (0, kp2 - packed.shape[1])))
+    if nk:
+        rows, _ = _layout.stack_parts(xparts, xscales, mp, bm, 2 * kp2)
+        # each block of K: its even entries, then its odd ones (the tile's)
+        rows = rows.reshape(-1, kp2 // bk2, bk2, 2).swapaxes(2, 3)
+        rows = rows.reshape(-1, 2 * kp2)
+    else:
+        rows, _ = _layout.stack_parts(xparts, xscales, mp, bm, np_)
+    w = jnp.pad(packed, ((0, np_ - n), (0, kp2 - k2)))
     groups = bk2 // half
     scales = jnp.pad(
         scale.astype(jnp.float32), ((0, np_ - n), (0, kp2 // half - scale.shape[1]))
@@ -287,35 +299,51 @@ def _tile_product(x, packed, scale, *, half: int, parts: int, blocks, interpret)
     # by block of K, whole rows: (K blocks, n, groups a block)
     scales = scales.reshape(np_, kp2 // bk2, groups).transpose(1, 0, 2)
     r = parts * bm
+    if nk:  # grid (rows, N, K): the sums over K
+        grid = (mp // bm, np_ // bn, kp2 // bk2)
+        x_spec = pl.BlockSpec((r, 2 * bk2), lambda i, j, kk: (i, kk))
+        w_index = lambda i, j, kk: (j, kk)  # noqa: E731
+        out_spec = pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j))
+        out_shape, out_block = (mp, np_), (bm, bn)
+    else:  # grid (rows, K, N): the sums over N
+        grid = (mp // bm, kp2 // bk2, np_ // bn)
+        x_spec = pl.BlockSpec((r, bn), lambda i, kk, j: (i, j))
+        w_index = lambda i, kk, j: (j, kk)  # noqa: E731
+        out_spec = pl.BlockSpec((bm, 2 * bk2), lambda i, kk, j: (i, kk))
+        out_shape, out_block = (mp, 2 * kp2), (bm, 2 * bk2)
     # x's, the bytes' and the scales' blocks, the output's, the bf16 tile,
     # the float32 sums (scratch) and one dot's sums (a temporary)
     params = _layout.compiler_params(
-        r * 2 * bk2 * 2,
+        r * x_spec.block_shape[1] * 2,
         bn * bk2,
         bn * groups * 4,
-        bm * bn * 4,
+        math.prod(out_block) * 4,
         parts * bn * bk2 * 2,
-        bm * bn * 4,
-        r * bn * 4,
+        math.prod(out_block) * 4,
+        r * out_block[1] * 4,
     )
     out = pl.pallas_call(
-        functools.partial(_tile_kernel, parts=parts, half=half),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), jnp.float32),
-        grid=(mp // bm, np_ // bn, kp2 // bk2),
+        functools.partial(_tile_kernel, parts=parts, half=half, nk=nk),
+        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
+        grid=grid,
         in_specs=[
-            pl.BlockSpec((r, 2 * bk2), lambda i, j, kk: (i, kk)),
-            pl.BlockSpec((bn, bk2), lambda i, j, kk: (j, kk)),
-            pl.BlockSpec((None, bn, groups), lambda i, j, kk: (kk, j, 0)),
+            x_spec,
+            pl.BlockSpec((bn, bk2), w_index),
+            pl.BlockSpec((None, bn, groups), lambda *ids: (*w_index(*ids)[::-1], 0)),
         ],
-        out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
+        out_specs=out_spec,
         scratch_shapes=[
-            pltpu.VMEM((bm, bn), jnp.float32),
+            pltpu.VMEM(out_block, jnp.float32),
             pltpu.VMEM((parts, bn, 2 * bk2), jnp.bfloat16),
         ],
         compiler_params=params,
         interpret=interpret,
     )(rows, w, scales)
-    return out[:m, :n]
+    if nk:
+        return out[:m, :n]
+    # each block of K came out as its even entries, then its odd ones
+    out = out[:m].reshape(m, kp2 // bk2, 2, bk2).swapaxes(2, 3)
+    return out.reshape(m, 2 * kp2)[:, : 2 * k2]
 
 
 def _k_blocks(k2: int, half: int, largest: int) -> tuple[int, int]:
@@ -351,6 +379,7 @@ def _int4_product(
     mxu: str = "bf16",
     parts: int = 1,
     pair: bool = False,
+    nk: bool = True,
     blocks: tuple[int, int, int] | None = None,
     interpret: bool = False,
 ):
@@ -365,11 +394,13 @@ def _int4_product(
     ``"bf16"`` or ``"int8"``; ``parts``: x's parts of that kind (``_parts``;
     in mode tile the weights' bf16 parts too); ``pair`` (the bytes kernel,
     two int8 parts): x as ``int8_pair``, whose parts meet in int32.
-    ``blocks``: (bm, bn, packed bk) upper bounds."""
-    m, k = x.shape
-    n = packed.shape[0]
+    ``nk=False`` (mode tile): the VJP's product, x f32 (m, n) (y_bar) times
+    the weights (n, k) -> f32 (m, k). ``blocks``: (bm, bn, packed bk) upper
+    bounds."""
+    m = x.shape[0]
+    n, k = packed.shape[0], x.shape[1] if nk else packed.shape[1] * 2
     if 0 in (m, k, n):
-        return jnp.zeros((m, n), jnp.float32)
+        return jnp.zeros((m, n if nk else k), jnp.float32)
     if mode not in ("groups", "tile"):
         raise ValueError(f"unknown int4 mode {mode!r}: 'groups' or 'tile'")
     half = group_size // 2
@@ -390,9 +421,18 @@ def _int4_product(
             "pair: the bytes kernel (int8 MXU, G a multiple of "
             f"128) on two int8 parts of x, not {nibbles} x{parts}"
         )
+    if not nk and mode != "tile":
+        raise ValueError("nk=False (the VJP's y_bar @ W) takes mode 'tile'")
     if mode == "tile":
         return _tile_product(
-            x, packed, scale, half=half, parts=parts, blocks=blocks, interpret=interpret
+            x,
+            packed,
+            scale,
+            half=half,
+            parts=parts,
+            blocks=blocks,
+            nk=nk,
+            interpret=interpret,
         )
     split, _ = MXU[mxu]
     xparts, xscales = int8_pair(x) if pair else split(x, parts)
@@ -482,6 +522,7 @@ _jitted = jax.jit(
         "mxu",
         "parts",
         "pair",
+        "nk",
         "blocks",
         "interpret",
     ),
@@ -495,20 +536,23 @@ def int4_product(x, packed, scale, *, group_size: int, **options):
     agree, ValueError for a group size the kernels do not take."""
     if group_size <= 0 or group_size % 2:
         raise ValueError(f"group_size {group_size}: a positive even number")
-    k, n = x.shape[-1], packed.shape[0]
+    nk = options.get("nk", True)
     per_entry = {jnp.dtype(jnp.uint8): 2, jnp.dtype(jnp.int4): 1}.get(packed.dtype)
-    agree = (
-        packed.ndim == 2
-        and per_entry is not None
-        and per_entry * packed.shape[1] == k
-        and k % group_size == 0
-        and scale.shape == (n, k // group_size)
-    )
+    agree = x.ndim == 2 and packed.ndim == 2 and per_entry is not None
+    if agree:
+        n, k = packed.shape[0], per_entry * packed.shape[1]
+        agree = (
+            x.shape[1] == (k if nk else n)
+            and k % group_size == 0
+            and scale.shape == (n, k // group_size)
+        )
     if not agree:
+        x_shape = "x (m, k)" if nk else "y_bar (m, n)"
         raise TypeError(
             f"int4_product: x {x.shape}, packed {packed.dtype}{packed.shape} and "
             f"scale {scale.shape} do not agree for group_size {group_size} "
-            "(packed uint8 (n, k / 2) or jnp.int4 (n, k), scale (n, k / group_size))"
+            f"({x_shape}, packed uint8 (n, k / 2) or jnp.int4 (n, k), "
+            "scale (n, k / group_size))"
         )
     mode = options.get("mode", "groups")
     if mode == "groups" and reads_bytes(group_size, options.get("mxu", "bf16")):

@@ -302,6 +302,15 @@ def test_bad_static_parameters_are_value_errors():
             mode="tile",
             interpret=INTERPRET,
         )
+    with pytest.raises(ValueError, match="nk=False"):
+        _tpu.int4_product(
+            jnp.ones((2, 4)),
+            jnp.ones((4, 64), jnp.uint8),
+            jnp.ones((4, 1)),
+            group_size=128,
+            nk=False,
+            interpret=INTERPRET,
+        )
     with pytest.raises(ValueError, match="pair: the bytes kernel"):
         _tpu.int4_product(
             jnp.ones((2, 128)),
@@ -420,6 +429,31 @@ def test_int4_over_several_row_blocks(rng, mode, group_size):
     assert rel_err(got, want) <= BF16_TOLERANCE[3]
 
 
+@pytest.mark.parametrize("parts,tolerance", [(1, 2.0**-7), (3, 1e-6)])
+@pytest.mark.parametrize("group_size", [32, 128, 256])
+@pytest.mark.parametrize(
+    "m,blocks", [(1, None), (70, (32, 128, 256))], ids=["one_block", "blocks"]
+)
+def test_the_vjps_int4_product_matches_numpy(
+    rng, m, blocks, group_size, parts, tolerance
+):
+    """Mode tile with ``nk=False``: y_bar (m, n) @ W (n, k), the sums over N
+    (300 rows of weights, padded to their blocks), the output's columns put
+    back in K's order from the tile's (each block of K its even entries,
+    then its odd ones), over several blocks of every axis; one bf16 part
+    rounds the dequantized weights to bf16 as well as y_bar."""
+    n, k = 300, {32: 1216, 128: 1280, 256: 2048}[group_size]
+    g = rng.standard_normal((m, n)).astype(np.float32)
+    packed, scale = quantize_groups_np(rng.standard_normal((n, k)), group_size)
+    options = dict(mode="tile", parts=parts, nk=False, interpret=INTERPRET)
+    if blocks:
+        options["blocks"] = blocks
+    got = _tpu.int4_product(g, packed, scale, group_size=group_size, **options)
+    want = g.astype(np.float64) @ dequantized_int4(packed, scale, group_size)
+    assert got.shape == (m, k) and got.dtype == jnp.float32
+    assert rel_err(got, want) <= tolerance
+
+
 def test_operands_that_do_not_agree_are_type_errors():
     x = jnp.ones((2, 300))
     with pytest.raises(TypeError, match=r"x \(2, 300\), weights \(n, k\) \(4, 256\)"):
@@ -432,6 +466,15 @@ def test_operands_that_do_not_agree_are_type_errors():
             jnp.ones((4, 128), jnp.uint8),
             jnp.ones((4, 2)),
             group_size=64,
+        )
+    with pytest.raises(TypeError, match=r"x \(2, 256\).*y_bar \(m, n\)"):
+        _tpu.int4_product(  # y_bar's width is the weights' rows (4), not K
+            jnp.ones((2, 256)),
+            jnp.ones((4, 128), jnp.uint8),
+            jnp.ones((4, 4)),
+            group_size=64,
+            mode="tile",
+            nk=False,
         )
     with pytest.raises(ValueError, match="group_size 0"):
         _tpu.int4_product(

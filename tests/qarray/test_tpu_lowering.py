@@ -112,6 +112,16 @@ def test_the_int4_tile_kernel_lowers_for_a_tpu_at_many_rows(blocks):
     _lowers_to_mosaic(fn, x, packed, scale)
 
 
+@pytest.mark.parametrize("m", [8, 512])
+def test_the_vjps_int4_tile_kernel_lowers_for_a_tpu(m):
+    """Mode tile's y_bar @ W (``nk=False``) at the rule's blocks, K = N = 8192."""
+    g = jax.ShapeDtypeStruct((m, 8192), jnp.float32)
+    packed = jax.ShapeDtypeStruct((8192, 4096), jnp.uint8)
+    scale = jax.ShapeDtypeStruct((8192, 64), jnp.float32)
+    fn = functools.partial(_tpu.int4_product, group_size=128, mode="tile", nk=False)
+    _lowers_to_mosaic(fn, g, packed, scale)
+
+
 def test_a_block_mosaic_cannot_tile_is_refused_here():
     """The check this file relies on: a kernel whose block breaks the
     (8, 128) tiling (a (4, 100) block of a (8, 200) array) fails to lower

@@ -238,6 +238,48 @@ def test_int4s_x_cotangent_on_a_tpu_reads_the_weights_as_int4(monkeypatch):
     np.testing.assert_allclose(np.asarray(grads[1]), want, rtol=1e-6)
 
 
+def test_int4s_x_cotangent_takes_the_tile_kernel_where_it_runs(monkeypatch):
+    """Where the TPU's kernels run, the VJP's product for x on int4 weights
+    at one bf16 pass is the tile kernel (one Mosaic call, no jnp.int4 read)
+    up to the rule's int4_tile_max_rows rows of y_bar, past them the bf16
+    blocks; vmap of grad over stacked int4 weights lowers through it too."""
+    from jax import export
+
+    import qarray as qa
+
+    monkeypatch.setattr(_formulations, "_on_tpu", lambda: True)
+    monkeypatch.setattr(_formulations, "_tpu_available", lambda: True)
+    monkeypatch.setattr(_formulations, "_partitioned", lambda: False)
+    monkeypatch.setattr(_formulations, "int4_tpu_strategy", lambda *args: "dequantize")
+    q = qa.quantize(jnp.ones((256, 2048)), bits=4, group_size=128)
+
+    def lowered(fn, *shapes):
+        return export.export(jax.jit(fn), platforms=["tpu"])(*shapes).mlir_module()
+
+    def ct_x(x):
+        y, pull = jax.vjp(
+            lambda x: qa.linear_q(x, q, precision=lax.Precision.DEFAULT), x
+        )
+        return pull(y)[0]
+
+    rows = _rules.for_tpu().int4_tile_max_rows
+    text = lowered(ct_x, jax.ShapeDtypeStruct((rows, 2048), jnp.float32))
+    assert "tpu_custom_call" in text and "xi4>" not in text
+    text = lowered(ct_x, jax.ShapeDtypeStruct((rows + 1, 2048), jnp.float32))
+    assert "tpu_custom_call" not in text and "xi4>" in text
+
+    stacked = jax.vmap(
+        lambda w: qa.quantize(w, bits=4, group_size=128), out_axes=qa.QArraySpec()
+    )(jnp.ones((2, 256, 2048)))
+
+    def loss(x, q):
+        return jnp.sum(qa.linear_q(x, q, precision=lax.Precision.DEFAULT) ** 2)
+
+    grads = jax.vmap(jax.grad(loss), in_axes=(0, qa.QArraySpec()))
+    x = jax.ShapeDtypeStruct((2, 3, 2048), jnp.float32)
+    assert "tpu_custom_call" in lowered(grads, x, stacked)
+
+
 def test_each_precision_takes_its_mxu_form(monkeypatch):
     """Which form of x each kernel is handed: int8 weights, x's one bf16
     part at the default precision and int8 parts above it (a bf16 x: its
@@ -406,3 +448,44 @@ def test_dot_algorithm_names_give_their_parts():
     ]:
         with jax.default_matmul_precision(name):
             assert _tpu.parts_for(None, "tpu") == parts, name
+
+
+def test_the_int4_tile_cotangent_and_its_derivatives_match_numpy():
+    """The VJP's int4 tile kernel (``_int4_tile_cotangent``: y_bar @ W, one
+    bf16 pass, interpreted off a TPU) against NumPy: its value, its JVP in
+    y_bar and in the scales, and grad of a function of it (its transpose,
+    which a Pallas call lacks: the bf16 blocks' derivatives stand in), so a
+    second derivative through the backward runs."""
+    from qarray import _primitives
+    from qarray._numerics import quantize_groups_np
+
+    rng = np.random.default_rng(5)
+    m, n, k, group = 3, 200, 512, 128
+    g = rng.standard_normal((m, n)).astype(np.float32)
+    packed, scale = quantize_groups_np(rng.standard_normal((n, k)), group)
+    nibbles = np.stack([packed & 15, packed >> 4], -1).reshape(n, k).astype(np.int16)
+    nibbles = np.where(nibbles > 7, nibbles - 16, nibbles).astype(np.float64)
+    dense = nibbles * np.repeat(scale.astype(np.float64), group, 1)
+
+    def product(g, scale):
+        return _primitives._int4_tile_cotangent(group, g, jnp.asarray(packed), scale)
+
+    def close(got, want):
+        got = np.asarray(got, np.float64)
+        assert np.linalg.norm(got - want) <= 2.0**-7 * np.linalg.norm(want)
+
+    close(product(g, scale), g @ dense)
+    t_g = rng.standard_normal((m, n)).astype(np.float32)
+    t_s = rng.standard_normal(scale.shape).astype(np.float32)
+    value, tangent = jax.jvp(product, (g, scale), (t_g, t_s))
+    close(value, g @ dense)
+    t_dense = nibbles * np.repeat(t_s.astype(np.float64), group, 1)
+    close(tangent, t_g @ dense + g @ t_dense)
+    weights = rng.standard_normal((m, k)).astype(np.float32)
+    grad_g = jax.grad(lambda g: jnp.sum(weights * product(g, scale)))(g)
+    close(grad_g, weights @ dense.T)
+    # second order: d/dg of the gradient of sum(product(g)^2) / 2 in g
+    hvp = jax.jvp(
+        jax.grad(lambda g: jnp.sum(product(g, scale) ** 2) / 2), (g,), (t_g,)
+    )[1]
+    close(hvp, t_g @ dense @ dense.T)
