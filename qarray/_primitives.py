@@ -469,8 +469,9 @@ def _int4_rows_product(g, qw, precision=None):
     one float32 block is one product on ``dequantize(qw)``, which carries
     the weights' tangent (the x cotangent's derivative in w, a mixed second
     derivative); a larger one goes by blocks of rows (``_int4_blocks``):
-    float32, or where a TPU runs it at one bf16 pass, bf16 read as
-    ``int4_bf16`` reads the weights."""
+    float32, or where a TPU runs it at one bf16 pass, its tile kernel or
+    bf16 blocks read as ``int4_bf16`` reads the weights
+    (``_int4_rows_on_tpu``)."""
     ty = jax.typeof(qw)
     n, k = ty.shape
     g = g.astype(FLOAT32)
