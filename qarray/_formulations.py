@@ -292,6 +292,8 @@ def linear_int4(
     lead, k = x.shape[:-1], x.shape[-1]
     n = packed.shape[0]
     m = math.prod(lead)
+    if k == 0:  # an empty contraction sums to 0 (the kernels take no empty K)
+        return jnp.zeros((*lead, n), jnp.float32)
     if _explicitly_sharded(x) or _explicitly_sharded(packed):
         if activations == "int8":
             xq, xs = quantize_rows(x)

@@ -91,23 +91,32 @@ def unpack_nibbles(packed):
     """uint8[..., n / 2] -> int8[..., n]: each nibble as 4-bit two's complement."""
     low = ((packed & 0xF) ^ 8).astype(jnp.int8) - 8
     high = ((packed >> 4) ^ 8).astype(jnp.int8) - 8
-    return jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], -1)
+    return jnp.stack([low, high], axis=-1).reshape(
+        *packed.shape[:-1], 2 * packed.shape[-1]
+    )
 
 
 def dequantize_groups(packed, scale):
     """uint8[..., n / 2], f32[..., n / G] -> f32[..., n]: each value times
     its group's scale."""
     values = unpack_nibbles(packed).astype(jnp.float32)
+    return _scaled_by_group(values, scale)
+
+
+def _scaled_by_group(values, scale):
+    """f32[..., n] values, f32[..., n / G] scales -> f32[..., n]: each group
+    of G entries times its scale (n = 0 rows hold no group)."""
     *lead, n = values.shape
-    groups = values.reshape(*lead, scale.shape[-1], -1) * scale[..., None]
-    return groups.reshape(*lead, n)
+    groups = scale.shape[-1]
+    size = n // groups if groups else 0
+    return (values.reshape(*lead, groups, size) * scale[..., None]).reshape(*lead, n)
 
 
 def as_int4(packed):
     """uint8[..., n / 2] -> jnp.int4[..., n], the same bytes: a bitcast (the
     low nibble is the even entry in both)."""
     nibbles = lax.bitcast_convert_type(packed, jnp.int4)
-    return nibbles.reshape(*packed.shape[:-1], -1)
+    return nibbles.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 def dequantize_groups_bf16(packed, scale):
@@ -118,9 +127,7 @@ def dequantize_groups_bf16(packed, scale):
     int4 rows). The product with each group's scale is float32's, as
     ``dequantize_groups``'."""
     values = as_int4(packed).astype(jnp.float32)
-    *lead, n = values.shape
-    groups = values.reshape(*lead, scale.shape[-1], -1) * scale[..., None]
-    return groups.reshape(*lead, n).astype(jnp.bfloat16)
+    return _scaled_by_group(values, scale).astype(jnp.bfloat16)
 
 
 def relative_error(w, w_hat):

@@ -24,6 +24,7 @@ from jax.experimental.hijax import (
 from jax.sharding import AxisType
 
 from ._qarray import (
+    DEFAULT_GROUP_SIZE,
     FLOAT32,
     QArrayTy,
     full_spec,
@@ -111,7 +112,6 @@ def require_qarray(name: str, what: str, aval) -> None:
 
 
 BITS = (8, 4)
-DEFAULT_GROUP_SIZE = 128  # int4: entries of a row per scale, GPTQ's and torchao's
 
 
 def check_group_size(name: str, group_size) -> int:

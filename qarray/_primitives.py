@@ -475,7 +475,7 @@ def _int4_rows_product(g, qw, precision=None):
     ty = jax.typeof(qw)
     n, k = ty.shape
     g = g.astype(FLOAT32)
-    if n <= max(1, _INT4_BLOCK_BYTES // (4 * k)):
+    if 4 * n * k <= _INT4_BLOCK_BYTES or n <= 1:
         return jnp.matmul(g, dequantize(qw), precision=precision)
     qvalue, scale = unpack(qw)
     blocks = functools.partial(_int4_blocks, group_size=ty.group_size)

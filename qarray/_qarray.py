@@ -286,13 +286,20 @@ def _check_pspec(spec):
     return spec
 
 
+DEFAULT_GROUP_SIZE = 128  # int4: entries of a row per scale, GPTQ's and torchao's
+
+
 def kind_of_parts(qvalue, scale) -> tuple[int, int | None]:
     """(bits, group_size) of a QArray's parts, read from their dtype and
     shapes (arrays or avals): int8 ``qvalue`` -> (8, None); uint8 ``qvalue
     [..., n / 2]`` with ``scale [..., n / G]`` -> (4, G). The one place the
-    kind is inferred (the type, ``qarray.jit``'s parts, model files)."""
+    kind is inferred (the type, ``qarray.jit``'s parts, model files). Rows
+    of no entries (n = 0) hold no group to measure: every G lays them out
+    alike, and they read as ``DEFAULT_GROUP_SIZE``."""
     if qvalue.dtype != UINT8:
         return 8, None
+    if qvalue.shape[-1] == 0:
+        return 4, DEFAULT_GROUP_SIZE
     return 4, 2 * qvalue.shape[-1] // max(scale.shape[-1], 1)
 
 

@@ -471,3 +471,29 @@ def test_w4a8_linear_layer(rng):
     np.testing.assert_allclose(
         g, np.ones((6, 24)) @ ref.roundtrip4(w, 32), rtol=1e-5, atol=1e-5
     )
+
+
+@pytest.mark.parametrize("group_size", [64, 128])
+def test_int4_rows_of_no_entries(group_size):
+    """int4 weights whose rows hold no entries (K = 0): their parts are
+    empty, the type reads the default group size (no group to measure;
+    every G lays them out alike), and products, their gradients and a
+    repack run: an empty contraction sums to 0."""
+    from qarray._qarray import DEFAULT_GROUP_SIZE
+
+    q = qa.quantize(jnp.ones((3, 0)), bits=4, group_size=group_size)
+    packed, scale = qa.unpack(q)
+    assert packed.shape == (3, 0) and scale.shape == (3, 0)
+    assert jax.typeof(q).shape == (3, 0)
+    assert jax.typeof(q).group_size == DEFAULT_GROUP_SIZE
+    assert jax.jit(qa.dequantize)(q).shape == (3, 0)
+    x = jnp.ones((2, 0))
+    for activations in ("float32", "int8"):
+        y = qa.linear_q(x, q, activations=activations)
+        np.testing.assert_array_equal(np.asarray(y), np.zeros((2, 3)))
+    grad_x = jax.grad(lambda x: qa.linear_q(x, q).sum())(x)
+    grad_w = jax.grad(lambda w: qa.linear_q(x, qa.quantize(w, 4, group_size)).sum())(
+        jnp.ones((3, 0))
+    )
+    assert grad_x.shape == (2, 0) and grad_w.shape == (3, 0)
+    assert jax.typeof(qa.pack(packed, scale, 4, group_size)).shape == (3, 0)
