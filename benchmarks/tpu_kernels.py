@@ -215,7 +215,7 @@ def variants(k: int, n: int, only: set[str]):
         for blocks in tile_blocks:
             fn = functools.partial(_int4, mode="tile", parts=1, blocks=blocks)
             out.append(("int4", f"tile bf16x1 {blocks}", MIDDLE + MANY, fn))
-    if "int4_vjp" in only:  # y_bar @ W on the int4 weights: the tile kernel
+    if "int4_vjp" in only and k == n:  # y_bar (m, N) @ W: x's rows stand in
         for blocks in [(1024, 2048, 512), (1024, 1024, 1024), (512, 4096, 512)]:
             fn = functools.partial(_int4, mode="tile", parts=1, nk=False, blocks=blocks)
             out.append(("int4_vjp", f"tile kn bf16x1 {blocks}", FEW + MANY[:1], fn))

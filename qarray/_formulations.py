@@ -292,8 +292,6 @@ def linear_int4(
     lead, k = x.shape[:-1], x.shape[-1]
     n = packed.shape[0]
     m = math.prod(lead)
-    if k == 0:  # an empty contraction sums to 0 (the kernels take no empty K)
-        return jnp.zeros((*lead, n), jnp.float32)
     if _explicitly_sharded(x) or _explicitly_sharded(packed):
         if activations == "int8":
             xq, xs = quantize_rows(x)
@@ -301,6 +299,8 @@ def linear_int4(
         dims = (((x.ndim - 1,), (1,)), ((), ()))
         w = dequantize_groups(packed, scale)
         return lax.dot_general(x, w, dims, precision=precision)
+    if k == 0:  # an empty contraction sums to 0 (the kernels take no empty K)
+        return jnp.zeros((*lead, n), jnp.float32)
     x2 = x.reshape(m, k)
 
     def run(strategy):
@@ -329,6 +329,7 @@ def linear_int4(
                 bytes_kernel
                 and mxu == "int8"
                 and parts == 2
+                and tpu.takes_pair(group)
                 and m <= _rules.for_tpu().int4_pair_max_rows
             )
             return tpu.int4_product(

@@ -142,6 +142,8 @@ class QArrayTy(HiType):
         and ``group_size`` give the int4 type.
         """
         shape = tuple(aval.shape) if shape is None else tuple(shape)
+        if bits == 4 and shape and shape[-1] == 0:
+            group_size = DEFAULT_GROUP_SIZE  # as kind_of_parts reads it
         sharding = aval.sharding
         if spec is not None:
             sharding = with_spec(sharding, spec)

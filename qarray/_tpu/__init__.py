@@ -6,6 +6,7 @@ from .._numerics import as_int4 as as_int4
 from ._available import available as available
 from ._int4 import int4_product as int4_product
 from ._int4 import reads_bytes as reads_bytes
+from ._int4 import takes_pair as takes_pair
 from ._int8 import int8_product as int8_product
 from ._parts import INT8_PARTS as INT8_PARTS
 from ._parts import parts_for as parts_for

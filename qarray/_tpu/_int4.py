@@ -135,7 +135,8 @@ def _bytes_kernel(
     padded to 8, where int8's tiles pad them to 32); with ``pair`` (x as
     ``int8_pair``) the two parts' sums meet in int32 first (exact: at most
     255 * 127 * 128 per entry of a group), one scaled array where two were.
-    ``xs_ref``: the row scales of the rows kept (``pair``: part 1's)."""
+    ``xs_ref``: the row scales of the rows kept (``pair``: part 1's).
+    ``pair`` only where ``takes_pair``: a group's int32 sums stay exact."""
     kk = pl.program_id(2)
 
     @pl.when(kk == 0)
@@ -192,6 +193,15 @@ def _bytes_kernel(
     @pl.when(kk == pl.num_programs(2) - 1)
     def _():
         out_ref[...] = _layout.combine_parts(acc_ref[...], xs_ref[...], len(accs), live)
+
+
+def takes_pair(group_size: int) -> bool:
+    """Whether the bytes kernel may take x as ``int8_pair`` for groups of
+    ``group_size`` entries: a group's sums of part 0's products times 254
+    plus part 1's stay exact in int32 (each entry at most 255 * 127 * 128,
+    a nibble coming times 16): G up to 516, so 512 of the multiples of
+    128 the bytes kernel takes."""
+    return (PAIR_RATIO + 1) * 127 * 128 * group_size < 2**31
 
 
 def reads_bytes(group_size: int, mxu: str) -> bool:
@@ -282,7 +292,7 @@ def _tile_product(
     n, k2 = packed.shape
     xparts, xscales = bf16_parts(x, parts)
     (mp, bm), (np_, bn), (kp2, bk2) = padded_blocks(
-        m, k2, n, half, xparts.dtype, blocks
+        m, k2, n, half, xparts.dtype, blocks, group_rows=1
     )
     if nk:
         rows, _ = _layout.stack_parts(xparts, xscales, mp, bm, 2 * kp2)
@@ -346,24 +356,27 @@ def _tile_product(
     return out.reshape(m, 2 * kp2)[:, : 2 * k2]
 
 
-def _k_blocks(k2: int, half: int, largest: int) -> tuple[int, int]:
-    """(_layout.padded k / 2, packed bk): whole groups a block; a block of several
-    holds a multiple of 8 groups (the scales' block tiles by 8 rows)."""
+def _k_blocks(k2: int, half: int, largest: int, group_rows: int = 8) -> tuple[int, int]:
+    """(_layout.padded k / 2, packed bk): whole groups a block; a block of
+    several holds a multiple of ``group_rows`` groups (the groups kernels'
+    scales block (groups, bn) tiles by 8 rows; the tile kernel's holds all of
+    a block's groups along its last axis: 1)."""
     kp2 = _layout.padded(k2, math.lcm(_layout.LANES, half))
-    unit = math.lcm(_layout.LANES, 8 * half)
+    unit = math.lcm(_layout.LANES, group_rows * half)
     if kp2 <= max(largest, unit):  # one block: no padding to 8 groups
         return kp2, kp2
     kp2 = _layout.padded(k2, unit)
     return kp2, _layout.divisor_block(kp2, max(largest, unit), unit)
 
 
-def padded_blocks(m: int, k2: int, n: int, half: int, dtype, blocks):
+def padded_blocks(m: int, k2: int, n: int, half: int, dtype, blocks, group_rows=8):
     """x's rows, the output columns and K's packed bytes, each padded to its
     block, and the blocks: ((mp, bm), (np, bn), (kp2, bk2)) for x (m, 2 k2)
     in ``dtype``'s parts, n output columns, groups of 2 ``half`` entries and
-    ``blocks`` (bm, bn, packed bk) upper bounds."""
+    ``blocks`` (bm, bn, packed bk) upper bounds (``group_rows``:
+    ``_k_blocks``')."""
     bm, bn, bk2 = blocks
-    kp2, bk2 = _k_blocks(k2, half, bk2)
+    kp2, bk2 = _k_blocks(k2, half, bk2, group_rows)
     mp, bm = _layout.row_blocks(m, dtype, bm)
     np_ = _layout.padded(n, _layout.LANES)
     return (mp, bm), (np_, _layout.divisor_block(np_, bn)), (kp2, bk2)
@@ -416,10 +429,11 @@ def _int4_product(
         nibbles = "bytes"
     else:
         nibbles = "shifts"
-    if pair and (nibbles != "bytes" or parts != 2):
+    if pair and (nibbles != "bytes" or parts != 2 or not takes_pair(group_size)):
         raise ValueError(
-            "pair: the bytes kernel (int8 MXU, G a multiple of "
-            f"128) on two int8 parts of x, not {nibbles} x{parts}"
+            "pair: the bytes kernel (int8 MXU, G a multiple of 128, at most "
+            f"512: int32 sums) on two int8 parts of x, not {nibbles} x{parts} "
+            f"with group_size {group_size}"
         )
     if not nk and mode != "tile":
         raise ValueError("nk=False (the VJP's y_bar @ W) takes mode 'tile'")
@@ -555,7 +569,8 @@ def int4_product(x, packed, scale, *, group_size: int, **options):
             "scale (n, k / group_size))"
         )
     mode = options.get("mode", "groups")
-    if mode == "groups" and reads_bytes(group_size, options.get("mxu", "bf16")):
+    bytes_kernel = packed.dtype == jnp.uint8 and mode == "groups"
+    if bytes_kernel and reads_bytes(group_size, options.get("mxu", "bf16")):
         mode = "bytes"
     options["blocks"] = options.get("blocks") or getattr(
         for_tpu(), f"int4_{mode}_blocks", None

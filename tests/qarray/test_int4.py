@@ -497,3 +497,13 @@ def test_int4_rows_of_no_entries(group_size):
     )
     assert grad_x.shape == (2, 0) and grad_w.shape == (3, 0)
     assert jax.typeof(qa.pack(packed, scale, 4, group_size)).shape == (3, 0)
+    # traced and eager types agree: a scan carry re-quantized in its body
+    traced = jax.jit(lambda w: qa.quantize(w, 4, group_size)).trace(jnp.ones((3, 0)))
+    assert traced.jaxpr.out_avals[0] == jax.typeof(q)
+    carry, _ = jax.lax.scan(
+        lambda c, _: (qa.quantize(jnp.ones((3, 0)), 4, group_size), None),
+        q,
+        None,
+        length=2,
+    )
+    assert jax.typeof(carry) == jax.typeof(q)

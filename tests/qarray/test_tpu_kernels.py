@@ -399,6 +399,29 @@ def test_int4_bytes_on_x_as_a_pair_match_numpy(rng, m, blocks, group_size):
         assert rel_err(got, want) <= INT8_TOLERANCE[2]
 
 
+def test_the_pair_stays_exact_up_to_its_largest_group():
+    """x and the weights at their largest levels (x all ones: level 127 of
+    each row; weights all -1: nibble -8, -128 on the MXU), every entry of a
+    group the most its int32 sums can take: exact at G = 512, and G = 1024
+    (whose sums would overflow) refused; linear_int4 leaves the pair there."""
+    k, n = 2048, 128
+    x = jnp.ones((4, k))
+    for group_size in (512, 1024):
+        packed, scale = quantize_groups_np(-np.ones((n, k)), group_size)
+        options = dict(mode="groups", mxu="int8", parts=2, interpret=INTERPRET)
+        if not _tpu.takes_pair(group_size):
+            with pytest.raises(ValueError, match="group_size 1024"):
+                _tpu.int4_product(
+                    x, packed, scale, group_size=group_size, pair=True, **options
+                )
+            continue
+        got = _tpu.int4_product(
+            x, packed, scale, group_size=group_size, pair=True, **options
+        )
+        np.testing.assert_allclose(np.asarray(got), -k, rtol=1e-6)
+    assert _tpu.takes_pair(512) and not _tpu.takes_pair(640)
+
+
 def test_int4_bytes_take_a_bf16_x_as_int8_parts(rng):
     """linear_int4 on bf16 x: G = 64 takes it as its one bf16 part (exact),
     G = 128 the bytes kernel with x's int8 parts, finer than the one bf16

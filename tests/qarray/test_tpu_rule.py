@@ -432,6 +432,50 @@ def test_int4_bytes_take_x_as_a_pair_up_to_its_rows(monkeypatch, precision, m, p
     (options,) = seen
     assert options["pair"] is pair and options["mxu"] == "int8"
     assert options["blocks"] == _rules.for_tpu().int4_bytes_blocks
+    # groups whose pair sums would overflow int32 keep the two parts
+    seen.clear()
+    with _rules.overriding(int4_bf16_max_rows=0):
+        _formulations.linear_int4(
+            jnp.ones((m, 2048)),
+            jnp.ones((128, 1024), jnp.uint8),
+            jnp.ones((128, 2)),
+            strategy="pallas_groups",
+            precision=precision,
+        )
+    assert seen[0]["pair"] is False
+
+
+def test_the_int4_tile_kernel_blocks_k_by_its_groups_not_by_eight(monkeypatch):
+    """The tile kernel's scales block spans a block's groups along its last
+    axis, so large groups keep the rule's K block (the groups kernels' tiles
+    take 8 groups a block); jnp.int4 weights never take the bytes' blocks."""
+    from qarray._tpu import _int4
+
+    rule = _rules.for_tpu()
+    blocks = rule.int4_tile_blocks
+    _, _, (kp2, bk2) = _int4.padded_blocks(8, 4096, 8192, 512, jnp.bfloat16, blocks, 1)
+    assert (kp2, bk2) == (4096, blocks[2])
+    _, _, (_, groups_bk2) = _int4.padded_blocks(8, 4096, 8192, 512, jnp.int8, blocks)
+    assert groups_bk2 == 4096  # 8 groups of 512 bytes
+    seen = []
+    original = _int4._jitted
+    monkeypatch.setattr(
+        _int4,
+        "_jitted",
+        lambda *a, **kw: seen.append(kw["blocks"]) or original(*a, **kw),
+    )
+    x, scale = jnp.ones((2, 256)), jnp.ones((128, 2))
+    for weights in (jnp.ones((128, 128), jnp.uint8), jnp.ones((128, 256), jnp.int4)):
+        _tpu.int4_product(
+            x,
+            weights,
+            scale,
+            group_size=128,
+            mxu="int8",
+            parts=2,
+            interpret=not _tpu.available(),
+        )
+    assert seen == [rule.int4_bytes_blocks, rule.int4_groups_blocks]
 
 
 def test_dot_algorithm_names_give_their_parts():
