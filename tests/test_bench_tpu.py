@@ -83,3 +83,28 @@ def test_the_kernel_sweep_records_each_variant(tmp_path):
         assert math.isfinite(entry["vs_bf16"]) and entry["vs_bf16"] > 0
         if entry["family"] == "vjp":
             assert entry["rel_err"] < 2.0**-8
+
+
+def test_the_int4_sweeps_run_each_variant_within_their_precision(tmp_path):
+    """tpu_kernels' int4_pair and int4_vjp families (the bytes kernel on
+    int8_pair, the tile kernel's y_bar @ W) at K = N = 256, in Pallas'
+    interpreter off the chip: each row of each variant reports a time and an
+    error against float32 within its precision (two int8 parts of x: ~3e-5;
+    one bf16 pass over y_bar and the weights: 2**-7)."""
+    from benchmarks import tpu_kernels
+
+    out = tmp_path / "int4.json"
+    sizes = ["--k", "256", "--n", "256", "--calls", "1", "--repeats", "1"]
+    report = tpu_kernels.main(
+        [*sizes, "--only", "int4_pair,int4_vjp", "--out", str(out)]
+    )
+    by_family = {}
+    for entry in report["variants"]:
+        assert "error" not in entry, entry
+        assert math.isfinite(entry["vs_bf16"]) and entry["vs_bf16"] > 0
+        by_family.setdefault(entry["family"], []).append(entry)
+        limit = 1e-4 if entry["family"] == "int4" else 2.0**-7
+        assert entry["rel_err"] < limit, entry
+    rows = tpu_kernels.FEW + tpu_kernels.MIDDLE
+    assert len(by_family["int4"]) == 4 * len(rows)
+    assert len(by_family["int4_vjp"]) == 3 * len((*tpu_kernels.FEW, 512))
