@@ -189,7 +189,7 @@ class TpuRule:
     # int4 weights with G a multiple of 128: their bytes read four to a word
     # into the int8 MXU, x as int8 parts (mode "groups", _tpu.reads_bytes),
     # weight-only or W4A8, up to int4_bytes_max_rows; past them XLA's
-    # dequantized dot keeps up (blocks: int4_groups_blocks); weight-only at
+    # dequantized dot keeps up (blocks: int4_bytes_blocks); weight-only at
     # the default precision, up to int4_bf16_max_rows the shifts below with x
     # as its one bf16 part lead them (benchmarks.tpu_kernels, int4 against
     # int4_bytes); weight-only up to int4_pair_max_rows x's two int8 parts

@@ -133,10 +133,9 @@ def _bytes_kernel(
     Each group's sums are scaled on the vector unit, the kernel's main cost
     past a few rows, so only x's ``live`` rows of each part are (its rows
     padded to 8, where int8's tiles pad them to 32); with ``pair`` (x as
-    ``int8_pair``) the two parts' sums meet in int32 first (exact: at most
-    255 * 127 * 128 per entry of a group), one scaled array where two were.
-    ``xs_ref``: the row scales of the rows kept (``pair``: part 1's).
-    ``pair`` only where ``takes_pair``: a group's int32 sums stay exact."""
+    ``int8_pair``, where ``takes_pair``) the two parts' sums meet in int32
+    first, exactly, one scaled array where two were. ``xs_ref``: the row
+    scales of the rows kept (``pair``: part 1's)."""
     kk = pl.program_id(2)
 
     @pl.when(kk == 0)
@@ -363,7 +362,7 @@ def _k_blocks(k2: int, half: int, largest: int, group_rows: int = 8) -> tuple[in
     a block's groups along its last axis: 1)."""
     kp2 = _layout.padded(k2, math.lcm(_layout.LANES, half))
     unit = math.lcm(_layout.LANES, group_rows * half)
-    if kp2 <= max(largest, unit):  # one block: no padding to 8 groups
+    if kp2 <= max(largest, unit):  # one block: no padding to group_rows groups
         return kp2, kp2
     kp2 = _layout.padded(k2, unit)
     return kp2, _layout.divisor_block(kp2, max(largest, unit), unit)
@@ -489,11 +488,11 @@ def _int4_product(
         pl.BlockSpec((bn, w_bk), lambda i, j, kk: (j, kk)),
         pl.BlockSpec((bk2 // half, bn), lambda i, j, kk: (kk, j)),
     ]
-    # x's rows the bytes kernel scales and writes: one block of rows keeps
-    # only its rows padded to 8 (int8 pads them to 32: _bytes_kernel)
-    live = min(bm, _layout.padded(m, 8)) if mp == bm else bm
     out_rows = bm
     if nibbles == "bytes":
+        # x's rows the bytes kernel scales and writes: one block of rows
+        # keeps only its rows padded to 8 (int8 pads them to 32)
+        live = min(bm, _layout.padded(m, 8)) if mp == bm else bm
         groups_t = groups_t / 16  # its nibbles come times 16 (exact)
         kernel = functools.partial(
             _bytes_kernel, parts=parts, half=half, live=live, pair=pair
